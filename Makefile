@@ -1,0 +1,54 @@
+# expertmesh — the verbs people type. `make help` lists them.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+OUT ?= out
+export RAY_AUTH_MODE ?= disabled
+export PYTHONDONTWRITEBYTECODE := 1
+
+.DEFAULT_GOAL := help
+.PHONY: help setup demo test test-unit test-integration lint fmt typecheck bench bench-planner clean
+
+help: ## list the verbs
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
+
+setup: ## create .venv: pinned CPU torch first, then the project with dev tools
+	@VENV=$(VENV) scripts/setup.sh
+
+demo: setup ## the main job: generate a skewed trace and plan it with every policy, print a table
+	@mkdir -p $(OUT)
+	$(VENV)/bin/expertmesh trace generate --out $(OUT)/trace.npz --steps 8 --layers 2 \
+		--topology deploy/topologies/ep64.yaml --experts 256 --top-k 8 --tokens-per-rank 8192 \
+		--imbalance 2.0 --seed 0
+	@for p in static eplb quota; do \
+		$(VENV)/bin/expertmesh plan --trace $(OUT)/trace.npz --topology deploy/topologies/ep64.yaml \
+			--policy $$p --out $(OUT)/plan-$$p.npz || exit $$?; \
+	done
+	$(VENV)/bin/expertmesh plan compare --trace $(OUT)/trace.npz $(OUT)/plan-static.npz \
+		$(OUT)/plan-eplb.npz $(OUT)/plan-quota.npz
+
+test: setup lint ## lint, type-check and run every test (unit + integration)
+	$(PY) -m pytest -q
+
+test-unit: setup ## unit tests only (no Ray, no network)
+	$(PY) -m pytest -q -m unit
+
+test-integration: setup ## integration tests only (real local Ray, loopback servers)
+	$(PY) -m pytest -q -m integration
+
+lint: setup ## ruff (lint + format check) and mypy
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy controller/expertmesh workers/expertmesh
+
+fmt: setup ## apply ruff's formatting and safe fixes
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+bench: bench-planner ## every benchmark
+
+bench-planner: setup ## planner: quota/eplb vs DeepSeek EPLB at EP64 (table + ratios)
+	$(PY) bench/bench_planner.py
+
+clean: ## remove the venv, caches and outputs
+	rm -rf $(VENV) $(OUT) .cache .pytest_cache .mypy_cache .ruff_cache .hypothesis
