@@ -1,0 +1,471 @@
+"""The controller's decision core: load windows, triggers, plan versions, lifecycle.
+
+A plain class with no Ray, gRPC or HTTP in it, unit-testable with a fake
+clock. The Ray actor (``controller/actor.py``), the REST app and the gRPC
+service are thin wrappers that gather inputs, call it and apply the result.
+
+Flow, per layer: ranks report ``load[r, :]`` for ``(step, layer)``; once every
+rank of a step has reported, the full ``[R, E]`` load enters the layer's window.
+:meth:`ControllerCore.maybe_plan` asks the trigger whether to re-plan; if so it
+runs the policy on every layer and returns a new :class:`PlanVersion` in state
+``PREPARED``. The runtime moves weights, then calls :meth:`commit` (or
+:meth:`rollback`). Versions only grow; a commit of anything but the newest
+prepared version is refused.
+
+Thread-safe: every public method takes one lock, so REST and gRPC threads may
+call in while the control loop runs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Literal, Protocol
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from expertmesh.planner import (
+    LayerPlan,
+    ModelSpec,
+    PolicyContext,
+    Topology,
+    check_load,
+    imbalance,
+    make_policy,
+    plan_layer,
+)
+
+__all__ = [
+    "ControllerCore",
+    "ControllerSettings",
+    "LayerStats",
+    "PlanState",
+    "PlanStore",
+    "PlanVersion",
+    "StaleReportError",
+    "Trigger",
+]
+
+
+class Trigger(BaseModel):
+    """When the controller re-plans."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    mode: Literal["every_step", "every_n", "threshold"] = Field(
+        default="every_n",
+        description="every step, every `every` steps, or when imbalance > threshold",
+    )
+    every: int = Field(default=10, ge=1, le=1_000_000, description="steps between plans (every_n)")
+    threshold: float = Field(
+        default=1.2,
+        ge=1.0,
+        le=1e6,
+        description="max/mean imbalance of the newest load that triggers",
+    )
+
+
+class ControllerSettings(BaseModel):
+    """The controller's policy and loop settings."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    policy: str = Field(default="static", description="registered policy name")
+    policy_settings: dict[str, Any] = Field(
+        default_factory=dict, description="the policy's settings"
+    )
+    trigger: Trigger = Trigger()
+    window: int = Field(default=16, ge=1, le=4096, description="complete loads kept per layer")
+
+
+class PlanState(StrEnum):
+    PREPARED = "prepared"
+    COMMITTED = "committed"
+    ROLLED_BACK = "rolled_back"
+
+
+# The plan lifecycle: the only legal transitions.
+LEGAL_TRANSITIONS: dict[PlanState, frozenset[PlanState]] = {
+    PlanState.PREPARED: frozenset({PlanState.COMMITTED, PlanState.ROLLED_BACK}),
+    PlanState.COMMITTED: frozenset(),
+    PlanState.ROLLED_BACK: frozenset(),
+}
+
+
+@dataclass(eq=False)
+class PlanVersion:
+    """One versioned plan: a :class:`LayerPlan` per layer, planned at ``step``.
+
+    ``imbalance_before``/``imbalance_after``: [L] max/mean of the newest load under
+    the previous committed placement and under this plan.
+    """
+
+    version: int
+    step: int
+    policy: str
+    layers: list[LayerPlan]
+    imbalance_before: list[float]
+    imbalance_after: list[float]
+    state: PlanState = PlanState.PREPARED
+    created_at: float = 0.0
+    committed_at: float | None = None
+
+    @property
+    def migration_bytes(self) -> int:
+        return sum(p.migration.nbytes for p in self.layers)
+
+    @property
+    def solve_seconds(self) -> float:
+        return float(sum(p.solve_seconds for p in self.layers))
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    """Statistics of one layer's load window."""
+
+    layer: int
+    loads: int  # complete loads in the window
+    newest_step: int | None
+    expert_load: np.ndarray = field(repr=False)  # [E] mean tokens per microbatch over the window
+    rank_load: np.ndarray = field(repr=False)  # [R] mean tokens sent per source rank
+    imbalance: float  # newest load under the committed placement
+
+
+class PlanStore(Protocol):
+    """Where committed plans persist (SQLite in ``controller/store.py``)."""
+
+    def save(self, plan: PlanVersion) -> None: ...
+
+
+class StaleReportError(ValueError):
+    """A report for a step older than what the controller already completed."""
+
+
+class ControllerCore:
+    """Load windows per layer, trigger, plan versions. See the module docstring."""
+
+    def __init__(
+        self,
+        topology: Topology,
+        model: ModelSpec,
+        settings: ControllerSettings | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+        store: PlanStore | None = None,
+    ) -> None:
+        self.topology = topology
+        self.model = model
+        self._clock = clock
+        self._store = store
+        self._lock = threading.RLock()
+        self._settings = ControllerSettings()
+        self._policy = make_policy("static")
+        self.configure(settings or ControllerSettings())
+        num_layers = model.num_layers
+        self._windows: list[deque[tuple[int, np.ndarray]]] = [
+            deque(maxlen=self._settings.window) for _ in range(num_layers)
+        ]
+        # partial loads being assembled: (step, layer) -> ([R, E] load, [R] reported)
+        self._pending: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._versions: dict[int, PlanVersion] = {}
+        self._committed: PlanVersion | None = None
+        self._last_plan_step: int | None = None
+        self.reports_received = 0
+        self.reports_rejected = 0
+        self.listeners: list[Callable[[str, PlanVersion], None]] = []
+
+    # ---- settings ----
+
+    @property
+    def settings(self) -> ControllerSettings:
+        return self._settings
+
+    def configure(self, settings: ControllerSettings) -> None:
+        """Switch policy / trigger. ``ValueError`` (and nothing changes) if the policy is bad."""
+        policy = make_policy(settings.policy, settings.policy_settings)
+        with self._lock:
+            self._policy, self._settings = policy, settings
+
+    # ---- load reports ----
+
+    def report_load(self, step: int, layer: int, rank: int, load: np.ndarray) -> bool:
+        """Record ``load`` [E] sent by ``rank`` in microbatch ``step`` of ``layer``.
+
+        Returns True when this report completed the step's [R, E] load for the layer.
+        Raises ``ValueError`` (state unchanged, ``reports_rejected`` incremented) on a bad
+        report: unknown layer or rank, wrong length, negative or non-integer counts,
+        a duplicate, or a step older than the newest complete one.
+        """
+        with self._lock:
+            self.reports_received += 1
+            try:
+                row = self._check_report(step, layer, rank, load)
+            except ValueError:
+                self.reports_rejected += 1
+                raise
+            key = (step, layer)
+            if key not in self._pending:
+                num_ranks, num_experts = self.topology.num_ranks, self.model.num_experts
+                self._pending[key] = (
+                    np.zeros((num_ranks, num_experts), np.int64),
+                    np.zeros(num_ranks, bool),
+                )
+            acc, seen = self._pending[key]
+            acc[rank], seen[rank] = row, True
+            if not seen.all():
+                return False
+            del self._pending[key]
+            self._windows[layer].append((step, acc))
+            # drop partial loads older than this one: their ranks moved on
+            for k in [k for k in self._pending if k[1] == layer and k[0] < step]:
+                del self._pending[k]
+            return True
+
+    def report_layer(self, step: int, layer: int, load: np.ndarray) -> None:
+        """Record a whole [R, E] load at once (a trainer that gathers counts itself)."""
+        with self._lock:
+            self.reports_received += 1
+            try:
+                self._check_step(step, layer)
+                full = check_load(load, self.topology.num_ranks, self.model.num_experts)
+            except ValueError:
+                self.reports_rejected += 1
+                raise
+            self._pending.pop((step, layer), None)
+            self._windows[layer].append((step, full.copy()))
+
+    def _check_step(self, step: int, layer: int) -> None:
+        if not 0 <= layer < self.model.num_layers:
+            raise ValueError(f"unknown layer {layer}; the model has {self.model.num_layers}")
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        window = self._windows[layer]
+        if window and step <= window[-1][0]:
+            raise StaleReportError(
+                f"layer {layer} step {step} is not newer than complete step {window[-1][0]}"
+            )
+
+    def _check_report(self, step: int, layer: int, rank: int, load: np.ndarray) -> np.ndarray:
+        self._check_step(step, layer)
+        if not 0 <= rank < self.topology.num_ranks:
+            raise ValueError(f"unknown rank {rank}; the topology has {self.topology.num_ranks}")
+        row = np.asarray(load)
+        if row.shape != (self.model.num_experts,):
+            raise ValueError(f"load must be [{self.model.num_experts}], got shape {row.shape}")
+        if row.dtype.kind == "f":
+            if not np.isfinite(row).all() or (row != np.round(row)).any():
+                raise ValueError("load counts must be finite integers")
+        elif row.dtype.kind not in "iu":
+            raise ValueError(f"load counts must be integers, got dtype {row.dtype}")
+        if row.size and row.min() < 0:
+            raise ValueError("load has negative token counts")
+        if row.size and row.max() > 2**40:
+            raise ValueError("load count is implausibly large (> 2**40)")
+        pending = self._pending.get((step, layer))
+        if pending is not None and pending[1][rank]:
+            raise ValueError(f"rank {rank} already reported layer {layer} step {step}")
+        return row.astype(np.int64)
+
+    # ---- windows ----
+
+    def window(self, layer: int) -> np.ndarray:
+        """[W, R, E] complete loads of ``layer``, oldest first."""
+        with self._lock:
+            self._check_layer(layer)
+            w = self._windows[layer]
+            if not w:
+                return np.zeros((0, self.topology.num_ranks, self.model.num_experts), np.int64)
+            return np.stack([load for _, load in w])
+
+    def layer_stats(self, layer: int) -> LayerStats:
+        with self._lock:
+            win = self.window(layer)
+            w = self._windows[layer]
+            newest = w[-1] if w else None
+            imb = self._imbalance_under_committed(layer, newest[1]) if newest else 1.0
+            return LayerStats(
+                layer=layer,
+                loads=len(w),
+                newest_step=newest[0] if newest else None,
+                expert_load=win.sum(axis=1).mean(axis=0)
+                if len(w)
+                else np.zeros(self.model.num_experts),
+                rank_load=win.sum(axis=2).mean(axis=0)
+                if len(w)
+                else np.zeros(self.topology.num_ranks),
+                imbalance=imb,
+            )
+
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.model.num_layers:
+            raise ValueError(f"unknown layer {layer}; the model has {self.model.num_layers}")
+
+    def _imbalance_under_committed(self, layer: int, load: np.ndarray) -> float:
+        if self._committed is None:
+            # before any plan, ranks compute the experts of the static placement
+            return _static_imbalance(load, self.topology)
+        prev = self._committed.layers[layer]
+        ctx = self._context(layer, load, self._committed.step)
+        return imbalance(self._policy_route(ctx, prev))
+
+    # ---- planning ----
+
+    def should_plan(self, step: int) -> bool:
+        """Whether the trigger fires at ``step`` (needs a complete load for every layer)."""
+        with self._lock:
+            if any(not w for w in self._windows):
+                return False
+            if self._committed is None:
+                return True
+            trig = self._settings.trigger
+            if trig.mode == "every_step":
+                return self._last_plan_step is None or step > self._last_plan_step
+            if trig.mode == "every_n":
+                return self._last_plan_step is None or step - self._last_plan_step >= trig.every
+            worst = max(self.layer_stats(layer).imbalance for layer in range(self.model.num_layers))
+            return worst > trig.threshold
+
+    def maybe_plan(self, step: int) -> PlanVersion | None:
+        """Plan if the trigger fires; returns the new PREPARED version or None."""
+        with self._lock:
+            return self.plan(step) if self.should_plan(step) else None
+
+    def plan(self, step: int) -> PlanVersion:
+        """Run the policy on every layer's window now; returns a PREPARED version."""
+        with self._lock:
+            layers, before, after = [], [], []
+            for layer in range(self.model.num_layers):
+                w = self._windows[layer]
+                if not w:
+                    raise ValueError(f"layer {layer} has no complete load yet")
+                load = w[-1][1]
+                ctx = self._context(layer, load, step)
+                lp = plan_layer(self._policy, ctx)
+                layers.append(lp)
+                before.append(self._imbalance_under_committed(layer, load))
+                after.append(imbalance(lp.rank_tokens()))
+            version = max(self._versions, default=0) + 1
+            pv = PlanVersion(
+                version=version,
+                step=step,
+                policy=self._settings.policy,
+                layers=layers,
+                imbalance_before=before,
+                imbalance_after=after,
+                created_at=self._clock(),
+            )
+            self._versions[version] = pv
+            self._last_plan_step = step
+            self._notify("prepared", pv)
+            return pv
+
+    def _context(self, layer: int, load: np.ndarray, step: int) -> PolicyContext:
+        # History-based policies plan on the window up to and including the newest complete
+        # load: by the time a plan applies, that microbatch is history too.
+        hw = self._policy.history_window()
+        win = [x for _, x in self._windows[layer]][-hw:] if hw else []
+        shape = (0, self.topology.num_ranks, self.model.num_experts)
+        return PolicyContext(
+            topology=self.topology,
+            model=self.model,
+            step=step,
+            layer=layer,
+            load=load,
+            history=np.stack(win) if win else np.zeros(shape, np.int64),
+            previous=self._committed.layers[layer] if self._committed else None,
+        )
+
+    def _policy_route(self, ctx: PolicyContext, prev: LayerPlan) -> np.ndarray:
+        route = self._policy.route(ctx, prev.placement)
+        return np.bincount(route[:, 2], weights=route[:, 3], minlength=self.topology.num_ranks)
+
+    # ---- lifecycle ----
+
+    def _transition(self, version: int, to: PlanState) -> PlanVersion:
+        pv = self._versions.get(version)
+        if pv is None:
+            raise ValueError(f"unknown plan version {version}")
+        if pv.state == to:
+            return pv  # idempotent
+        if to not in LEGAL_TRANSITIONS[pv.state]:
+            raise ValueError(f"plan {version} is {pv.state}; cannot become {to}")
+        return pv
+
+    def commit(self, version: int) -> PlanVersion:
+        """PREPARED -> COMMITTED. Idempotent. Refuses versions older than the committed one."""
+        with self._lock:
+            pv = self._transition(version, PlanState.COMMITTED)
+            if pv.state == PlanState.COMMITTED:
+                return pv
+            if self._committed is not None and version < self._committed.version:
+                raise ValueError(
+                    f"plan {version} is older than committed plan {self._committed.version}"
+                )
+            pv.state, pv.committed_at = PlanState.COMMITTED, self._clock()
+            # older prepared versions can never commit now
+            for other in self._versions.values():
+                if other.state == PlanState.PREPARED and other.version < version:
+                    other.state = PlanState.ROLLED_BACK
+            self._committed = pv
+            if self._store is not None:
+                self._store.save(pv)
+            self._notify("committed", pv)
+            return pv
+
+    def rollback(self, version: int) -> PlanVersion:
+        """PREPARED -> ROLLED_BACK. Idempotent."""
+        with self._lock:
+            pv = self._transition(version, PlanState.ROLLED_BACK)
+            if pv.state != PlanState.ROLLED_BACK:
+                pv.state = PlanState.ROLLED_BACK
+                self._notify("rolled_back", pv)
+            return pv
+
+    def restore(self, pv: PlanVersion) -> None:
+        """Adopt a committed plan recovered from the store (after a controller restart)."""
+        with self._lock:
+            if pv.state != PlanState.COMMITTED:
+                raise ValueError("only committed plans can be restored")
+            self._versions[pv.version] = pv
+            if self._committed is None or pv.version > self._committed.version:
+                self._committed = pv
+                self._last_plan_step = pv.step
+
+    # ---- queries ----
+
+    @property
+    def committed(self) -> PlanVersion | None:
+        with self._lock:
+            return self._committed
+
+    def get(self, version: int) -> PlanVersion:
+        with self._lock:
+            pv = self._versions.get(version)
+            if pv is None:
+                raise ValueError(f"unknown plan version {version}")
+            return pv
+
+    def versions(self) -> list[PlanVersion]:
+        """Every version this process knows, oldest first."""
+        with self._lock:
+            return [self._versions[v] for v in sorted(self._versions)]
+
+    def _notify(self, event: str, pv: PlanVersion) -> None:
+        for listener in list(self.listeners):
+            listener(event, pv)
+
+
+def _static_imbalance(load: np.ndarray, topology: Topology) -> float:
+    from expertmesh.planner.static import static_placement
+
+    num_experts = load.shape[1]
+    p = static_placement(
+        topology.num_ranks, topology.slots_per_rank, num_experts, topology.masters_per_rank
+    )
+    per_rank = np.bincount(p.master_rank(), weights=load.sum(axis=0), minlength=topology.num_ranks)
+    return imbalance(per_rank)

@@ -1,0 +1,139 @@
+import numpy as np
+import pytest
+
+from expertmesh.controller.core import (
+    ControllerCore,
+    ControllerSettings,
+    PlanState,
+    StaleReportError,
+    Trigger,
+)
+from expertmesh.planner import ModelSpec, Topology
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def _core(**settings):
+    topo = Topology.generate(dcs=2, ranks_per_dc=2, masters=2, spare=1)
+    model = ModelSpec(num_layers=2, num_experts=8, top_k=2)
+    saved = []
+
+    class Store:
+        def save(self, pv):
+            saved.append(pv.version)
+
+    core = ControllerCore(
+        topo, model, ControllerSettings(**settings), clock=FakeClock(), store=Store()
+    )
+    return core, saved
+
+
+def _report_step(core, step, rng):
+    done = []
+    for layer in range(core.model.num_layers):
+        for rank in range(core.topology.num_ranks):
+            done.append(
+                core.report_load(step, layer, rank, rng.integers(0, 20, core.model.num_experts))
+            )
+    return done
+
+
+def test_reports_assemble_a_step_and_fill_the_window():
+    core, _ = _core()
+    done = _report_step(core, 0, np.random.default_rng(0))
+    assert done == [False, False, False, True] * 2
+    assert core.window(0).shape == (1, 4, 8)
+    assert core.reports_received == 8 and core.reports_rejected == 0
+
+
+@pytest.mark.parametrize(
+    ("step", "layer", "rank", "load", "message"),
+    [
+        (0, 5, 0, np.zeros(8, int), "unknown layer"),
+        (0, 0, 9, np.zeros(8, int), "unknown rank"),
+        (0, 0, 0, np.zeros(7, int), r"must be \[8\]"),
+        (0, 0, 0, -np.ones(8, int), "negative"),
+        (0, 0, 0, np.full(8, np.nan), "finite"),
+        (0, 0, 0, np.full(8, "x"), "integers"),
+    ],
+)
+def test_bad_reports_are_rejected_and_change_nothing(step, layer, rank, load, message):
+    core, _ = _core()
+    with pytest.raises(ValueError, match=message):
+        core.report_load(step, layer, rank, load)
+    assert core.reports_rejected == 1
+    assert core.window(0).shape[0] == 0 and not core._pending
+
+
+def test_duplicate_and_stale_reports_are_rejected():
+    core, _ = _core()
+    rng = np.random.default_rng(1)
+    core.report_load(0, 0, 0, np.ones(8, int))
+    with pytest.raises(ValueError, match="already reported"):
+        core.report_load(0, 0, 0, np.ones(8, int))
+    _report_step(core, 1, rng)
+    with pytest.raises(StaleReportError):
+        core.report_load(1, 0, 0, np.ones(8, int))
+    assert core.reports_rejected == 2
+
+
+def test_every_n_trigger_and_two_phase_lifecycle():
+    core, saved = _core(trigger=Trigger(mode="every_n", every=3))
+    rng = np.random.default_rng(2)
+    _report_step(core, 0, rng)
+    pv = core.maybe_plan(0)
+    assert pv is not None and pv.state == PlanState.PREPARED and pv.version == 1
+    assert core.committed is None
+    core.commit(1)
+    core.commit(1)  # idempotent
+    assert core.committed is pv and saved == [1]
+    for step in (1, 2):
+        _report_step(core, step, rng)
+        assert core.maybe_plan(step) is None
+    _report_step(core, 3, rng)
+    assert core.maybe_plan(3).version == 2
+    core.rollback(2)
+    with pytest.raises(ValueError, match="cannot become"):
+        core.commit(2)
+    assert core.committed.version == 1
+
+
+def test_commit_of_newer_version_retires_older_prepared_ones():
+    core, _ = _core(trigger=Trigger(mode="every_step"), policy="static")
+    rng = np.random.default_rng(3)
+    _report_step(core, 0, rng)
+    a = core.plan(0)
+    b = core.plan(0)
+    core.commit(b.version)
+    assert a.state == PlanState.ROLLED_BACK
+    with pytest.raises(ValueError):
+        core.commit(a.version)
+
+
+def test_threshold_trigger_fires_only_on_skew():
+    core, _ = _core(trigger=Trigger(mode="threshold", threshold=1.5))
+    core.report_layer(0, 0, np.ones((4, 8), int))
+    core.report_layer(0, 1, np.ones((4, 8), int))
+    core.commit(core.plan(0).version)
+    core.report_layer(1, 0, np.ones((4, 8), int))
+    core.report_layer(1, 1, np.ones((4, 8), int))
+    assert not core.should_plan(1)
+    skew = np.zeros((4, 8), int)
+    skew[:, 0] = 100  # all tokens to expert 0 on rank 0
+    core.report_layer(2, 0, skew)
+    core.report_layer(2, 1, np.ones((4, 8), int))
+    assert core.should_plan(2)
+
+
+def test_bad_policy_leaves_settings_unchanged():
+    core, _ = _core()
+    with pytest.raises(ValueError, match="unknown policy"):
+        core.configure(ControllerSettings(policy="nope"))
+    assert core.settings.policy == "static"
