@@ -18,6 +18,7 @@ call in while the control loop runs.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -50,6 +51,8 @@ __all__ = [
     "StaleReportError",
     "Trigger",
 ]
+
+log = logging.getLogger(__name__)
 
 
 class Trigger(BaseModel):
@@ -239,6 +242,13 @@ class ControllerCore:
             self._pending.pop((step, layer), None)
             self._windows[layer].append((step, full.copy()))
 
+    def reject_report(self) -> None:
+        """Count a report that a surface (REST, gRPC) refused before it reached the core
+        (malformed body, wrong types): received and rejected both grow, nothing else changes."""
+        with self._lock:
+            self.reports_received += 1
+            self.reports_rejected += 1
+
     def _check_step(self, step: int, layer: int) -> None:
         if not 0 <= layer < self.model.num_layers:
             raise ValueError(f"unknown layer {layer}; the model has {self.model.num_layers}")
@@ -300,6 +310,13 @@ class ControllerCore:
                 else np.zeros(self.topology.num_ranks),
                 imbalance=imb,
             )
+
+    def layer_newest_step(self, layer: int) -> int | None:
+        """Step of ``layer``'s newest complete load, or None (cheap: no copies)."""
+        with self._lock:
+            self._check_layer(layer)
+            w = self._windows[layer]
+            return w[-1][0] if w else None
 
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.model.num_layers:
@@ -456,8 +473,14 @@ class ControllerCore:
             return [self._versions[v] for v in sorted(self._versions)]
 
     def _notify(self, event: str, pv: PlanVersion) -> None:
+        # A listener (metrics, plan stream) must not break the lifecycle: log and go on.
         for listener in list(self.listeners):
-            listener(event, pv)
+            try:
+                listener(event, pv)
+            except Exception:
+                log.exception(
+                    "plan listener %r failed on %s of plan %d", listener, event, pv.version
+                )
 
 
 def _static_imbalance(load: np.ndarray, topology: Topology) -> float:
