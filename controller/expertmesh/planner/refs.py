@@ -1,0 +1,111 @@
+"""Slow, obviously-correct references for the planner's fast algorithms.
+
+One section per algorithm; tests check fast == reference on many shapes. Plain
+Python loops over lists, written to be read, not to be fast.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["eplb_rebalance_ref"]
+
+
+# ---------------------------------------------------------------------------
+# eplb: DeepSeek EPLB (hierarchical and global), one layer at a time
+# ---------------------------------------------------------------------------
+
+
+def _f32(x: float) -> float:
+    """Round to float32 (the published EPLB computes weights in float32)."""
+    return float(np.float32(x))
+
+
+def _ref_pack(weights: list[float], num_packs: int) -> list[tuple[int, int]]:
+    """Per item ``(pack, rank_in_pack)``: heaviest item first (stable), each into the
+    lightest pack that still has room (lowest pack on ties); every pack takes
+    ``n / num_packs`` items. With one item per pack, item ``i`` goes to pack ``i``."""
+    per_pack = len(weights) // num_packs
+    if per_pack == 1:
+        return [(i, 0) for i in range(len(weights))]
+    load = [0.0] * num_packs
+    items = [0] * num_packs
+    out = [(-1, -1)] * len(weights)
+    for i in sorted(range(len(weights)), key=lambda i: -weights[i]):
+        best = -1
+        for p in range(num_packs):
+            if items[p] < per_pack and (best < 0 or load[p] < load[best]):
+                best = p
+        out[i] = (best, items[best])
+        load[best] += weights[i]
+        items[best] += 1
+    return out
+
+
+def _ref_replicate(weights: list[float], num_phy: int) -> list[tuple[int, int]]:
+    """Per physical expert ``(logical, replica rank)``: every expert once, then each
+    extra copy to the expert with the largest float32 ``weight / copies`` (lowest on ties)."""
+    count = [1] * len(weights)
+    out = [(e, 0) for e in range(len(weights))]
+    for _ in range(num_phy - len(weights)):
+        best = 0
+        for e in range(len(weights)):
+            if _f32(weights[e] / count[e]) > _f32(weights[best] / count[best]):
+                best = e
+        out.append((best, count[best]))
+        count[best] += 1
+    return out
+
+
+def eplb_rebalance_ref(
+    weight: np.ndarray,
+    num_replicas: int,
+    num_groups: int,
+    num_nodes: int,
+    num_gpus: int,
+    *,
+    hierarchical: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Reference for :func:`expertmesh.planner.eplb.rebalance` (same arguments and results).
+
+    For each layer: pack groups onto nodes; inside each node list its experts
+    (its groups in pack order, experts of a group in order), replicate them to
+    the node's physical experts, and pack those onto the node's GPUs by their
+    load per copy.
+    """
+    num_layers, num_experts = weight.shape
+    if not hierarchical:
+        num_groups, num_nodes = 1, 1
+    group_size = num_experts // num_groups
+    phy_per_node = num_replicas // num_nodes
+    gpus_per_node = num_gpus // num_nodes
+    phy_per_gpu = num_replicas // num_gpus
+    phy2log = np.full((num_layers, num_replicas), -1, dtype=np.int64)
+    phyrank = np.full((num_layers, num_replicas), -1, dtype=np.int64)
+    logcnt = np.zeros((num_layers, num_experts), dtype=np.int64)
+    for layer in range(num_layers):
+        w = [_f32(x) for x in weight[layer].tolist()]
+        group_w = [_f32(sum(w[g * group_size : (g + 1) * group_size])) for g in range(num_groups)]
+        node_slots: list[list[int]] = [[] for _ in range(num_nodes)]  # groups by rank in node
+        placed = _ref_pack(group_w, num_nodes)
+        for node in range(num_nodes):
+            ranked = sorted((r, g) for g, (n, r) in enumerate(placed) if n == node)
+            node_slots[node] = [g for _, g in ranked]
+        for node in range(num_nodes):
+            experts = [g * group_size + j for g in node_slots[node] for j in range(group_size)]
+            copies = _ref_replicate([w[e] for e in experts], phy_per_node)
+            count = [sum(1 for c, _ in copies if c == i) for i in range(len(experts))]
+            per_copy = [_f32(w[experts[c]] / count[c]) for c, _ in copies]
+            for (local, rank), (gpu, slot) in zip(
+                copies, _ref_pack(per_copy, gpus_per_node), strict=True
+            ):
+                p = node * phy_per_node + gpu * phy_per_gpu + slot
+                phy2log[layer, p] = experts[local]
+                phyrank[layer, p] = rank
+            for i, e in enumerate(experts):
+                logcnt[layer, e] = count[i]
+    log2phy = np.full((num_layers, num_experts, int(logcnt.max())), -1, dtype=np.int64)
+    for layer in range(num_layers):
+        for p in range(num_replicas):
+            log2phy[layer, phy2log[layer, p], phyrank[layer, p]] = p
+    return phy2log, log2phy, logcnt
