@@ -189,10 +189,14 @@ class ControllerCore:
         return self._settings
 
     def configure(self, settings: ControllerSettings) -> None:
-        """Switch policy / trigger. ``ValueError`` (and nothing changes) if the policy is bad."""
+        """Switch policy / trigger / window. ``ValueError`` (and nothing changes) if the policy
+        is bad. A new window length keeps the newest complete loads."""
         policy = make_policy(settings.policy, settings.policy_settings)
         with self._lock:
             self._policy, self._settings = policy, settings
+            windows = getattr(self, "_windows", None)
+            if windows is not None and windows and windows[0].maxlen != settings.window:
+                self._windows = [deque(w, maxlen=settings.window) for w in windows]
 
     # ---- load reports ----
 
