@@ -322,6 +322,21 @@ class ControllerCore:
             w = self._windows[layer]
             return w[-1][0] if w else None
 
+    def newest_rank_tokens(self, layer: int, *, static: bool = False) -> np.ndarray | None:
+        """[R] tokens each rank computes for ``layer``'s newest complete load under the
+        committed plan (or under static EP when ``static`` or nothing is committed);
+        None before any complete load."""
+        with self._lock:
+            self._check_layer(layer)
+            w = self._windows[layer]
+            if not w:
+                return None
+            step, load = w[-1]
+            if static or self._committed is None:
+                return _static_rank_tokens(load, self.topology)
+            ctx = self._context(layer, load, step)
+            return self._policy_route(ctx, self._committed.layers[layer])
+
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.model.num_layers:
             raise ValueError(f"unknown layer {layer}; the model has {self.model.num_layers}")
@@ -384,6 +399,52 @@ class ControllerCore:
             self._last_plan_step = step
             self._notify("prepared", pv)
             return pv
+
+    def what_if(
+        self,
+        load: np.ndarray,
+        *,
+        layer: int = 0,
+        policy: str | None = None,
+        policy_settings: dict[str, Any] | None = None,
+        from_committed: bool = True,
+    ) -> tuple[LayerPlan, float, float]:
+        """Plan ``load`` [R, E] for ``layer`` with ``policy`` (default: the active one), applying
+        nothing. Returns (plan, imbalance before, imbalance after); "before" is the load under
+        the committed placement (static EP when there is none or ``from_committed`` is False).
+        ``ValueError`` on a bad load, layer or policy."""
+        full = check_load(load, self.topology.num_ranks, self.model.num_experts)
+        if full.size and full.max() > 2**40:
+            raise ValueError("load count is implausibly large (> 2**40)")
+        with self._lock:
+            self._check_layer(layer)
+            if policy is None and not policy_settings:
+                pol = self._policy
+            else:
+                pol = make_policy(policy or self._settings.policy, policy_settings)
+            hw = pol.history_window()
+            win = [x for _, x in self._windows[layer]][-hw:] if hw else []
+            committed = self._committed if from_committed else None
+            prev = committed.layers[layer] if committed is not None else None
+        shape = (0, self.topology.num_ranks, self.model.num_experts)
+        ctx = PolicyContext(
+            topology=self.topology,
+            model=self.model,
+            step=committed.step + 1 if committed is not None else 0,
+            layer=layer,
+            load=full,
+            history=np.stack(win) if win else np.zeros(shape, np.int64),
+            previous=prev,
+        )
+        lp = plan_layer(pol, ctx)
+        if prev is None:
+            before = _static_imbalance(full, self.topology)
+        else:
+            route = pol.route(ctx, prev.placement)
+            before = imbalance(
+                np.bincount(route[:, 2], weights=route[:, 3], minlength=self.topology.num_ranks)
+            )
+        return lp, before, imbalance(lp.rank_tokens())
 
     def _context(self, layer: int, load: np.ndarray, step: int) -> PolicyContext:
         # History-based policies plan on the window up to and including the newest complete
@@ -487,12 +548,16 @@ class ControllerCore:
                 )
 
 
-def _static_imbalance(load: np.ndarray, topology: Topology) -> float:
+def _static_rank_tokens(load: np.ndarray, topology: Topology) -> np.ndarray:
+    """[R] tokens per rank of ``load`` [R, E] when every expert runs on its static master."""
     from expertmesh.planner.static import static_placement
 
     num_experts = load.shape[1]
     p = static_placement(
         topology.num_ranks, topology.slots_per_rank, num_experts, topology.masters_per_rank
     )
-    per_rank = np.bincount(p.master_rank(), weights=load.sum(axis=0), minlength=topology.num_ranks)
-    return imbalance(per_rank)
+    return np.bincount(p.master_rank(), weights=load.sum(axis=0), minlength=topology.num_ranks)
+
+
+def _static_imbalance(load: np.ndarray, topology: Topology) -> float:
+    return imbalance(_static_rank_tokens(load, topology))

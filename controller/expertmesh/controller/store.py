@@ -154,7 +154,9 @@ class SqlitePlanStore:
     def save(self, plan: PlanVersion) -> None:
         """Store a committed plan (idempotent: saving a version again replaces it)."""
         if plan.state != PlanState.COMMITTED:
-            raise ValueError(f"only committed plans are stored; plan {plan.version} is {plan.state}")
+            raise ValueError(
+                f"only committed plans are stored; plan {plan.version} is {plan.state}"
+            )
         s = summarize(plan)
         layer_rows = [
             (
@@ -220,7 +222,9 @@ class SqlitePlanStore:
         with self._lock:
             return int(self._db.execute("SELECT COUNT(*) FROM plans").fetchone()[0])
 
-    def summaries(self, *, offset: int = 0, limit: int = 50, newest_first: bool = True) -> list[PlanSummary]:
+    def summaries(
+        self, *, offset: int = 0, limit: int = 50, newest_first: bool = True
+    ) -> list[PlanSummary]:
         """A page of committed plans' metrics."""
         if offset < 0 or limit < 0:
             raise ValueError("offset and limit must be >= 0")

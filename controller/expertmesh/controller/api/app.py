@@ -1,0 +1,126 @@
+"""The FastAPI app: REST under ``/api/v1``, ``/metrics``, the dashboard at ``/``.
+
+:func:`create_app` builds everything from its arguments (no globals), so tests
+inject a core, telemetry and store of their own.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from fastapi import APIRouter, FastAPI, Response
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from expertmesh.controller.api.deps import REPORTS_PREFIX, AppState
+from expertmesh.controller.api.errors import BodyLimit, install_error_handlers
+from expertmesh.controller.api.routers import (
+    dashboard,
+    health,
+    layers,
+    plans,
+    policy,
+    reports,
+    solve,
+    topology,
+)
+from expertmesh.controller.core import ControllerCore
+from expertmesh.controller.settings import SurfaceSettings
+from expertmesh.controller.store import SqlitePlanStore
+from expertmesh.controller.telemetry import CONTENT_TYPE, Telemetry
+
+__all__ = ["create_app"]
+
+log = logging.getLogger(__name__)
+
+# The dashboard loads nothing from elsewhere; /docs keeps FastAPI's default (CDN) assets.
+_CSP = (
+    b"default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; "
+    b"connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
+)
+
+
+class _SecurityHeaders:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        docs = scope["path"].startswith(("/docs", "/redoc"))
+
+        async def with_headers(msg: Message) -> None:
+            if msg["type"] == "http.response.start":
+                headers = list(msg.get("headers", []))
+                headers.append((b"x-content-type-options", b"nosniff"))
+                headers.append((b"referrer-policy", b"no-referrer"))
+                if not docs:
+                    headers.append((b"content-security-policy", _CSP))
+                msg = {**msg, "headers": headers}
+            await send(msg)
+
+        await self.app(scope, receive, with_headers)
+
+
+def create_app(
+    core: ControllerCore,
+    telemetry: Telemetry,
+    store: SqlitePlanStore,
+    settings: SurfaceSettings | None = None,
+    *,
+    ready_checks: dict[str, Callable[[], bool]] | None = None,
+) -> FastAPI:
+    """The REST app over ``core``; plan history reads from ``store``."""
+    settings = settings or SurfaceSettings()
+    app = FastAPI(
+        title="expertmesh controller",
+        version="1.0",
+        summary="Expert placement, replication and migration across data centers",
+        description=(
+            "Read the topology, load windows and plans; solve what-if plans; switch the "
+            'policy (bearer token); ingest load reports. Errors are JSON: `{"error": ...}`.'
+        ),
+        openapi_url="/openapi.json",
+        docs_url="/docs",
+        redoc_url=None,
+    )
+    state = AppState(
+        core=core,
+        telemetry=telemetry,
+        store=store,
+        settings=settings,
+        ready_checks=dict(ready_checks or {}),
+    )
+    app.state.expertmesh = state
+    install_error_handlers(app, core.reject_report)
+
+    def _refused(scope: Scope) -> None:
+        if scope["path"].startswith(REPORTS_PREFIX):
+            core.reject_report()
+
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, on_refused=_refused)
+    app.add_middleware(_SecurityHeaders)
+
+    api = APIRouter(prefix="/api/v1")
+    for mod in (topology, layers, plans, solve, policy, reports, health, dashboard):
+        api.include_router(mod.router)
+    app.include_router(api)
+
+    @app.get("/metrics", include_in_schema=False)
+    def metrics() -> Response:
+        return Response(telemetry.render(), media_type=CONTENT_TYPE)
+
+    web = settings.dashboard_dir
+    if (web / "index.html").is_file():
+        app.mount("/dashboard", StaticFiles(directory=web, html=True), name="dashboard")
+
+        @app.get("/", include_in_schema=False)
+        def root() -> FileResponse:
+            return FileResponse(web / "index.html", media_type="text/html")
+    else:
+        log.warning("dashboard files not found in %s; / serves nothing", web)
+
+    return app

@@ -1,0 +1,86 @@
+"""Plans: paginated history (from the plan store), latest, by version, per layer, diffs."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Path, Query, Response
+
+from expertmesh.controller.api import schemas as s
+from expertmesh.controller.api import views
+from expertmesh.controller.api.deps import AppState, StateDep
+from expertmesh.controller.core import PlanState, PlanVersion
+
+router = APIRouter(prefix="/plans", tags=["plans"])
+
+VersionPath = Annotated[int, Path(ge=1, le=2**62, description="plan version")]
+LayerPath = Annotated[int, Path(ge=0, le=4096, description="MoE layer index")]
+WithRoute = Annotated[bool, Query(description="include each layer's [N, 4] route")]
+
+
+def _plan_response(state: AppState, pv: PlanVersion, route: bool) -> Response:
+    # Committed (and rolled back) plans never change: render their JSON once.
+    key = (pv.version, route)
+    body = state.plan_json.get(key) if pv.state != PlanState.PREPARED else None
+    if body is None:
+        out = views.plan_out(pv, state.core.model.num_experts, route=route)
+        body = out.model_dump_json().encode()
+        if pv.state != PlanState.PREPARED:
+            if len(state.plan_json) > 64:
+                state.plan_json.pop(next(iter(state.plan_json)))
+            state.plan_json[key] = body
+    return Response(body, media_type="application/json")
+
+
+@router.get("", response_model=s.PlansPage, summary="Committed plans, newest first")
+def list_plans(
+    state: StateDep,
+    offset: Annotated[int, Query(ge=0, le=2**62)] = 0,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 50,
+) -> s.PlansPage:
+    limit = min(limit, state.settings.max_page)
+    items = state.store.summaries(offset=offset, limit=limit)
+    return s.PlansPage(
+        items=[views.summary_out(x) for x in items],
+        total=state.store.count(),
+        offset=offset,
+        limit=limit,
+    )
+
+
+@router.get("/latest", response_model=s.PlanOut, summary="The committed plan")
+def latest_plan(state: StateDep, route: WithRoute = False) -> Response:
+    pv = state.core.committed
+    if pv is None:
+        raise HTTPException(404, "no plan has been committed yet")
+    return _plan_response(state, pv, route)
+
+
+@router.get("/diff", response_model=s.PlanDiffOut, summary="What changed between two versions")
+def diff_plans(
+    state: StateDep,
+    from_version: Annotated[int, Query(alias="from", ge=1, le=2**62)],
+    to_version: Annotated[int, Query(alias="to", ge=1, le=2**62)],
+) -> s.PlanDiffOut:
+    old, new = state.find_plan(from_version), state.find_plan(to_version)
+    try:
+        return views.diff_out(old, new, state.core.topology, state.core.model)
+    except ValueError as err:
+        raise HTTPException(422, str(err)) from None
+
+
+@router.get("/{version}", response_model=s.PlanOut, summary="One plan by version")
+def get_plan(state: StateDep, version: VersionPath, route: WithRoute = False) -> Response:
+    return _plan_response(state, state.find_plan(version), route)
+
+
+@router.get(
+    "/{version}/layers/{layer}", response_model=s.LayerPlanOut, summary="One layer of a plan"
+)
+def get_plan_layer(
+    state: StateDep, version: VersionPath, layer: LayerPath, route: WithRoute = True
+) -> s.LayerPlanOut:
+    pv = state.find_plan(version)
+    if layer >= len(pv.layers):
+        raise HTTPException(404, f"unknown layer {layer}; plan {version} has {len(pv.layers)}")
+    return views.layer_plan_out(layer, pv.layers[layer], state.core.model.num_experts, route=route)
