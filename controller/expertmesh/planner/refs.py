@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["eplb_rebalance_ref"]
+from expertmesh.planner.plan import Placement
+from expertmesh.planner.topology import Topology
+
+__all__ = ["eplb_rebalance_ref", "even_route_ref"]
 
 
 # ---------------------------------------------------------------------------
@@ -109,3 +112,47 @@ def eplb_rebalance_ref(
         for p in range(num_replicas):
             log2phy[layer, phy2log[layer, p], phyrank[layer, p]] = p
     return phy2log, log2phy, logcnt
+
+
+# ---------------------------------------------------------------------------
+# traffic.even_traffic: the fractional even split, one (rank, expert) at a time
+# ---------------------------------------------------------------------------
+
+
+def even_route_ref(
+    load: np.ndarray, placement: Placement, topology: Topology, domain: str, remote: str
+) -> np.ndarray:
+    """Float route [N, 4] of :func:`expertmesh.planner.traffic.even_traffic`'s split.
+
+    For each ``(r, e)``: the copies (slots) of ``e`` in ``r``'s domain share ``load[r, e]``
+    equally; with none there, every copy shares it (``spread``) or the master takes it.
+    """
+    key = {
+        "rank": np.arange(topology.num_ranks),
+        "node": topology.rank_node,
+        "dc": topology.rank_dc,
+        "global": np.zeros(topology.num_ranks, dtype=np.int64),
+    }[domain]
+    rows: list[tuple[float, float, float, float]] = []
+    num_ranks, num_experts = load.shape
+    mrank = placement.master_rank()
+    for r in range(num_ranks):
+        for e in range(num_experts):
+            if load[r, e] == 0:
+                continue
+            copies = [
+                q
+                for q in range(num_ranks)
+                for s in range(placement.slots_per_rank)
+                if placement.phy2log[q, s] == e
+            ]
+            mine = [q for q in copies if key[q] == key[r]] if domain != "global" else []
+            if mine:
+                targets = mine
+            elif remote == "master":
+                targets = [int(mrank[e])]
+            else:
+                targets = copies
+            for q in targets:
+                rows.append((r, e, q, load[r, e] / len(targets)))
+    return np.array(rows, dtype=np.float64).reshape(-1, 4)

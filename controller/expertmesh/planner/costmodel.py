@@ -1,0 +1,443 @@
+"""Stream-based cost model of one step of one MoE layer (equations: docs/cost-model.md).
+
+A step is a chain of phases: dispatch, expert compute, combine (forward) and,
+when training, combine backward, expert compute backward, dispatch backward
+(with the replica gradients returning to their masters on the same links).
+Every link runs its streams in parallel and a communication phase ends when
+its slowest link drains (latency + bytes / bandwidth); a compute phase ends
+when the busiest rank is done. Expert streams that need not wait for the chain
+(replica weight refresh, migrations) run in the background; they slow the step
+only when a link's total bytes over the step exceed what it can carry in the
+chain's time. The step time is the larger of the chain and that busiest link:
+the slowest path.
+
+Links: one per ordered DC pair (its own bandwidth and latency, per-pair
+overrides included), and per rank two full-duplex ports: the node fabric
+(intra-node link) and the NIC (intra-DC link) that carries everything leaving
+the node, cross-DC traffic included. Nothing here builds an ``[R, R]`` array.
+
+Public entry: :func:`step_cost`; inputs :class:`~expertmesh.planner.traffic.TokenTraffic`
+(token streams) and :class:`ExpertStreams` (built by :func:`replica_streams` and
+:func:`migration_streams`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from expertmesh.planner.model import ModelSpec
+from expertmesh.planner.plan import Placement
+from expertmesh.planner.topology import Topology
+from expertmesh.planner.traffic import TokenTraffic
+
+__all__ = [
+    "PHASES",
+    "CostSettings",
+    "ExpertStreams",
+    "StepCost",
+    "TransferEncoding",
+    "crossings",
+    "migration_streams",
+    "replica_streams",
+    "step_cost",
+]
+
+PHASES = ("dispatch", "compute_fwd", "combine", "combine_bwd", "compute_bwd", "dispatch_bwd")
+# port columns: node fabric out/in, NIC out/in (bytes)
+_NODE_OUT, _NODE_IN, _NIC_OUT, _NIC_IN = range(4)
+
+
+class CostSettings(BaseModel):
+    """Knobs of the cost model that are not in the topology or the model."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    flops_per_second: float = Field(
+        default=4e14, gt=0, description="sustained expert FLOP/s of one rank (H100 bf16 ~40% MFU)"
+    )
+    pipeline_chunks: int = Field(
+        default=1,
+        ge=1,
+        le=1024,
+        description="chunks that dispatch, compute and combine are pipelined in (1: no overlap)",
+    )
+    microbatches_per_update: int = Field(
+        default=1,
+        ge=1,
+        le=4096,
+        description="microbatches (trace steps) per optimizer step; replicas exchange weights "
+        "and gradients once per update",
+    )
+    hierarchical: bool = Field(
+        default=True,
+        description="a token crosses a DC pair once however many of its experts are there "
+        "(False: once per top-k assignment)",
+    )
+
+
+class TransferEncoding(BaseModel):
+    """How expert weights and gradients travel (parameter-efficient migration settings)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    weight_bytes: float | None = Field(
+        default=None, gt=0, le=8, description="bytes per weight on the wire (None: the model's)"
+    )
+    grad_bytes: float | None = Field(
+        default=None, gt=0, le=8, description="bytes per gradient on the wire (None: the model's)"
+    )
+    changed_fraction: float = Field(
+        default=1.0,
+        gt=0,
+        le=1,
+        description="share of a replica's weights that changed since its last copy (one update "
+        "earlier); below 1 the refresh sends only those plus a 1-bit-per-weight mask",
+    )
+
+    def refresh_bytes(self, model: ModelSpec) -> float:
+        """Bytes of one replica refresh (weights out, master -> replica)."""
+        wb = model.weight_bytes if self.weight_bytes is None else self.weight_bytes
+        if self.changed_fraction >= 1.0:
+            return float(model.expert_params * wb)
+        return float(model.expert_params * (self.changed_fraction * wb + 1.0 / 8.0))
+
+    def gradient_bytes(self, model: ModelSpec) -> float:
+        """Bytes of one replica gradient (replica -> master)."""
+        gb = model.grad_bytes if self.grad_bytes is None else self.grad_bytes
+        return float(model.expert_params * gb)
+
+    def copy_bytes(self, model: ModelSpec, master: bool, changed: float = 1.0) -> float:
+        """Bytes to place a copy: weights (only the ``changed`` share plus the mask when the
+        receiver held an older copy), plus full-precision optimizer state for a master."""
+        wb = model.weight_bytes if self.weight_bytes is None else self.weight_bytes
+        weights = model.expert_params * (wb if changed >= 1.0 else changed * wb + 1.0 / 8.0)
+        return float(weights + (model.expert_params * model.optimizer_bytes if master else 0))
+
+
+@dataclass(frozen=True, eq=False)
+class ExpertStreams:
+    """Expert bytes of one layer at one step.
+
+    - ``pair_src``, ``pair_dst``: [Q] int64 DC indices; ``pair_tail``: [Q] bytes that
+      must cross on the backward tail (replica gradients); ``pair_background``: [Q] bytes
+      streamed in the background (weight refresh, migrations).
+    - ``port_tail``, ``port_background``: [R, 4] bytes per rank port: node fabric out, in,
+      NIC out, in.
+    """
+
+    pair_src: np.ndarray
+    pair_dst: np.ndarray
+    pair_tail: np.ndarray
+    pair_background: np.ndarray
+    port_tail: np.ndarray
+    port_background: np.ndarray
+
+    @classmethod
+    def empty(cls, num_ranks: int) -> ExpertStreams:
+        z = np.zeros(0)
+        zi = np.zeros(0, dtype=np.int64)
+        return cls(zi, zi, z, z, np.zeros((num_ranks, 4)), np.zeros((num_ranks, 4)))
+
+    def __add__(self, other: ExpertStreams) -> ExpertStreams:
+        return ExpertStreams(
+            np.concatenate([self.pair_src, other.pair_src]),
+            np.concatenate([self.pair_dst, other.pair_dst]),
+            np.concatenate([self.pair_tail, other.pair_tail]),
+            np.concatenate([self.pair_background, other.pair_background]),
+            self.port_tail + other.port_tail,
+            self.port_background + other.port_background,
+        )
+
+    @property
+    def cross_dc_bytes(self) -> float:
+        return float(self.pair_tail.sum() + self.pair_background.sum())
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Modeled time of one step of one layer and what it is made of (seconds, bytes)."""
+
+    seconds: float
+    chain_seconds: float
+    resource_seconds: float
+    phases: dict[str, float] = field(default_factory=dict)
+    imbalance: float = 1.0
+    cross_dc_token_bytes: float = 0.0
+    cross_dc_weight_bytes: float = 0.0
+    bottleneck: str = ""
+
+
+def _shell(topology: Topology, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """[N] 0 same rank, 1 same node, 2 same DC, 3 other DC."""
+    return np.asarray(topology.link_class(a, b))
+
+
+def _port_add(
+    port: np.ndarray, ranks: np.ndarray, shell: np.ndarray, col: int, nbytes: float | np.ndarray
+) -> None:
+    """Add ``nbytes`` to the node (shell 1) or NIC (shell >= 2) column ``col`` (out or in)."""
+    nb = np.broadcast_to(np.asarray(nbytes, dtype=np.float64), ranks.shape)
+    node = shell == 1
+    nic = shell >= 2
+    port[:, col] += np.bincount(ranks[node], weights=nb[node], minlength=port.shape[0])
+    port[:, col + 2] += np.bincount(ranks[nic], weights=nb[nic], minlength=port.shape[0])
+
+
+def replica_streams(
+    placement: Placement,
+    topology: Topology,
+    model: ModelSpec,
+    settings: CostSettings | None = None,
+    encoding: TransferEncoding | None = None,
+) -> ExpertStreams:
+    """Per-step streams that keep replicas in sync with their masters (training only).
+
+    Each replica receives the master's weights (background) and returns its gradient
+    (on the backward tail when ``microbatches_per_update == 1``, else in the background),
+    once per update, amortized over ``microbatches_per_update`` trace steps. Copies of one
+    expert in one remote DC share one WAN crossing per direction (the first relays the
+    others inside the DC); every participant's port carries one copy per direction.
+    """
+    settings = settings or CostSettings()
+    encoding = encoding or TransferEncoding()
+    num_ranks = placement.num_ranks
+    if not model.training:
+        return ExpertStreams.empty(num_ranks)
+    per = float(settings.microbatches_per_update)
+    w = encoding.refresh_bytes(model) / per
+    g = encoding.gradient_bytes(model) / per
+    cr, cs = np.nonzero(placement.phy2log >= 0)
+    ce = placement.phy2log[cr, cs].astype(np.int64)
+    mrank = placement.master_rank()
+    keep = cr != mrank[ce]  # replicas on another rank than their master
+    cr, ce = cr[keep], ce[keep]
+    tail = np.zeros((num_ranks, 4))
+    back = np.zeros((num_ranks, 4))
+    grad_port = tail if settings.microbatches_per_update == 1 else back
+    if cr.size == 0:
+        return ExpertStreams.empty(num_ranks)
+    m = mrank[ce]
+    shell = _shell(topology, cr, m)
+    # replica side: weights in, gradient out
+    _port_add(back, cr, shell, _NODE_IN, w)
+    _port_add(grad_port, cr, shell, _NODE_OUT, g)
+    # master side: once per expert and fabric it uses
+    node_use = np.unique(ce[shell == 1])
+    nic_use = np.unique(ce[shell >= 2])
+    for experts, sh in ((node_use, 1), (nic_use, 2)):
+        ranks = mrank[experts]
+        s = np.full(ranks.shape, sh)
+        _port_add(back, ranks, s, _NODE_OUT, w)
+        _port_add(grad_port, ranks, s, _NODE_IN, g)
+    # WAN: one crossing per (expert, remote DC)
+    remote = shell == 3
+    num_dcs = topology.num_dcs
+    key = np.unique(ce[remote] * num_dcs + topology.rank_dc[cr[remote]])
+    e, x = key // num_dcs, key % num_dcs
+    mdc = topology.rank_dc[mrank[e]]
+    src, dst = np.concatenate([mdc, x]), np.concatenate([x, mdc])  # weights out, grads back
+    wvec, gvec, zero = np.full(e.size, w), np.full(e.size, g), np.zeros(e.size)
+    if settings.microbatches_per_update == 1:
+        ptail, pback = np.concatenate([zero, gvec]), np.concatenate([wvec, zero])
+    else:
+        ptail, pback = np.zeros(2 * e.size), np.concatenate([wvec, gvec])
+    return ExpertStreams(src, dst, ptail, pback, tail, back)
+
+
+def migration_streams(
+    src_rank: np.ndarray,
+    dst_rank: np.ndarray,
+    nbytes: np.ndarray,
+    topology: Topology,
+    scale: float = 1.0,
+) -> ExpertStreams:
+    """Background streams of expert transfers ``src_rank -> dst_rank`` of ``nbytes`` (all
+    [M]), multiplied by ``scale`` (the share of the transfer streamed during this step)."""
+    src_rank = np.asarray(src_rank, dtype=np.int64)
+    dst_rank = np.asarray(dst_rank, dtype=np.int64)
+    nb = np.asarray(nbytes, dtype=np.float64) * scale
+    num_ranks = topology.num_ranks
+    back = np.zeros((num_ranks, 4))
+    if src_rank.size == 0:
+        return ExpertStreams.empty(num_ranks)
+    shell = _shell(topology, src_rank, dst_rank)
+    _port_add(back, src_rank, shell, _NODE_OUT, nb)
+    _port_add(back, dst_rank, shell, _NODE_IN, nb)
+    remote = shell == 3
+    return ExpertStreams(
+        topology.rank_dc[src_rank[remote]],
+        topology.rank_dc[dst_rank[remote]],
+        np.zeros(int(remote.sum())),
+        nb[remote],
+        np.zeros((num_ranks, 4)),
+        back,
+    )
+
+
+def crossings(traffic: TokenTraffic, top_k: int, hierarchical: bool = True) -> np.ndarray:
+    """[P] tokens that cross each DC pair of ``traffic`` in one direction of one phase.
+
+    Exact when the traffic carries ``pair_crossings``. Else, with hierarchical dispatch, the
+    expected number of distinct tokens under independent top-k draws:
+    ``n_s * (1 - (1 - a / (n_s * k)) ** k)`` for ``a`` assignments of the ``n_s`` tokens of
+    the source DC (docs/cost-model.md); without it, one crossing per assignment.
+    """
+    if traffic.pair_crossings is not None:
+        return traffic.pair_crossings
+    a = traffic.pair_tokens
+    if not hierarchical or top_k == 1:
+        return a
+    n = traffic.dc_tokens[traffic.pair_src]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = np.clip(np.where(n > 0, a / (n * top_k), 0.0), 0.0, 1.0)
+    x = n * -np.expm1(top_k * np.log1p(-np.minimum(p, 1 - 1e-15)))
+    x = np.where(p >= 1.0, n, x)
+    return np.clip(x, a / top_k, np.minimum(a, np.where(n > 0, n, a)))
+
+
+def _pipe(parts: tuple[float, ...], chunks: int) -> float:
+    """Phases that pipeline over ``chunks`` chunks: the longest plus 1/chunks of the rest."""
+    longest = max(parts)
+    return longest + (sum(parts) - longest) / chunks
+
+
+def _port_time(out: np.ndarray, inp: np.ndarray, bw: float, lat: float) -> np.ndarray:
+    """[R] full-duplex port time: latency + the busier direction / bandwidth (0 if idle)."""
+    busy = np.maximum(out, inp)
+    return np.where(busy > 0, lat + busy / bw, 0.0)
+
+
+def step_cost(
+    topology: Topology,
+    model: ModelSpec,
+    traffic: TokenTraffic,
+    streams: ExpertStreams | None = None,
+    settings: CostSettings | None = None,
+) -> StepCost:
+    """Modeled seconds of one step of one layer (docs/cost-model.md has the equations).
+
+    ``traffic``: token streams; ``streams``: expert streams (replica sync, migrations) or
+    ``None`` for none. Training or forward-only follows ``model.training``.
+    """
+    settings = settings or CostSettings()
+    num_ranks, num_dcs = topology.num_ranks, topology.num_dcs
+    if traffic.num_ranks != num_ranks:
+        raise ValueError(f"traffic has {traffic.num_ranks} ranks, the topology {num_ranks}")
+    streams = streams or ExpertStreams.empty(num_ranks)
+    if streams.port_tail.shape != (num_ranks, 4):
+        raise ValueError(f"expert streams must have ports [{num_ranks}, 4]")
+    tb = float(model.token_bytes)
+    train = model.training
+
+    # ---- ordered DC pairs: token crossings and expert bytes, merged by key ----
+    x = crossings(traffic, model.top_k, settings.hierarchical)  # [P] tokens per phase
+    fwd_key = traffic.pair_src * num_dcs + traffic.pair_dst  # dispatch direction
+    rev_key = traffic.pair_dst * num_dcs + traffic.pair_src  # combine direction
+    exp_key = streams.pair_src * num_dcs + streams.pair_dst
+    keys, inv = np.unique(np.concatenate([fwd_key, rev_key, exp_key]), return_inverse=True)
+    p, q = fwd_key.size, exp_key.size
+    inv_f, inv_r, inv_e = inv[:p], inv[p : 2 * p], inv[2 * p :]
+
+    def on_keys(idx: np.ndarray, vals: np.ndarray) -> np.ndarray:
+        return np.bincount(idx, weights=vals, minlength=keys.size)
+
+    ksrc, kdst = keys // num_dcs, keys % num_dcs
+    bw = topology.dc_gbps[ksrc, kdst] * 1e9 / 8.0  # [K] bytes/s
+    lat = topology.dc_latency_ms[ksrc, kdst] / 1e3
+    disp = on_keys(inv_f, x * tb)  # bytes per key in the dispatch phase
+    comb = on_keys(inv_r, x * tb)  # bytes per key in the combine phase
+    gtail = on_keys(inv_e, streams.pair_tail) if q else np.zeros(keys.size)
+    gback = on_keys(inv_e, streams.pair_background) if q else np.zeros(keys.size)
+
+    def link_phase(nbytes: np.ndarray) -> float:
+        if nbytes.size == 0 or not (nbytes > 0).any():
+            return 0.0
+        m = nbytes > 0
+        return float(np.max(lat[m] + nbytes[m] / bw[m]))
+
+    # ---- rank ports (tokens in bytes per phase) ----
+    out_t, in_t = traffic.rank_out * tb, traffic.rank_in * tb  # [R, 3]
+    assign_out = np.bincount(traffic.pair_src, weights=traffic.pair_tokens, minlength=num_dcs)
+    cross_out = np.bincount(traffic.pair_src, weights=x, minlength=num_dcs)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        dedup = np.where(assign_out > 0, cross_out / assign_out, 1.0)  # [D]
+    node_out, node_in = out_t[:, 0], in_t[:, 0]
+    nic_out = out_t[:, 1] + out_t[:, 2] * dedup[topology.rank_dc]
+    nic_in = in_t[:, 1] + in_t[:, 2]
+    bw_node, lat_node = topology.intra_node.bytes_per_second, topology.intra_node.latency_s
+    bw_nic, lat_nic = topology.intra_dc.bytes_per_second, topology.intra_dc.latency_s
+
+    def port_phase(n_out: np.ndarray, n_in: np.ndarray, c_out: np.ndarray, c_in: np.ndarray):
+        t = np.maximum(
+            _port_time(n_out, n_in, bw_node, lat_node), _port_time(c_out, c_in, bw_nic, lat_nic)
+        )
+        return float(t.max()) if t.size else 0.0
+
+    pt, pb = streams.port_tail, streams.port_background
+    dispatch = max(link_phase(disp), port_phase(node_out, node_in, nic_out, nic_in))
+    combine = max(link_phase(comb), port_phase(node_in, node_out, nic_in, nic_out))
+
+    # ---- compute ----
+    flops_fwd = 2.0 * model.expert_params
+    compute_fwd = float(traffic.rank_tokens.max(initial=0.0)) * flops_fwd
+    compute_fwd /= settings.flops_per_second
+    mean_tokens = float(traffic.rank_tokens.mean()) if traffic.rank_tokens.size else 0.0
+    imbalance = float(traffic.rank_tokens.max()) / mean_tokens if mean_tokens > 0 else 1.0
+
+    chunks = settings.pipeline_chunks
+    phases = {"dispatch": dispatch, "compute_fwd": compute_fwd, "combine": combine}
+    chain = _pipe((dispatch, compute_fwd, combine), chunks)
+    if train:
+        compute_bwd = 2.0 * compute_fwd
+        # dispatch backward runs the combine direction; replica gradients share its links
+        tail_only = combine
+        tail = max(
+            link_phase(comb + gtail),
+            port_phase(
+                node_in + pt[:, _NODE_OUT],
+                node_out + pt[:, _NODE_IN],
+                nic_in + pt[:, _NIC_OUT],
+                nic_out + pt[:, _NIC_IN],
+            ),
+        )
+        phases |= {"combine_bwd": dispatch, "compute_bwd": compute_bwd, "dispatch_bwd": tail}
+        chain += _pipe((dispatch, compute_bwd, tail_only), chunks) + (tail - tail_only)
+        crossings_per_step = 2.0
+    else:
+        crossings_per_step = 1.0
+
+    # ---- resource bound: every byte a link carries in the step ----
+    link_total = crossings_per_step * (disp + comb) + gtail + gback
+    link_busy = np.where(link_total > 0, link_total / bw, 0.0)
+    port_out_node = crossings_per_step * (node_out + node_in) + pt[:, 0] + pb[:, 0]
+    port_in_node = crossings_per_step * (node_in + node_out) + pt[:, 1] + pb[:, 1]
+    port_out_nic = crossings_per_step * (nic_out + nic_in) + pt[:, 2] + pb[:, 2]
+    port_in_nic = crossings_per_step * (nic_in + nic_out) + pt[:, 3] + pb[:, 3]
+    port_busy = np.maximum(
+        np.maximum(port_out_node, port_in_node) / bw_node,
+        np.maximum(port_out_nic, port_in_nic) / bw_nic,
+    )
+    resource = max(float(link_busy.max(initial=0.0)), float(port_busy.max(initial=0.0)))
+
+    if resource > chain:
+        if link_busy.size and link_busy.max() >= port_busy.max(initial=0.0):
+            k = int(np.argmax(link_busy))
+            a, b = topology.dcs[int(ksrc[k])].name, topology.dcs[int(kdst[k])].name
+            bottleneck = f"link {a}->{b}"
+        else:
+            bottleneck = f"port of rank {int(np.argmax(port_busy))}"
+    else:
+        bottleneck = "chain: " + max(phases, key=lambda k: phases[k])
+    return StepCost(
+        seconds=max(chain, resource),
+        chain_seconds=chain,
+        resource_seconds=resource,
+        phases=phases,
+        imbalance=imbalance,
+        cross_dc_token_bytes=2.0 * crossings_per_step * float(x.sum()) * tb,
+        cross_dc_weight_bytes=streams.cross_dc_bytes,
+        bottleneck=bottleneck,
+    )

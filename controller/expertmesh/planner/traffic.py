@@ -1,0 +1,258 @@
+"""Token traffic of one layer at one step, aggregated for the cost model.
+
+The cost model never needs who sends to whom rank by rank (an ``[R, R]``
+matrix is 64M cells at 8,000 ranks); it needs, per rank, how many top-k
+assignments it computes and how many it sends and receives over each fabric,
+and, per ordered DC pair, how many assignments cross. :class:`TokenTraffic`
+holds exactly that. Two builders make it:
+
+- :func:`traffic_from_route`: exact, from route rows ``[N, 4]``.
+- :func:`even_traffic`: the fast path for policies that split each
+  ``load[r, e]`` evenly among the copies of ``e`` in ``r``'s domain (else
+  evenly among all copies, or all to the master): the same numbers as
+  :func:`traffic_from_route` of such a route, with fractional splits instead
+  of integer rounding, in ``O(R * E + D^2 * E)`` time and no ``[R, R]`` or
+  ``[N, 4]`` array.
+
+Shells: traffic between a rank and a destination is classed by how far apart
+they are: 0 same rank, 1 same node, 2 same DC (other node), 3 other DC.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from expertmesh.planner.plan import Placement
+from expertmesh.planner.topology import Topology
+
+__all__ = ["Domain", "TokenTraffic", "even_traffic", "traffic_from_route"]
+
+Domain = Literal["rank", "node", "dc", "global"]
+_LEVEL = {"rank": 0, "node": 1, "dc": 2, "global": 3}
+
+
+@dataclass(frozen=True, eq=False)
+class TokenTraffic:
+    """Aggregated token streams of one layer at one step (counts are top-k assignments).
+
+    - ``rank_tokens``: [R] float64 assignments each rank computes.
+    - ``rank_out``: [R, 3] float64 assignments each rank sends to other ranks of its node,
+      of its DC on other nodes, and of other DCs (shells 1, 2, 3).
+    - ``rank_in``: [R, 3] float64 the same, received.
+    - ``pair_src``, ``pair_dst``: [P] int64 DC indices (``src != dst``); ``pair_tokens``: [P]
+      float64 assignments from DC ``src`` to experts computed in DC ``dst``.
+    - ``dc_tokens``: [D] float64 tokens (not assignments) that originate in each DC; the
+      cost model's hierarchical-dispatch estimate needs them.
+    - ``pair_crossings``: [P] float64 tokens that cross each pair under hierarchical dispatch
+      when they are known exactly (a runtime that sees token ids), else ``None`` and the
+      cost model estimates them (docs/cost-model.md).
+    """
+
+    rank_tokens: np.ndarray
+    rank_out: np.ndarray
+    rank_in: np.ndarray
+    pair_src: np.ndarray
+    pair_dst: np.ndarray
+    pair_tokens: np.ndarray
+    dc_tokens: np.ndarray
+    pair_crossings: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        r = self.rank_tokens.shape[0]
+        if self.rank_out.shape != (r, 3) or self.rank_in.shape != (r, 3):
+            raise ValueError(f"rank_out and rank_in must be [{r}, 3]")
+        p = self.pair_src.shape[0]
+        if self.pair_dst.shape != (p,) or self.pair_tokens.shape != (p,):
+            raise ValueError("pair_src, pair_dst and pair_tokens must have the same length")
+        if self.pair_crossings is not None and self.pair_crossings.shape != (p,):
+            raise ValueError("pair_crossings must match pair_tokens")
+        if p and (self.pair_src == self.pair_dst).any():
+            raise ValueError("a DC pair needs two different DCs")
+
+    @property
+    def num_ranks(self) -> int:
+        return int(self.rank_tokens.shape[0])
+
+    @property
+    def cross_dc_assignments(self) -> float:
+        return float(self.pair_tokens.sum())
+
+
+def _dc_tokens(load: np.ndarray, topology: Topology, top_k: int) -> np.ndarray:
+    per_rank = load.sum(axis=1, dtype=np.float64)
+    return np.bincount(topology.rank_dc, weights=per_rank, minlength=topology.num_dcs) / top_k
+
+
+def _pairs(dense: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Nonzero off-diagonal cells of a [D, D] matrix as (src, dst, value)."""
+    np.fill_diagonal(dense, 0.0)
+    src, dst = np.nonzero(dense > 0)
+    return src.astype(np.int64), dst.astype(np.int64), dense[src, dst]
+
+
+def traffic_from_route(
+    route: np.ndarray, load: np.ndarray, topology: Topology, top_k: int
+) -> TokenTraffic:
+    """Exact :class:`TokenTraffic` of ``route`` [N, 4] ``(src_rank, expert, dst_rank, tokens)``.
+
+    ``load`` [R, E] is the load the route carries (only its per-DC token totals are used).
+    """
+    if route.ndim != 2 or route.shape[1] != 4:
+        raise ValueError(f"route must be [N, 4], got {route.shape}")
+    if top_k < 1:
+        raise ValueError("top_k must be >= 1")
+    num_ranks, num_dcs = topology.num_ranks, topology.num_dcs
+    src, dst = route[:, 0].astype(np.int64), route[:, 2].astype(np.int64)
+    tok = route[:, 3].astype(np.float64)
+    shell = np.asarray(topology.link_class(src, dst))  # LinkClass: 0 same rank .. 3 other DC
+    rank_tokens = np.bincount(dst, weights=tok, minlength=num_ranks)
+    rank_out = np.zeros((num_ranks, 3))
+    rank_in = np.zeros((num_ranks, 3))
+    for j in (1, 2, 3):
+        m = shell == j
+        rank_out[:, j - 1] = np.bincount(src[m], weights=tok[m], minlength=num_ranks)
+        rank_in[:, j - 1] = np.bincount(dst[m], weights=tok[m], minlength=num_ranks)
+    m = shell == 3
+    key = topology.rank_dc[src[m]] * num_dcs + topology.rank_dc[dst[m]]
+    dense = np.bincount(key, weights=tok[m], minlength=num_dcs * num_dcs).reshape(num_dcs, num_dcs)
+    ps, pd, pt = _pairs(dense)
+    return TokenTraffic(
+        rank_tokens, rank_out, rank_in, ps, pd, pt, _dc_tokens(load, topology, top_k)
+    )
+
+
+def _level_sums(x: np.ndarray, topology: Topology) -> list[np.ndarray]:
+    """[R, E] -> sums over rank, node, DC and everything: [R, E], [Nn, E], [D, E], [1, E]."""
+    node = np.zeros((topology.num_nodes, x.shape[1]))
+    _add_rows(node, topology.rank_node, x)
+    dc = np.zeros((topology.num_dcs, x.shape[1]))
+    _add_rows(dc, _node_dc(topology), node)
+    return [x, node, dc, dc.sum(axis=0, keepdims=True)]
+
+
+def _add_rows(out: np.ndarray, index: np.ndarray, x: np.ndarray) -> None:
+    """``out[index[i]] += x[i]`` for sorted ``index`` (ranks are numbered node by node)."""
+    if x.shape[0] == 0:
+        return
+    starts = np.flatnonzero(np.r_[True, index[1:] != index[:-1]])
+    out[index[starts]] += np.add.reduceat(x, starts, axis=0)
+
+
+def _node_dc(topology: Topology) -> np.ndarray:
+    """[Nn] DC of each node."""
+    return np.repeat(np.arange(topology.num_dcs), [d.nodes for d in topology.dcs])
+
+
+def even_traffic(
+    load: np.ndarray,
+    placement: Placement,
+    topology: Topology,
+    top_k: int,
+    *,
+    domain: Domain = "global",
+    remote: Literal["spread", "master"] = "spread",
+) -> TokenTraffic:
+    """:class:`TokenTraffic` of an even split, without building the route.
+
+    ``load`` [R, E]: tokens of source rank ``r`` for expert ``e``. Each ``load[r, e]``
+    goes evenly to the copies (slots) of ``e`` inside ``r``'s ``domain`` (its own rank,
+    node, DC, or everywhere for ``"global"``); if that domain holds none, it goes evenly to
+    every copy of ``e`` (``remote="spread"``, what :func:`~expertmesh.planner.routing.route_even`
+    does) or all to the master (``remote="master"``). Every expert with load needs a copy.
+    """
+    num_ranks, num_experts = load.shape
+    if placement.num_ranks != num_ranks or num_ranks != topology.num_ranks:
+        raise ValueError("load, placement and topology disagree on the number of ranks")
+    if domain not in _LEVEL:
+        raise ValueError(f"domain must be one of {', '.join(_LEVEL)}")
+    if remote not in ("spread", "master"):
+        raise ValueError("remote must be 'spread' or 'master'")
+    level = _LEVEL[domain]
+    lf = load.astype(np.float64)
+    mult = np.zeros((num_ranks, num_experts))  # [R, E] copies of e on rank r
+    cr, cs = np.nonzero(placement.phy2log >= 0)
+    ce = placement.phy2log[cr, cs].astype(np.int64)
+    np.add.at(mult, (cr, ce), 1.0)
+    cnt = _level_sums(mult, topology)  # copies at each level
+    total = cnt[3][0]  # [E]
+    if ((lf.sum(axis=0) > 0) & (total == 0)).any():
+        missing = np.flatnonzero((lf.sum(axis=0) > 0) & (total == 0))
+        raise ValueError(f"experts with load but no copy: {missing[:8].tolist()}")
+    group = [np.arange(num_ranks), topology.rank_node, topology.rank_dc, np.zeros(num_ranks, int)]
+    # k[j]: [R, E] copies of e within level j of source rank r
+    k = [cnt[j][group[j]] for j in range(4)]
+    # [R, E] does r's domain hold e? ("global": no locality, everything spreads)
+    local = np.zeros_like(lf, dtype=bool) if level == 3 else k[level] > 0
+    nonlocal_load = np.where(local, 0.0, lf)  # [R, E]
+    safe_total = np.where(total > 0, total, 1.0)
+
+    # ---- what each source sends, by shell ----
+    rank_out = np.zeros((num_ranks, 3))
+    den_local = np.where(local, k[level], 1.0)
+    for j in (1, 2, 3):
+        shell_copies_loc = (k[j] - k[j - 1]) if j <= level else np.zeros_like(lf)
+        out = np.where(local, lf * shell_copies_loc / den_local, 0.0)
+        if remote == "spread":
+            out += nonlocal_load * (k[j] - k[j - 1]) / safe_total
+        rank_out[:, j - 1] = out.sum(axis=1)
+    mrank = placement.master_rank()  # [E]
+    if remote == "master":
+        # non-local load all goes to the master: shell of (r, master(e))
+        shell = _shell(topology, np.arange(num_ranks)[:, None], mrank[None, :])  # [R, E]
+        for j in (1, 2, 3):
+            rank_out[:, j - 1] += np.where(shell == j, nonlocal_load, 0.0).sum(axis=1)
+
+    # ---- what each copy receives, by shell ----
+    lsum = _level_sums(np.where(local, lf, 0.0), topology)  # local load at each level
+    spread = (
+        nonlocal_load / safe_total if remote == "spread" else np.zeros_like(lf)
+    )  # per-copy weight
+    asum = _level_sums(spread, topology)
+    qg = [group[j][cr] for j in range(4)]  # levels of each copy's rank
+    in_shell = np.zeros((cr.size, 4))
+    for j in range(4):
+        if j <= level:
+            kq = cnt[level][qg[level], ce]
+            inner = lsum[j][qg[j], ce] - (lsum[j - 1][qg[j - 1], ce] if j else 0.0)
+            in_shell[:, j] += inner / np.where(kq > 0, kq, 1.0)
+        in_shell[:, j] += asum[j][qg[j], ce] - (asum[j - 1][qg[j - 1], ce] if j else 0.0)
+    if remote == "master":
+        nsum = _level_sums(nonlocal_load, topology)
+        is_master = (cr * placement.slots_per_rank + cs) == placement.master[ce]
+        mq = cr[is_master]
+        me = ce[is_master]
+        for j in range(4):
+            g = group[j][mq]
+            prev = nsum[j - 1][group[j - 1][mq], me] if j else 0.0
+            in_shell[is_master, j] += nsum[j][g, me] - prev
+    rank_tokens = np.bincount(cr, weights=in_shell.sum(axis=1), minlength=num_ranks)
+    rank_in = np.stack(
+        [np.bincount(cr, weights=in_shell[:, j], minlength=num_ranks) for j in (1, 2, 3)],
+        axis=1,
+    )
+
+    # ---- DC pairs ----
+    nl_dc = _level_sums(nonlocal_load, topology)[2]  # [D, E]
+    if remote == "spread":
+        dense = (nl_dc / safe_total) @ cnt[2].T  # [D, D] assignments s -> copies in x
+    else:
+        mdc = topology.rank_dc[mrank]  # [E]
+        dense = np.zeros((topology.num_dcs, topology.num_dcs))
+        for_dc = nl_dc.T  # [E, D]
+        np.add.at(dense.T, mdc, for_dc)  # dense[s, mdc[e]] += nl_dc[s, e]
+    ps, pd, pt = _pairs(dense)
+    return TokenTraffic(
+        rank_tokens, rank_out, rank_in, ps, pd, pt, _dc_tokens(load, topology, top_k)
+    )
+
+
+def _shell(topology: Topology, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Shell between broadcastable rank arrays: 0 same rank, 1 node, 2 DC, 3 other DC."""
+    out = np.full(np.broadcast(a, b).shape, 3, dtype=np.int8)
+    out[topology.rank_dc[a] == topology.rank_dc[b]] = 2
+    out[topology.rank_node[a] == topology.rank_node[b]] = 1
+    out[np.broadcast_to(a == b, out.shape)] = 0
+    return out

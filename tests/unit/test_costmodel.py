@@ -1,0 +1,225 @@
+"""The cost model against hand-computed cases, and the fast traffic path against its reference."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from expertmesh.planner import ModelSpec, Placement, Topology
+from expertmesh.planner.costmodel import (
+    CostSettings,
+    ExpertStreams,
+    TransferEncoding,
+    crossings,
+    migration_streams,
+    replica_streams,
+    step_cost,
+)
+from expertmesh.planner.refs import even_route_ref
+from expertmesh.planner.routing import route_even
+from expertmesh.planner.topology import DC, Link
+from expertmesh.planner.traffic import TokenTraffic, even_traffic, traffic_from_route
+
+# Two DCs of one rank each. WAN: 8 Gbit/s = 1e9 B/s, 10 ms. NIC: 1e11 B/s, no latency.
+TOPO = Topology(
+    dcs=(DC("a", 1, 1), DC("b", 1, 1)),
+    masters_per_rank=1,
+    spare_per_rank=1,
+    intra_node=Link(8000, 0.0),
+    intra_dc=Link(800, 0.0),
+    inter_dc=Link(8, 10.0),
+)
+# hidden 1000 x 2 bytes: a token is 2,000 bytes; P = 3 * 1000 * 10 = 30,000 params.
+FWD = ModelSpec(num_experts=2, top_k=1, hidden=1000, ffn_hidden=10, training=False)
+TRAIN = FWD.model_copy(update={"training": True})
+CS = CostSettings(flops_per_second=1e9)
+STATIC = Placement(np.array([[0, -1], [1, -1]], np.int32), np.array([0, 2]))
+LOAD = np.array([[0, 1000], [0, 0]])  # rank 0 sends 1,000 tokens to expert 1 (on rank 1)
+
+
+def _traffic(placement, domain="dc", model=FWD, load=LOAD):
+    return even_traffic(load, placement, TOPO, model.top_k, domain=domain)
+
+
+def test_forward_only_by_hand():
+    c = step_cost(TOPO, FWD, _traffic(STATIC), settings=CS)
+    # dispatch: 10 ms + 1000 * 2000 B / 1e9 B/s = 12 ms; compute 1000 * 2 * 30000 / 1e9 = 60 ms
+    assert c.phases["dispatch"] == pytest.approx(0.012)
+    assert c.phases["compute_fwd"] == pytest.approx(0.060)
+    assert c.phases["combine"] == pytest.approx(0.012)
+    assert c.seconds == pytest.approx(0.084)
+    assert c.cross_dc_token_bytes == pytest.approx(2 * 1000 * 2000)
+    assert c.bottleneck == "chain: compute_fwd"
+
+
+def test_training_adds_the_backward_chain():
+    c = step_cost(TOPO, TRAIN, _traffic(STATIC, model=TRAIN), settings=CS)
+    assert c.phases["compute_bwd"] == pytest.approx(0.120)
+    assert c.seconds == pytest.approx(0.084 + 0.012 + 0.120 + 0.012)
+    assert c.cross_dc_token_bytes == pytest.approx(4 * 1000 * 2000)
+
+
+def test_pipelining_overlaps_communication_with_compute():
+    cs = CS.model_copy(update={"pipeline_chunks": 2})
+    c = step_cost(TOPO, FWD, _traffic(STATIC), settings=cs)
+    assert c.seconds == pytest.approx(0.060 + (0.012 + 0.012) / 2)
+
+
+def test_replica_keeps_tokens_home_but_returns_its_gradient():
+    rep = Placement(np.array([[0, 1], [1, -1]], np.int32), np.array([0, 2]))
+    streams = replica_streams(rep, TOPO, TRAIN, CS)
+    # weights out (b -> a) in the background, gradient back (a -> b) on the tail: 60,000 B each
+    assert streams.pair_src.tolist() == [1, 0]
+    assert streams.pair_background.tolist() == [60_000, 0]
+    assert streams.pair_tail.tolist() == [0, 60_000]
+    c = step_cost(TOPO, TRAIN, _traffic(rep, model=TRAIN), streams, CS)
+    assert c.cross_dc_token_bytes == 0
+    assert c.cross_dc_weight_bytes == pytest.approx(120_000)
+    # forward: compute only; backward: compute, then the gradient over the WAN
+    assert c.seconds == pytest.approx(0.060 + 0.120 + 0.010 + 60_000 / 1e9)
+
+
+def test_gradient_accumulation_moves_replica_sync_to_the_background():
+    rep = Placement(np.array([[0, 1], [1, -1]], np.int32), np.array([0, 2]))
+    cs = CS.model_copy(update={"microbatches_per_update": 4})
+    streams = replica_streams(rep, TOPO, TRAIN, cs)
+    assert streams.pair_tail.sum() == 0
+    assert streams.pair_background.tolist() == [15_000, 15_000]
+    c = step_cost(TOPO, TRAIN, _traffic(rep, model=TRAIN), streams, cs)
+    assert c.seconds == pytest.approx(0.180)
+
+
+def test_forward_only_replicas_have_no_sync():
+    rep = Placement(np.array([[0, 1], [1, -1]], np.int32), np.array([0, 2]))
+    assert replica_streams(rep, TOPO, FWD, CS).cross_dc_bytes == 0
+
+
+def test_background_bytes_bound_the_step_when_a_link_is_full():
+    mig = migration_streams(np.array([0]), np.array([1]), np.array([1e10]), TOPO, scale=0.5)
+    c = step_cost(TOPO, FWD, _traffic(STATIC), mig, CS)
+    # link a -> b: half the migration plus the dispatch of 1,000 tokens (combine runs b -> a)
+    assert c.resource_seconds == pytest.approx(5e9 / 1e9 + 1000 * 2000 / 1e9)
+    assert c.seconds == c.resource_seconds
+    assert c.bottleneck == "link a->b"
+
+
+def test_per_pair_link_overrides_apply():
+    slow = Topology(TOPO.dcs, 1, 1, TOPO.intra_node, TOPO.intra_dc, TOPO.inter_dc,
+                    {("a", "b"): Link(0.8, 50.0)})  # fmt: skip
+    c = step_cost(slow, FWD, even_traffic(LOAD, STATIC, slow, 1, domain="dc"), settings=CS)
+    assert c.phases["dispatch"] == pytest.approx(0.050 + 2e6 / 1e8)
+
+
+def test_ports_bound_dispatch_inside_a_dc():
+    one = Topology((DC("a", 2, 1),), 1, 1, Link(8000, 0.0), Link(0.008, 1.0), Link(8, 10.0))
+    load = np.array([[0, 1000], [0, 0]])
+    c = step_cost(one, FWD, even_traffic(load, STATIC, one, 1), settings=CS)
+    # rank 0 -> rank 1 on another node: NIC at 1e6 B/s, 1 ms latency
+    assert c.phases["dispatch"] == pytest.approx(0.001 + 2e6 / 1e6)
+    assert c.cross_dc_token_bytes == 0
+
+
+def _traffic_k(n, a, k):
+    return TokenTraffic(
+        np.zeros(2), np.zeros((2, 3)), np.zeros((2, 3)), np.array([0]), np.array([1]),
+        np.array([a], float), np.array([n, 0.0]),
+    )  # fmt: skip
+
+
+def test_hierarchical_crossings_by_hand():
+    # 100 tokens, top-2, half of the 200 assignments land in DC 1: 100 * (1 - 0.5^2) = 75
+    assert crossings(_traffic_k(100, 100, 2), 2)[0] == pytest.approx(75.0)
+    # all assignments there: every token crosses once
+    assert crossings(_traffic_k(100, 200, 2), 2)[0] == pytest.approx(100.0)
+    assert crossings(_traffic_k(100, 100, 2), 2, hierarchical=False)[0] == 100.0
+
+
+@given(n=st.floats(1, 1e6), frac=st.floats(0, 1), k=st.integers(1, 16))
+def test_crossings_stay_between_their_bounds(n, frac, k):
+    a = frac * n * k
+    x = crossings(_traffic_k(n, a, k), k)[0]
+    assert a / k - 1e-6 <= x <= min(a, n) + 1e-6
+
+
+def test_encoding_shrinks_refresh_and_copies():
+    m = ModelSpec(hidden=8, ffn_hidden=8)  # P = 192
+    assert TransferEncoding().refresh_bytes(m) == 192 * 2
+    assert TransferEncoding(weight_bytes=1).refresh_bytes(m) == 192
+    assert TransferEncoding(changed_fraction=0.25).refresh_bytes(m) == 192 * (0.5 + 0.125)
+    assert TransferEncoding().copy_bytes(m, master=True) == 192 * (2 + 12)
+
+
+def test_expert_streams_add():
+    a = migration_streams(np.array([0]), np.array([1]), np.array([5.0]), TOPO)
+    b = a + ExpertStreams.empty(2)
+    assert b.cross_dc_bytes == 5.0 and b.port_background[0, 2] == 5.0
+
+
+def test_traffic_mismatch_is_a_value_error():
+    t = _traffic(STATIC)
+    three = Topology.generate(3, 1, masters=1, spare=1)
+    with pytest.raises(ValueError, match="ranks"):
+        step_cost(three, FWD, t)
+
+
+# ---- even_traffic against the reference and against route_even ----
+
+
+def _random_case(seed):
+    rng = np.random.default_rng(seed)
+    topo = Topology((DC("a", 2, 2), DC("b", 1, 3), DC("c", 2, 1)), 2, 2)
+    num_ranks, num_experts, slots = topo.num_ranks, 6, 4
+    phy = np.full((num_ranks, slots), -1, np.int32)
+    master = np.empty(num_experts, np.int64)
+    for e in range(num_experts):
+        phy[e % num_ranks, e // num_ranks] = e
+        master[e] = (e % num_ranks) * slots + e // num_ranks
+    for r in range(num_ranks):
+        for s in range(2, slots):
+            if rng.random() < 0.5:
+                phy[r, s] = rng.integers(num_experts)
+    load = rng.integers(0, 50, size=(num_ranks, num_experts)) * rng.integers(0, 2, (1, num_experts))
+    return topo, Placement(phy, master), load
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    domain=st.sampled_from(["rank", "node", "dc", "global"]),
+    remote=st.sampled_from(["spread", "master"]),
+)
+def test_even_traffic_equals_reference(seed, domain, remote):
+    topo, pl, load = _random_case(seed)
+    fast = even_traffic(load, pl, topo, 2, domain=domain, remote=remote)
+    ref = traffic_from_route(even_route_ref(load, pl, topo, domain, remote), load, topo, 2)
+    np.testing.assert_allclose(fast.rank_tokens, ref.rank_tokens, atol=1e-9)
+    np.testing.assert_allclose(fast.rank_out, ref.rank_out, atol=1e-9)
+    np.testing.assert_allclose(fast.rank_in, ref.rank_in, atol=1e-9)
+    got = {
+        (a, b): v for a, b, v in zip(fast.pair_src, fast.pair_dst, fast.pair_tokens, strict=True)
+    }
+    want = {(a, b): v for a, b, v in zip(ref.pair_src, ref.pair_dst, ref.pair_tokens, strict=True)}
+    assert got.keys() == want.keys()
+    for key, v in want.items():
+        assert got[key] == pytest.approx(v)
+    np.testing.assert_allclose(fast.dc_tokens, ref.dc_tokens)
+
+
+@pytest.mark.parametrize("domain", ["rank", "node", "dc", "global"])
+def test_even_traffic_matches_route_even_up_to_rounding(domain):
+    topo, pl, load = _random_case(3)
+    dom = {"rank": np.arange(topo.num_ranks), "node": topo.rank_node, "dc": topo.rank_dc,
+           "global": None}[domain]  # fmt: skip
+    exact = traffic_from_route(route_even(load, pl, dom), load, topo, 2)
+    fast = even_traffic(load, pl, topo, 2, domain=domain)
+    # route_even rounds each (rank, expert) split to whole tokens: off by < 1 per pair
+    bound = int(np.count_nonzero(load))
+    assert np.abs(exact.rank_tokens - fast.rank_tokens).max() < bound
+    assert exact.rank_tokens.sum() == pytest.approx(fast.rank_tokens.sum())
+    assert exact.pair_tokens.sum() == pytest.approx(fast.pair_tokens.sum(), abs=bound)
+
+
+def test_even_traffic_refuses_experts_without_copies():
+    pl = Placement(np.array([[0, -1], [0, -1]], np.int32), np.array([0, 1]))
+    with pytest.raises(ValueError, match="no copy"):
+        even_traffic(LOAD, pl, TOPO, 1)
