@@ -198,6 +198,15 @@ class ControllerCore:
             if windows is not None and windows and windows[0].maxlen != settings.window:
                 self._windows = [deque(w, maxlen=settings.window) for w in windows]
 
+    @property
+    def store(self) -> PlanStore | None:
+        return self._store
+
+    def attach_store(self, store: PlanStore) -> None:
+        """Save every commit from now on to ``store`` (replaces any previous one)."""
+        with self._lock:
+            self._store = store
+
     # ---- load reports ----
 
     def report_load(self, step: int, layer: int, rank: int, load: np.ndarray) -> bool:
@@ -246,12 +255,15 @@ class ControllerCore:
             self._pending.pop((step, layer), None)
             self._windows[layer].append((step, full.copy()))
 
-    def reject_report(self) -> None:
+    def reject_report(self, count: int = 1) -> None:
         """Count a report that a surface (REST, gRPC) refused before it reached the core
-        (malformed body, wrong types): received and rejected both grow, nothing else changes."""
+        (malformed body, wrong types): received and rejected both grow by ``count``, nothing
+        else changes."""
+        if count < 0:
+            raise ValueError(f"count must be >= 0, got {count}")
         with self._lock:
-            self.reports_received += 1
-            self.reports_rejected += 1
+            self.reports_received += count
+            self.reports_rejected += count
 
     def _check_step(self, step: int, layer: int) -> None:
         if not 0 <= layer < self.model.num_layers:

@@ -1,0 +1,285 @@
+"""The gRPC service ``expertmesh.v1.ExpertMeshService`` over a :class:`ControllerCore`.
+
+An asyncio server (``grpc.aio``) in a thread of its own, so a thousand ranks
+may each hold a report stream open without a thread apiece. Messages become
+domain types at the edge (``expertmesh.v1.convert``); bad input ends the call
+with ``INVALID_ARGUMENT`` (``RESOURCE_EXHAUSTED`` for too many reports in one
+message), counted as rejected, and the core is left as it was. Standard
+health checking (``grpc.health.v1``) is served alongside.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from expertmesh.controller.core import ControllerCore, PlanVersion
+from expertmesh.controller.settings import SurfaceSettings
+from expertmesh.controller.store import SqlitePlanStore
+from expertmesh.v1 import convert
+from expertmesh.v1 import expertmesh_pb2 as pb
+from expertmesh.v1 import expertmesh_pb2_grpc as pb_grpc
+
+__all__ = ["SERVICE_NAME", "GrpcServer"]
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "expertmesh.v1.ExpertMeshService"
+MAX_REPORTS_PER_MESSAGE = 4096
+WATCH_QUEUE = 4  # a slow watcher skips to newer plans rather than buffering them all
+
+
+class _PlanHub:
+    """Fans committed plans out to WatchPlans calls (listener thread -> server loop)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queues: set[asyncio.Queue[PlanVersion]] = set()
+
+    def subscribe(self) -> asyncio.Queue[PlanVersion]:
+        q: asyncio.Queue[PlanVersion] = asyncio.Queue(maxsize=WATCH_QUEUE)
+        self._queues.add(q)
+        return q
+
+    def unsubscribe(self, q: asyncio.Queue[PlanVersion]) -> None:
+        self._queues.discard(q)
+
+    def on_plan(self, event: str, pv: PlanVersion) -> None:
+        if event == "committed" and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._publish, pv)
+
+    def _publish(self, pv: PlanVersion) -> None:
+        for q in list(self._queues):
+            if q.full():
+                q.get_nowait()  # drop the oldest: only the newest plan matters
+            q.put_nowait(pv)
+
+
+class ExpertMeshService(pb_grpc.ExpertMeshServiceServicer):
+    def __init__(
+        self,
+        core: ControllerCore,
+        store: SqlitePlanStore | None,
+        settings: SurfaceSettings,
+        hub: _PlanHub,
+    ) -> None:
+        self.core, self.store, self.settings, self.hub = core, store, settings, hub
+
+    def _authorized(self, context: grpc.aio.ServicerContext) -> bool:
+        want = self.settings.token_value()
+        if want is None:
+            return True
+        got = ""
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization" and isinstance(value, str):
+                got = value
+        return got.startswith("Bearer ") and hmac.compare_digest(
+            got[len("Bearer ") :].encode(), want.encode()
+        )
+
+    async def ReportLoad(
+        self, request_iterator: AsyncIterator[pb.ReportLoadRequest], context: Any
+    ) -> pb.ReportLoadResponse:
+        core = self.core
+        authorized = self._authorized(context)
+        accepted = completed = 0
+        async for req in request_iterator:
+            n = len(req.reports)
+            if not authorized:
+                core.reject_report(n)
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
+            if n > MAX_REPORTS_PER_MESSAGE:
+                core.reject_report(n)
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"a message may hold at most {MAX_REPORTS_PER_MESSAGE} reports, got {n}",
+                )
+            for i, msg in enumerate(req.reports):
+                try:
+                    r = convert.report_from_msg(msg)
+                except ValueError as err:
+                    core.reject_report(n - i)  # this one and the rest of the message
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+                try:
+                    done = core.report_load(r.step, r.layer, r.rank, r.load)
+                except ValueError as err:  # the core counted this one
+                    core.reject_report(n - i - 1)  # and the rest of the message is refused too
+                    text = f"report (step {r.step}, layer {r.layer}, rank {r.rank}): {err}"
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, text)
+                accepted += 1
+                completed += int(done)
+        return pb.ReportLoadResponse(accepted=accepted, completed=completed)
+
+    async def WatchPlans(
+        self, request: pb.WatchPlansRequest, context: Any
+    ) -> AsyncIterator[pb.WatchPlansResponse]:
+        q = self.hub.subscribe()  # before reading the committed plan: none is missed
+        try:
+            last = 0
+            current = self.core.committed
+            if current is not None:
+                yield pb.WatchPlansResponse(
+                    plan=convert.plan_to_msg(current, include_route=request.include_route)
+                )
+                last = current.version
+            while True:
+                pv = await q.get()
+                if pv.version <= last:
+                    continue
+                last = pv.version
+                yield pb.WatchPlansResponse(
+                    plan=convert.plan_to_msg(pv, include_route=request.include_route)
+                )
+        finally:
+            self.hub.unsubscribe(q)
+
+    async def GetPlan(self, request: pb.GetPlanRequest, context: Any) -> pb.GetPlanResponse:
+        pv: PlanVersion | None
+        if request.version == 0:
+            pv = self.core.committed
+            if pv is None:
+                await context.abort(grpc.StatusCode.NOT_FOUND, "no plan has been committed yet")
+        else:
+            try:
+                pv = self.core.get(request.version)
+            except ValueError:
+                pv = self.store.get(request.version) if self.store is not None else None
+            if pv is None:
+                await context.abort(
+                    grpc.StatusCode.NOT_FOUND, f"unknown plan version {request.version}"
+                )
+        if pv is None:  # abort() raised already; this only narrows the type
+            raise RuntimeError("unreachable")
+        return pb.GetPlanResponse(plan=convert.plan_to_msg(pv, include_route=request.include_route))
+
+    async def Solve(self, request: pb.SolveRequest, context: Any) -> pb.SolveResponse:
+        try:
+            args = convert.solve_args_from_msg(request)
+            lp, before, after = await asyncio.to_thread(
+                self.core.what_if,
+                args.load,
+                layer=args.layer,
+                policy=args.policy,
+                policy_settings=args.policy_settings,
+                from_committed=args.from_committed,
+            )
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        return pb.SolveResponse(
+            policy=args.policy or self.core.settings.policy,
+            imbalance_before=before,
+            imbalance_after=after,
+            plan=convert.layer_plan_to_msg(args.layer, lp, include_route=True),
+        )
+
+
+class GrpcServer:
+    """Runs the service on its own event loop in a daemon thread. ``start`` returns the port."""
+
+    def __init__(
+        self,
+        core: ControllerCore,
+        store: SqlitePlanStore | None = None,
+        settings: SurfaceSettings | None = None,
+    ) -> None:
+        self.core, self.store = core, store
+        self.settings = settings or SurfaceSettings()
+        self.port: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: grpc.aio.Server | None = None
+        self._thread: threading.Thread | None = None
+        self._hub: _PlanHub | None = None
+        self._health: Any = None
+
+    @property
+    def serving(self) -> bool:
+        return self._server is not None and self._thread is not None and self._thread.is_alive()
+
+    def start(self, host: str | None = None, port: int | None = None) -> int:
+        if self._thread is not None:
+            raise RuntimeError("the gRPC server is already running")
+        host = self.settings.host if host is None else host
+        port = self.settings.grpc_port if port is None else port
+        ready = threading.Event()
+        failure: list[BaseException] = []
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+
+        def run() -> None:
+            asyncio.set_event_loop(loop)
+            try:
+                loop.run_until_complete(self._serve(host, port))
+            except BaseException as err:
+                failure.append(err)
+            finally:
+                ready.set()
+            if not failure:
+                loop.run_forever()
+            loop.close()
+
+        self._thread = threading.Thread(target=run, name="expertmesh-grpc", daemon=True)
+        self._thread.start()
+        ready.wait(30)
+        if failure:
+            self._thread.join(5)
+            self._thread = None
+            raise RuntimeError(f"gRPC server did not start on {host}:{port}: {failure[0]}")
+        if self.port is None:
+            raise RuntimeError("gRPC server did not report its port in time")
+        return self.port
+
+    async def _serve(self, host: str, port: int) -> None:
+        size = self.settings.max_message_bytes
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", size),
+                ("grpc.max_send_message_length", size),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        loop = asyncio.get_running_loop()
+        self._hub = _PlanHub(loop)
+        self.core.listeners.append(self._hub.on_plan)
+        pb_grpc.add_ExpertMeshServiceServicer_to_server(
+            ExpertMeshService(self.core, self.store, self.settings, self._hub), server
+        )
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        bound = server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise OSError(f"cannot bind {host}:{port}")
+        await server.start()
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._server, self.port = server, bound
+        log.info("gRPC serving on %s:%d", host, bound)
+
+    def stop(self, grace: float = 1.0) -> None:
+        loop, server, thread = self._loop, self._server, self._thread
+        if loop is None or thread is None:
+            return
+        if self._hub is not None and self._hub.on_plan in self.core.listeners:
+            self.core.listeners.remove(self._hub.on_plan)
+
+        async def shutdown() -> None:
+            if self._health is not None:
+                await self._health.enter_graceful_shutdown()
+            if server is not None:
+                await server.stop(grace)
+
+        if not loop.is_closed() and loop.is_running():
+            fut = asyncio.run_coroutine_threadsafe(shutdown(), loop)
+            try:
+                fut.result(grace + 5)
+            except Exception:
+                log.exception("gRPC shutdown failed")
+            loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        self._thread = self._server = self._loop = None

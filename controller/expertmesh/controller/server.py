@@ -1,0 +1,147 @@
+"""Surfaces: the REST app (uvicorn, in a thread) and the gRPC server around one core.
+
+Both ``expertmesh serve`` and the runtime's Ray controller actor host the same
+:class:`Surfaces`: build a :class:`ControllerCore`, hand it here, ``start()``;
+``stop()`` shuts both down. Ports 0 pick free ones (tests); the bound ports are
+in :attr:`Surfaces.rest_port` and :attr:`Surfaces.grpc_port`.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+import uvicorn
+
+from expertmesh.controller.api import create_app
+from expertmesh.controller.core import ControllerCore
+from expertmesh.controller.grpc_service import GrpcServer
+from expertmesh.controller.settings import SurfaceSettings, is_loopback
+from expertmesh.controller.store import SqlitePlanStore
+from expertmesh.controller.telemetry import Telemetry
+
+__all__ = ["Surfaces"]
+
+log = logging.getLogger(__name__)
+
+
+class _Uvicorn(uvicorn.Server):
+    def install_signal_handlers(self) -> None:  # the host process owns signals
+        pass
+
+
+class Surfaces:
+    """REST + dashboard + ``/metrics`` and gRPC over ``core``.
+
+    ``store``: where committed plans persist; when None one is opened at
+    ``settings.db_path`` and the core's newest committed plan and settings are
+    recovered from it (pass ``recover=False`` to skip). The store is attached to
+    the core (``core`` saves every commit to it).
+    """
+
+    def __init__(
+        self,
+        core: ControllerCore,
+        settings: SurfaceSettings | None = None,
+        *,
+        store: SqlitePlanStore | None = None,
+        telemetry: Telemetry | None = None,
+        recover: bool = True,
+    ) -> None:
+        self.settings = settings or SurfaceSettings()
+        if not is_loopback(self.settings.host) and self.settings.token_value() is None:
+            raise ValueError(
+                f"refusing to bind {self.settings.host} without a token: set EXPERTMESH_TOKEN "
+                "or bind 127.0.0.1"
+            )
+        self.core = core
+        self._own_store = store is None
+        self.store = store or SqlitePlanStore(
+            self.settings.db_path, keep=self.settings.plan_retention
+        )
+        if core.store is None:
+            core.attach_store(self.store)
+        if recover and self._own_store:
+            pv = self.store.recover(core)
+            if pv is not None:
+                log.info("recovered plan %d from %s", pv.version, self.settings.db_path)
+        self.telemetry = telemetry or Telemetry(core)
+        self.grpc = GrpcServer(core, self.store, self.settings)
+        self.app = create_app(
+            core,
+            self.telemetry,
+            self.store,
+            self.settings,
+            ready_checks={"grpc": lambda: self.grpc.serving, "rest": self._rest_up},
+        )
+        self.rest_port: int | None = None
+        self.grpc_port: int | None = None
+        self._uvicorn: _Uvicorn | None = None
+        self._rest_thread: threading.Thread | None = None
+
+    def _rest_up(self) -> bool:
+        return self._uvicorn is not None and bool(self._uvicorn.started)
+
+    @property
+    def rest_url(self) -> str:
+        return f"http://{self.settings.host}:{self.rest_port}"
+
+    @property
+    def grpc_target(self) -> str:
+        return f"{self.settings.host}:{self.grpc_port}"
+
+    def start(self, timeout: float = 30.0) -> Surfaces:
+        """Start gRPC, then REST; returns self once both accept connections."""
+        self.grpc_port = self.grpc.start()
+        try:
+            self._start_rest(timeout)
+        except BaseException:
+            self.grpc.stop()
+            raise
+        log.info("REST on %s, gRPC on %s", self.rest_url, self.grpc_target)
+        return self
+
+    def _start_rest(self, timeout: float) -> None:
+        host, port = self.settings.host, self.settings.rest_port
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))  # bind here so port 0 resolves and errors surface now
+        self.rest_port = int(sock.getsockname()[1])
+        config = uvicorn.Config(
+            self.app,
+            log_level="warning",
+            access_log=False,
+            timeout_keep_alive=30,
+            limit_concurrency=1024,
+            backlog=2048,
+            h11_max_incomplete_event_size=64 * 1024,
+        )
+        server = _Uvicorn(config)
+        self._uvicorn = server
+        self._rest_thread = threading.Thread(
+            target=server.run, kwargs={"sockets": [sock]}, name="expertmesh-rest", daemon=True
+        )
+        self._rest_thread.start()
+        deadline = time.monotonic() + timeout
+        while not server.started:
+            if not self._rest_thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"REST server did not start on {host}:{self.rest_port}")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+        if self._rest_thread is not None:
+            self._rest_thread.join(10)
+        self._uvicorn = self._rest_thread = None
+        self.grpc.stop()
+        if self._own_store:
+            self.store.close()
+
+    def __enter__(self) -> Surfaces:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,288 @@
+"""Converters between ``expertmesh.v1`` messages and domain types (numpy, planner types).
+
+The only module besides the generated code that touches protobuf messages:
+the gRPC service and the client call these and work with domain types.
+Decoders validate what arrives (shapes, ranges, sizes) and raise ``ValueError``
+with a one-line message; the service turns that into ``INVALID_ARGUMENT``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from expertmesh.planner import LayerPlan, Migration, Placement, Transfer, TransferKind
+from expertmesh.v1 import expertmesh_pb2 as pb
+
+__all__ = [
+    "MAX_COUNT",
+    "PlanLike",
+    "ReceivedPlan",
+    "Report",
+    "SolveArgs",
+    "layer_plan_from_msg",
+    "layer_plan_to_msg",
+    "plan_from_msg",
+    "plan_to_msg",
+    "report_from_msg",
+    "report_to_msg",
+    "reports_from_msg",
+    "solve_args_from_msg",
+    "solve_args_to_msg",
+]
+
+MAX_COUNT = 2**40  # larger token counts are refused as implausible
+MAX_POLICY_SETTINGS_BYTES = 64 * 1024
+
+_STATE_TO_PB = {
+    "prepared": pb.PLAN_STATE_PREPARED,
+    "committed": pb.PLAN_STATE_COMMITTED,
+    "rolled_back": pb.PLAN_STATE_ROLLED_BACK,
+}
+_STATE_FROM_PB = {v: k for k, v in _STATE_TO_PB.items()}
+_KIND_TO_PB = {
+    TransferKind.REPLICA: pb.TRANSFER_KIND_REPLICA,
+    TransferKind.MASTER: pb.TRANSFER_KIND_MASTER,
+}
+_KIND_FROM_PB = {v: k for k, v in _KIND_TO_PB.items()}
+
+
+class PlanLike(Protocol):
+    """What :func:`plan_to_msg` reads (the controller's ``PlanVersion`` fits)."""
+
+    version: int
+    step: int
+    policy: str
+    layers: list[LayerPlan]
+    imbalance_before: list[float]
+    imbalance_after: list[float]
+    created_at: float
+    committed_at: float | None
+
+    @property
+    def state(self) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Report:
+    """One load report: ``load`` [E] int64 tokens ``rank`` sent in ``step`` of ``layer``."""
+
+    step: int
+    layer: int
+    rank: int
+    load: np.ndarray
+
+
+@dataclass(frozen=True, eq=False)
+class ReceivedPlan:
+    """A plan as a client receives it. ``layers[l].route`` is [0, 4] unless asked for."""
+
+    version: int
+    step: int
+    policy: str
+    state: str
+    created_at: float
+    committed_at: float | None
+    imbalance_before: list[float]
+    imbalance_after: list[float]
+    layers: list[LayerPlan]
+
+
+@dataclass(frozen=True)
+class SolveArgs:
+    """A what-if request: plan ``load`` [R, E] of ``layer`` with ``policy`` (None: active)."""
+
+    load: np.ndarray
+    layer: int = 0
+    policy: str | None = None
+    policy_settings: dict[str, Any] | None = None
+    from_committed: bool = True
+
+
+# ---- reports ----
+
+
+def report_to_msg(step: int, layer: int, rank: int, load: np.ndarray) -> pb.LoadReport:
+    """``load``: [E] non-negative integer counts."""
+    arr = np.asarray(load)
+    if arr.ndim != 1:
+        raise ValueError(f"load must be [E], got shape {arr.shape}")
+    return pb.LoadReport(step=step, layer=layer, rank=rank, load=arr.astype(np.int64).tolist())
+
+
+def report_from_msg(r: pb.LoadReport) -> Report:
+    """Decode one report; ``ValueError`` on a negative or implausibly large count (the core
+    checks shapes, layers and ranks)."""
+    load = np.array(r.load, dtype=np.int64)
+    if load.size and (load.min() < 0 or load.max() > MAX_COUNT):
+        raise ValueError(
+            f"report (step {r.step}, layer {r.layer}, rank {r.rank}): counts must be in [0, 2**40]"
+        )
+    return Report(step=int(r.step), layer=int(r.layer), rank=int(r.rank), load=load)
+
+
+def reports_from_msg(msg: pb.ReportLoadRequest, max_reports: int = 4096) -> list[Report]:
+    """Decode a batch of at most ``max_reports`` reports (``ValueError`` otherwise)."""
+    if len(msg.reports) > max_reports:
+        raise ValueError(
+            f"a message may hold at most {max_reports} reports, got {len(msg.reports)}"
+        )
+    return [report_from_msg(r) for r in msg.reports]
+
+
+# ---- plans ----
+
+
+def layer_plan_to_msg(layer: int, lp: LayerPlan, *, include_route: bool = False) -> pb.LayerPlan:
+    num_ranks, slots = lp.phy2log.shape
+    return pb.LayerPlan(
+        layer=layer,
+        num_ranks=num_ranks,
+        slots_per_rank=slots,
+        phy2log=lp.phy2log.astype(np.int32).ravel().tolist(),
+        master=lp.placement.master.astype(np.int64).tolist(),
+        route=np.asarray(lp.route, np.int64).ravel().tolist() if include_route else [],
+        migrations=[
+            pb.Transfer(
+                expert=t.expert,
+                src_rank=t.src_rank,
+                dst_rank=t.dst_rank,
+                dst_slot=t.dst_slot,
+                nbytes=t.nbytes,
+                round=t.round,
+                kind=_KIND_TO_PB[TransferKind(t.kind)],
+            )
+            for t in lp.migration.transfers
+        ],
+        solve_seconds=float(lp.solve_seconds),
+    )
+
+
+def layer_plan_from_msg(msg: pb.LayerPlan) -> LayerPlan:
+    """Decode and check shapes: phy2log [R, S] in [-1, E), master [E] pointing at its slots."""
+    num_ranks, slots = int(msg.num_ranks), int(msg.slots_per_rank)
+    phy2log = np.array(msg.phy2log, dtype=np.int32)
+    if num_ranks < 1 or slots < 1 or phy2log.size != num_ranks * slots:
+        raise ValueError(
+            f"layer {msg.layer}: phy2log has {phy2log.size} entries, not R*S = {num_ranks}*{slots}"
+        )
+    phy2log = phy2log.reshape(num_ranks, slots)
+    master = np.array(msg.master, dtype=np.int64)
+    num_experts = master.size
+    if phy2log.min() < -1 or phy2log.max() >= num_experts:
+        raise ValueError(
+            f"layer {msg.layer}: phy2log holds an expert id outside [-1, {num_experts})"
+        )
+    if num_experts and (master.min() < 0 or master.max() >= phy2log.size):
+        raise ValueError(f"layer {msg.layer}: master slot index out of range")
+    if num_experts and not np.array_equal(phy2log.ravel()[master], np.arange(num_experts)):
+        raise ValueError(f"layer {msg.layer}: a master slot does not hold its expert")
+    route = np.array(msg.route, dtype=np.int64)
+    if route.size % 4:
+        raise ValueError(f"layer {msg.layer}: route length {route.size} is not a multiple of 4")
+    transfers = []
+    for t in msg.migrations:
+        if t.kind not in _KIND_FROM_PB:
+            raise ValueError(f"layer {msg.layer}: transfer kind {t.kind} is not set")
+        transfers.append(
+            Transfer(
+                expert=t.expert,
+                src_rank=t.src_rank,
+                dst_rank=t.dst_rank,
+                dst_slot=t.dst_slot,
+                nbytes=t.nbytes,
+                round=t.round,
+                kind=_KIND_FROM_PB[t.kind],
+            )
+        )
+    return LayerPlan(
+        placement=Placement(phy2log=phy2log, master=master),
+        route=route.reshape(-1, 4),
+        migration=Migration(transfers=tuple(transfers)),
+        solve_seconds=float(msg.solve_seconds),
+    )
+
+
+def plan_to_msg(pv: PlanLike, *, include_route: bool = False) -> pb.Plan:
+    return pb.Plan(
+        version=pv.version,
+        step=pv.step,
+        policy=pv.policy,
+        state=_STATE_TO_PB.get(str(pv.state), pb.PLAN_STATE_UNSPECIFIED),
+        created_at=pv.created_at,
+        committed_at=pv.committed_at or 0.0,
+        imbalance_before=[float(x) for x in pv.imbalance_before],
+        imbalance_after=[float(x) for x in pv.imbalance_after],
+        layers=[
+            layer_plan_to_msg(i, lp, include_route=include_route) for i, lp in enumerate(pv.layers)
+        ],
+    )
+
+
+def plan_from_msg(msg: pb.Plan) -> ReceivedPlan:
+    if msg.state not in _STATE_FROM_PB:
+        raise ValueError(f"plan {msg.version}: state is not set")
+    layers = [layer_plan_from_msg(m) for m in msg.layers]
+    if [m.layer for m in msg.layers] != list(range(len(layers))):
+        raise ValueError(f"plan {msg.version}: layers are not numbered 0..L-1 in order")
+    return ReceivedPlan(
+        version=int(msg.version),
+        step=int(msg.step),
+        policy=msg.policy,
+        state=_STATE_FROM_PB[msg.state],
+        created_at=msg.created_at,
+        committed_at=msg.committed_at or None,
+        imbalance_before=list(msg.imbalance_before),
+        imbalance_after=list(msg.imbalance_after),
+        layers=layers,
+    )
+
+
+# ---- what-if ----
+
+
+def solve_args_to_msg(args: SolveArgs) -> pb.SolveRequest:
+    load = np.asarray(args.load)
+    if load.ndim != 2:
+        raise ValueError(f"load must be [R, E], got shape {load.shape}")
+    return pb.SolveRequest(
+        layer=args.layer,
+        num_ranks=load.shape[0],
+        num_experts=load.shape[1],
+        load=load.astype(np.int64).ravel().tolist(),
+        policy=args.policy or "",
+        policy_settings_json=json.dumps(args.policy_settings) if args.policy_settings else "",
+        from_scratch=not args.from_committed,
+    )
+
+
+def solve_args_from_msg(msg: pb.SolveRequest) -> SolveArgs:
+    num_ranks, num_experts = int(msg.num_ranks), int(msg.num_experts)
+    load = np.array(msg.load, dtype=np.int64)
+    if load.size != num_ranks * num_experts or load.size == 0:
+        raise ValueError(
+            f"load has {load.size} counts, not num_ranks*num_experts = {num_ranks}*{num_experts}"
+        )
+    if load.min() < 0 or load.max() > MAX_COUNT:
+        raise ValueError("load counts must be in [0, 2**40]")
+    settings: dict[str, Any] | None = None
+    if msg.policy_settings_json:
+        if len(msg.policy_settings_json) > MAX_POLICY_SETTINGS_BYTES:
+            raise ValueError("policy_settings_json is too large")
+        try:
+            parsed = json.loads(msg.policy_settings_json)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"policy_settings_json is not JSON: {err.msg}") from None
+        if not isinstance(parsed, dict):
+            raise ValueError("policy_settings_json must be a JSON object")
+        settings = parsed
+    return SolveArgs(
+        load=load.reshape(num_ranks, num_experts),
+        layer=int(msg.layer),
+        policy=msg.policy or None,
+        policy_settings=settings,
+        from_committed=not msg.from_scratch,
+    )
