@@ -7,7 +7,8 @@ export RAY_AUTH_MODE ?= disabled
 export PYTHONDONTWRITEBYTECODE := 1
 
 .DEFAULT_GOAL := help
-.PHONY: help setup demo test test-unit test-integration lint fmt typecheck bench bench-planner clean
+.PHONY: help setup demo test test-unit test-integration lint fmt typecheck bench bench-planner clean \
+	serve proto
 
 help: ## list the verbs
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -46,6 +47,12 @@ fmt: setup ## apply ruff's formatting and safe fixes
 	$(VENV)/bin/ruff format .
 
 bench: bench-planner ## every benchmark
+
+serve: setup ## controller + REST/dashboard (127.0.0.1:8700) + gRPC (127.0.0.1:8701), no Ray workers
+	$(VENV)/bin/expertmesh serve --topology deploy/topologies/two-dc.yaml
+
+proto: setup ## regenerate proto/expertmesh/v1/*_pb2*.py from the .proto (committed; a test checks)
+	PYTHON=$(PY) PATH=$(VENV)/bin:$$PATH scripts/gen_proto.sh
 
 bench-planner: setup ## planner: quota/eplb vs DeepSeek EPLB at EP64 (table + ratios)
 	$(PY) bench/bench_planner.py
