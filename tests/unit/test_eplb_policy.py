@@ -45,6 +45,8 @@ def cases(draw: st.DrawFn) -> tuple[Topology, ModelSpec, np.ndarray, dict]:
         "window": draw(st.integers(1, 4)),
         "hierarchical": draw(st.sampled_from(["auto", False])),
     }
+    if draw(st.booleans()) and experts % topo.num_nodes == 0:
+        cfg["num_groups"] = topo.num_nodes  # hierarchical under "auto"
     return topo, ModelSpec(num_experts=experts, num_layers=layers), load, cfg
 
 
@@ -89,15 +91,19 @@ def test_plans_on_history_never_on_the_current_load():
     assert policy.place(ctx).logcnt(8)[5] == 12 - 7  # every spare slot copies the hot expert
 
 
-def test_hierarchical_by_default_on_uniform_nodes():
-    policy = make_policy("eplb")
+def test_global_by_default_hierarchical_when_groups_fit_the_nodes():
     topo = Topology.generate(1, 8, nodes_per_dc=2)
-    assert policy.resolve(topo, 16) == (2, True)
-    assert policy.resolve(topo, 15) == (1, False)  # nodes do not divide the experts
+    assert make_policy("eplb").resolve(topo, 16) == (1, False)  # a model without groups
+    assert make_policy("eplb").resolve(Topology.generate(1, 8), 16) == (1, True)  # one node
+    grouped = make_policy("eplb", {"num_groups": 4})
+    assert grouped.resolve(topo, 16) == (4, True)
     mixed = Topology((DC("a", 1, 4), DC("b", 2, 2)), masters_per_rank=2, spare_per_rank=1)
-    assert policy.resolve(mixed, 12) == (3, False)  # ranks per node differ
+    assert make_policy("eplb", {"num_groups": 3}).resolve(mixed, 12) == (
+        3,
+        False,
+    )  # ranks/node differ
     with pytest.raises(ValueError, match="hierarchical needs"):
-        make_policy("eplb", {"hierarchical": True}).resolve(mixed, 12)
+        make_policy("eplb", {"hierarchical": True, "num_groups": 3}).resolve(mixed, 12)
     with pytest.raises(ValueError, match="do not split into 3 groups"):
         make_policy("eplb", {"num_groups": 3}).resolve(topo, 16)
 

@@ -305,12 +305,13 @@ class EplbSettings(PolicySettings):
         le=1_000_000,
         description="history microbatches summed into the per-expert load estimate",
     )
-    num_groups: int | None = Field(
-        default=None,
+    num_groups: int = Field(
+        default=1,
         ge=1,
         le=65_536,
-        description="expert groups (divides the expert count); default: the number of "
-        "nodes when it divides the expert count, else 1",
+        description="expert groups of the model's group-limited routing (divides the expert "
+        "count); 1 for a model without groups, as vLLM and SGLang pass it, which makes "
+        "`auto` choose the global policy on several nodes",
     )
     hierarchical: Literal["auto"] | bool = Field(
         default="auto",
@@ -327,6 +328,12 @@ class EplbPolicy(Policy):
     Maps EPLB onto the topology with ``num_gpus = R``, ``num_nodes`` = the
     topology's nodes and ``num_replicas = R * S`` (every slot filled). Tokens go
     evenly to the copies in their own DC when it holds one.
+
+    The default is one expert group, so the global policy on several nodes. With
+    as many groups as nodes, step 1 of the hierarchical policy has nothing to
+    balance (group ``k`` simply lands on node ``k``) and node loads stay as
+    skewed as the experts' order makes them; set ``num_groups`` to the model's
+    groups when routing is group-limited.
 
     ``relabel_ranks`` stays ``False``: balance does not depend on which rank of a
     DC gets which bin, but it does depend on the DC (routing stays inside DCs),
@@ -352,8 +359,6 @@ class EplbPolicy(Policy):
         s = self.cfg
         nodes = topology.num_nodes
         groups = s.num_groups
-        if groups is None:
-            groups = nodes if num_experts % nodes == 0 else 1
         if num_experts % groups:
             raise ValueError(f"eplb: {num_experts} experts do not split into {groups} groups")
         uniform = len({d.ranks_per_node for d in topology.dcs}) == 1

@@ -1,0 +1,486 @@
+"""Planner benchmark (issue 2): balance, solve time and migration traffic at EP64.
+
+EP64 (deploy/topologies/ep64.yaml: 8 nodes x 8 ranks, 4 masters + 2 spare slots
+per rank), 256 experts, top-8, 8192 tokens per rank, one domain.
+
+1. Balance: traces whose static-EP max/mean is 1.5, 2.0 and 3.0. History-based
+   policies (``eplb``, the peer) plan on the ``window`` microbatches before the
+   final one; everything is scored on the final microbatch (max/mean tokens per
+   rank, routed with the same ``route_even`` for ``eplb`` and the peer).
+   Solve time per layer = one layer planned from numpy load to placement and
+   route, timed the same way for everyone (the peer: DeepSeek's
+   ``rebalance_experts`` from ``../shared/tools/peer-eplb`` plus the same route);
+   "placement only" times ``rebalance`` against the peer's ``rebalance_experts``
+   on the same weight.
+2. Drift: 100 steps of slowly drifting load; bytes migrated per step by ``eplb``
+   through ``plan_trace`` (aligned placement, planned migration) vs re-running the
+   peer every ``period`` steps and replacing slot by slot (every slot whose expert
+   changes is one expert copy sent).
+
+Single core: BLAS/OpenMP threads and torch threads are set to 1. Medians over
+repeats; ratios are against baselines measured in the same run.
+
+    make bench-planner      # or: python bench/bench_planner.py [--quick] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+REPO = Path(__file__).resolve().parents[1]
+for _root in ("controller", "workers", "proto"):
+    if str(REPO / _root) not in sys.path:
+        sys.path.insert(0, str(REPO / _root))
+
+from expertmesh.planner import (  # noqa: E402 (after the source roots are on sys.path)
+    LayerPlan,
+    ModelSpec,
+    Placement,
+    Policy,
+    PolicyContext,
+    Topology,
+    available_policies,
+    imbalance,
+    make_policy,
+    plan_layer,
+    plan_trace,
+)
+from expertmesh.planner.eplb import EplbPolicy, rebalance  # noqa: E402
+from expertmesh.planner.routing import route_even  # noqa: E402
+
+TOP_K = 8
+TOKENS_PER_RANK = 8192
+NUM_EXPERTS = 256
+IMBALANCES = (1.5, 2.0, 3.0)
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+console = Console()
+
+
+# ---------------------------------------------------------------------------
+# Load: seeded Zipf-skewed experts calibrated to a static-EP max/mean
+# ---------------------------------------------------------------------------
+
+
+def _static_imbalance(p: np.ndarray, num_ranks: int) -> float:
+    """Expected max/mean of static EP (contiguous expert blocks per rank) under probs ``p``."""
+    per_rank = p.reshape(num_ranks, -1).sum(1)
+    return float(per_rank.max() / per_rank.mean())
+
+
+def calibrated_probs(target: float, num_ranks: int, seed: int) -> np.ndarray:
+    """[E] expert probabilities: Zipf over a seeded random order, exponent found by
+    bisection so that static EP's expected max/mean equals ``target``."""
+    order = np.random.default_rng(seed).permutation(NUM_EXPERTS)
+
+    def probs(s: float) -> np.ndarray:
+        p = np.empty(NUM_EXPERTS)
+        p[order] = (np.arange(NUM_EXPERTS) + 1.0) ** -s
+        return p / p.sum()
+
+    lo, hi = 0.0, 4.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _static_imbalance(probs(mid), num_ranks) < target else (lo, mid)
+    return probs((lo + hi) / 2)
+
+
+def sample_load(p: np.ndarray, num_ranks: int, rng: np.random.Generator) -> np.ndarray:
+    """[R, E] int64: each rank sends ``TOKENS_PER_RANK * TOP_K`` assignments drawn from ``p``."""
+    return rng.multinomial(TOKENS_PER_RANK * TOP_K, p, size=num_ranks).astype(np.int64)
+
+
+def drift_trace(steps: int, num_ranks: int, seed: int, sigma: float) -> np.ndarray:
+    """[T, 1, R, E] slowly drifting load: start at static max/mean 2.0, then every step
+    each expert's log-popularity takes a Gaussian step of ``sigma`` (pulled back 2%
+    towards its start so the skew stays similar): the hot set moves slowly."""
+    rng = np.random.default_rng(seed)
+    logp0 = np.log(calibrated_probs(2.0, num_ranks, seed))
+    logp = logp0.copy()
+    out = np.empty((steps, 1, num_ranks, NUM_EXPERTS), dtype=np.int64)
+    for t in range(steps):
+        p = np.exp(logp - logp.max())
+        out[t, 0] = sample_load(p / p.sum(), num_ranks, rng)
+        logp += sigma * rng.standard_normal(NUM_EXPERTS) - 0.02 * (logp - logp0)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# The peer: DeepSeek EPLB as shipped in sglang (torch), run in this process
+# ---------------------------------------------------------------------------
+
+
+def load_peer() -> tuple[ModuleType | None, str]:
+    """DeepSeek's ``deepseek_eplb`` module and ``""``, or ``None`` and why not."""
+    try:
+        import torch
+    except ImportError:
+        return None, "torch is not installed"
+    torch.set_num_threads(1)
+    path = os.environ.get("EXPERTMESH_PEER_EPLB")
+    cached = REPO / ".cache" / "peers" / "deepseek_eplb.py"
+    if path is None and not cached.is_file():
+        tool = next(
+            (p / "shared/tools/peer-eplb" for p in REPO.parents
+             if (p / "shared/tools/peer-eplb").is_file()),
+            None,
+        )  # fmt: skip
+        if tool is None:
+            return None, "shared/tools/peer-eplb not found (set EXPERTMESH_PEER_EPLB)"
+        run = subprocess.run(
+            [str(tool), str(cached.parent)], check=False, capture_output=True, text=True
+        )
+        if run.returncode != 0:
+            return None, f"peer-eplb failed: {run.stderr.strip()[-200:]}"
+    spec = importlib.util.spec_from_file_location("deepseek_eplb_peer", path or cached)
+    if spec is None or spec.loader is None:
+        return None, f"cannot load {path or cached}"
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod, ""
+
+
+def peer_phy2log(peer: ModuleType, weight: np.ndarray, args: tuple[int, ...], hier: bool) -> Any:
+    import torch
+
+    return peer.rebalance_experts(torch.from_numpy(weight[None]), *args, hier)[0][0].numpy()
+
+
+# ---------------------------------------------------------------------------
+# Measurements
+# ---------------------------------------------------------------------------
+
+
+def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """Median CPU seconds of ``fn()`` (process CPU time: single-threaded here, and not
+    inflated by other processes sharing the machine)."""
+    fn()  # warm up
+    times = []
+    for _ in range(repeats):
+        t0 = time.process_time()
+        fn()
+        times.append(time.process_time() - t0)
+    return float(np.median(times))
+
+
+def first_master(phy2log: np.ndarray, num_experts: int) -> np.ndarray:
+    """[E] flat slot of the first copy of each expert (a valid master for routing)."""
+    experts, first = np.unique(phy2log.ravel(), return_index=True)
+    out = np.empty(num_experts, dtype=np.int64)
+    out[experts] = first
+    return out
+
+
+Contender = Callable[[np.ndarray, np.ndarray], LayerPlan]  # (load [R, E], history [W, R, E])
+
+
+def contenders(
+    topo: Topology, model: ModelSpec, peer: ModuleType | None
+) -> dict[str, tuple[Contender, Callable[[np.ndarray], object] | None]]:
+    """Name -> (plan one layer from (load, history), placement only from weight [E] or None).
+
+    ``eplb`` and the peer run with the same arguments: the defaults (global on
+    several nodes), and hierarchical with one group per node ("hier").
+    """
+    step = make_policy("eplb").history_window()
+    num_ranks, slots = topo.num_ranks, topo.slots_per_rank
+    out: dict[str, tuple[Contender, Callable[[np.ndarray], object] | None]] = {}
+
+    def ours(policy: Policy) -> Contender:
+        def plan(load: np.ndarray, history: np.ndarray) -> LayerPlan:
+            return plan_layer(policy, PolicyContext(topo, model, step, 0, load, history))
+
+        return plan
+
+    def theirs(args: tuple[int, ...], hier: bool) -> Contender:
+        assert peer is not None
+
+        def plan(load: np.ndarray, history: np.ndarray) -> LayerPlan:
+            weight = history.sum((0, 1)).astype(np.float64)
+            phy2log = peer_phy2log(peer, weight, args, hier).reshape(num_ranks, slots)
+            placement = Placement(phy2log, first_master(phy2log, NUM_EXPERTS))
+            return LayerPlan(placement, route_even(load, placement, topo.rank_dc))
+
+        return plan
+
+    out["static"] = (ours(make_policy("static")), None)
+    for label, cfg in (("", {}), (" hier", {"num_groups": topo.num_nodes})):
+        eplb = make_policy("eplb", cfg)
+        assert isinstance(eplb, EplbPolicy)
+        groups, hier = eplb.resolve(topo, NUM_EXPERTS)
+        args = (num_ranks * slots, groups, topo.num_nodes, num_ranks)
+        out["eplb" + label] = (
+            ours(eplb),
+            lambda w, a=args, h=hier: rebalance(w[None], *a, hierarchical=h),
+        )
+        if peer is not None:
+            out["peer" + label] = (
+                theirs(args, hier),
+                lambda w, a=args, h=hier: peer_phy2log(peer, w, a, h),
+            )
+    if "quota" in available_policies():
+        out["quota"] = (ours(make_policy("quota")), None)
+    return out
+
+
+def balance_rows(
+    topo: Topology, model: ModelSpec, peer: ModuleType | None, seeds: int, repeats: int
+) -> list[dict[str, Any]]:
+    """Per imbalance and contender: median max/mean on the final microbatch, median
+    solve and placement-only seconds."""
+    window = make_policy("eplb").history_window()
+    num_ranks = topo.num_ranks
+    who = contenders(topo, model, peer)
+    rows = []
+    for target in IMBALANCES:
+        score: dict[str, list[float]] = {c: [] for c in who}
+        solve: dict[str, list[float]] = {c: [] for c in who}
+        place: dict[str, list[float]] = {c: [] for c in who}
+        for seed in range(seeds):
+            rng = np.random.default_rng(1000 * seed + int(target * 10))
+            p = calibrated_probs(target, num_ranks, seed)
+            trace = np.stack([sample_load(p, num_ranks, rng) for _ in range(window + 1)])
+            load, history = trace[-1], trace[:-1]  # [R, E], [W, R, E]
+            weight = history.sum((0, 1)).astype(np.float64)
+            for name, (plan, placement_only) in who.items():
+                score[name].append(imbalance(plan(load, history).rank_tokens()))
+                solve[name].append(median_seconds(partial(plan, load, history), repeats))
+                if placement_only is not None:
+                    place[name].append(median_seconds(partial(placement_only, weight), repeats))
+        rows.extend(
+            {
+                "imbalance": target,
+                "policy": c,
+                "max_mean": float(np.median(score[c])),
+                "solve_ms": 1e3 * float(np.median(solve[c])),
+                "place_ms": 1e3 * float(np.median(place[c])) if place[c] else None,
+            }
+            for c in who
+        )
+    return rows
+
+
+def drift_rows(
+    topo: Topology, model: ModelSpec, peer: ModuleType | None, steps: int, seeds: int
+) -> list[dict[str, Any]]:
+    """Migration per step under slow drift, measured over ``steps`` steps after a warm-up
+    of one period (the switch from the cold-start placement to the first plan on real
+    history is not counted, for anyone)."""
+    eplb = make_policy("eplb")
+    assert isinstance(eplb, EplbPolicy)
+    groups, hier = eplb.resolve(topo, NUM_EXPERTS)
+    period, window = eplb.cfg.period, eplb.cfg.window
+    num_ranks, slots = topo.num_ranks, topo.slots_per_rank
+    args = (num_ranks * slots, groups, topo.num_nodes, num_ranks)
+    ours = {"eplb": eplb} | (
+        {"quota": make_policy("quota")} if "quota" in available_policies() else {}
+    )
+    names = list(ours) + (["peer"] if peer is not None else [])
+    copies: dict[str, list[float]] = {n: [] for n in names}
+    nbytes: dict[str, list[float]] = {n: [] for n in names}
+    balance: dict[str, list[float]] = {n: [] for n in names}
+    measured = range(period + 1, period + 1 + steps)
+    for seed in range(seeds):
+        trace = drift_trace(period + 1 + steps, num_ranks, seed=100 + seed, sigma=0.03)
+        for name, policy in ours.items():
+            plan = plan_trace(trace, topo, model, policy)
+            moved = [plan.layers[t][0].migration for t in measured]
+            copies[name].append(sum(m.copies for m in moved) / steps)
+            nbytes[name].append(sum(m.nbytes for m in moved) / steps)
+            balance[name].append(
+                float(np.mean([imbalance(plan.layers[t][0].rank_tokens()) for t in measured]))
+            )
+        if peer is None:
+            continue
+        changed, cur, ratios = 0, np.zeros((num_ranks, slots), np.int64), []
+        for t in range(period + 1 + steps):
+            if t % period == 0:
+                hist = trace[max(0, t - window) : t, 0].sum((0, 1)).astype(np.float64)
+                new = peer_phy2log(peer, hist if hist.any() else np.ones(NUM_EXPERTS), args, hier)
+                new = new.reshape(num_ranks, slots)
+                changed += int((new != cur).sum()) if t in measured else 0
+                cur = new
+            if t in measured:
+                placement = Placement(cur, first_master(cur, NUM_EXPERTS))
+                route = route_even(trace[t, 0], placement, topo.rank_dc)
+                ratios.append(imbalance(LayerPlan(placement, route).rank_tokens()))
+        copies["peer"].append(changed / steps)
+        nbytes["peer"].append(changed * model.expert_bytes / steps)
+        balance["peer"].append(float(np.mean(ratios)))
+    return [
+        {
+            "policy": n,
+            "copies_per_step": float(np.median(copies[n])),
+            "bytes_per_step": float(np.median(nbytes[n])),
+            "mean_max_mean": float(np.median(balance[n])),
+        }
+        for n in names
+    ]
+
+
+# ---------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seeds", type=int, default=3, help="traces per imbalance (median)")
+    ap.add_argument("--repeats", type=int, default=20, help="timed solves per trace (median)")
+    ap.add_argument("--steps", type=int, default=100, help="drift steps")
+    ap.add_argument("--quick", action="store_true", help="1 seed, 5 repeats, 30 drift steps")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--markdown", type=Path, help="also write the tables here as markdown")
+    args = ap.parse_args(argv)
+    if any(os.environ.get(v) != "1" for v in THREAD_VARS):  # one core: re-run with 1 thread
+        env = {**os.environ, **dict.fromkeys(THREAD_VARS, "1")}
+        os.execve(sys.executable, [sys.executable, __file__, *sys.argv[1:]], env)
+    if args.quick:
+        args.seeds, args.repeats, args.steps = 1, 5, 30
+
+    topo = Topology.from_dict(yaml.safe_load((REPO / "deploy/topologies/ep64.yaml").read_text()))
+    model = ModelSpec(num_experts=NUM_EXPERTS, top_k=TOP_K, num_layers=1)
+    peer, why = load_peer()
+    if peer is None:
+        console.print(f"[yellow]note: peer DeepSeek EPLB skipped: {why}[/]")
+    if "quota" not in available_policies():
+        console.print("[yellow]note: policy 'quota' is not registered yet; skipped[/]")
+    eplb = make_policy("eplb")
+    assert isinstance(eplb, EplbPolicy)
+    groups, hier = eplb.resolve(topo, NUM_EXPERTS)
+    console.print(
+        f"EP{topo.num_ranks} ({topo.num_nodes} nodes), {NUM_EXPERTS} experts, "
+        f"{topo.masters_per_rank}+{topo.spare_per_rank} slots/rank, top-{TOP_K}, "
+        f"{TOKENS_PER_RANK} tokens/rank; eplb and peer: {'hierarchical' if hier else 'global'}, "
+        f"{groups} groups, period {eplb.cfg.period}, window {eplb.cfg.window}; 1 thread"
+    )
+
+    bal = balance_rows(topo, model, peer, args.seeds, args.repeats)
+    drift = drift_rows(topo, model, peer, args.steps, args.seeds)
+    tables = [balance_table(bal), drift_table(drift, args.steps)]
+    verdicts = targets(bal, drift)
+    for title, head, body in tables:
+        table = Table(title=title)
+        for col in head:
+            table.add_column(col, justify="right")
+        for row in body:
+            table.add_row(*row)
+        console.print(table)
+    console.print("Targets:\n" + "\n".join(f"  {v}" for v in verdicts))
+    if args.markdown:
+        args.markdown.write_text(markdown(tables, verdicts))
+    if args.json:
+        args.json.write_text(json.dumps({"balance": bal, "drift": drift}, indent=2))
+    return 0
+
+
+Rendered = tuple[str, list[str], list[list[str]]]  # title, header, rows
+
+
+def balance_table(bal: list[dict[str, Any]]) -> Rendered:
+    head = ["static max/mean", "policy", "max/mean", "solve ms p50", "placement ms p50",
+            "peer solve / solve"]  # fmt: skip
+    body = []
+    for target in IMBALANCES:
+        group = [r for r in bal if r["imbalance"] == target]
+        peer_ms = next((r["solve_ms"] for r in group if r["policy"] == "peer"), None)
+        for r in group:
+            body.append(
+                [
+                    f"{target:.1f}",
+                    r["policy"],
+                    f"{r['max_mean']:.3f}",
+                    f"{r['solve_ms']:.3f}",
+                    f"{r['place_ms']:.3f}" if r["place_ms"] is not None else "",
+                    f"{peer_ms / r['solve_ms']:.1f}x" if peer_ms else "",
+                ]
+            )
+    return "Balance and solve time per layer (medians)", head, body
+
+
+def drift_table(drift: list[dict[str, Any]], steps: int) -> Rendered:
+    head = ["policy", "copies/step", "MB/step", "mean max/mean", "bytes / peer bytes"]
+    peer_bytes = next((r["bytes_per_step"] for r in drift if r["policy"] == "peer"), None)
+    body = [
+        [
+            r["policy"],
+            f"{r['copies_per_step']:.2f}",
+            f"{r['bytes_per_step'] / 1e6:.1f}",
+            f"{r['mean_max_mean']:.3f}",
+            f"{r['bytes_per_step'] / peer_bytes:.3f}" if peer_bytes else "",
+        ]
+        for r in drift
+    ]
+    return f"Slow drift over {steps} steps: migration per step (medians)", head, body
+
+
+def targets(bal: list[dict[str, Any]], drift: list[dict[str, Any]]) -> list[str]:
+    """The issue's targets, each marked met or NOT met with the measured value."""
+
+    def mark(ok: bool) -> str:
+        return "met" if ok else "NOT met"
+
+    out = []
+    quota = [r for r in bal if r["policy"] == "quota"]
+    peer_ms = {r["imbalance"]: r["solve_ms"] for r in bal if r["policy"] == "peer"}
+    if quota:
+        worst = max(r["max_mean"] for r in quota)
+        slowest = max(r["solve_ms"] for r in quota)
+        out.append(
+            f"quota max/mean <= 1.02 at 1.5, 2.0, 3.0: {mark(worst <= 1.02)} (worst {worst:.3f})"
+        )
+        out.append(
+            f"quota p50 <= 1 ms per layer: {mark(slowest <= 1.0)} (slowest {slowest:.3f} ms)"
+        )
+        if peer_ms:
+            speed = min(peer_ms[r["imbalance"]] / r["solve_ms"] for r in quota)
+            out.append(
+                f"quota >= 20x faster than the peer: {mark(speed >= 20)} (least {speed:.1f}x)"
+            )
+    else:
+        out.append("quota targets: not measured (policy quota is not registered)")
+    peer_bytes = next((r["bytes_per_step"] for r in drift if r["policy"] == "peer"), None)
+    if peer_bytes:
+        for r in drift:
+            if r["policy"] != "peer":
+                ratio = r["bytes_per_step"] / peer_bytes
+                out.append(
+                    f"drift traffic <= 1/4 of the peer's re-plans, {r['policy']}: "
+                    f"{mark(ratio <= 0.25)} ({ratio:.3f} of the peer's bytes)"
+                )
+    else:
+        out.append("drift target: not measured (peer unavailable)")
+    return out
+
+
+def markdown(tables: list[Rendered], verdicts: list[str]) -> str:
+    parts = []
+    for title, head, body in tables:
+        parts.append(f"**{title}**\n")
+        parts.append("| " + " | ".join(head) + " |")
+        parts.append("|" + "---|" * len(head))
+        parts.extend("| " + " | ".join(row) + " |" for row in body)
+        parts.append("")
+    parts.append("Targets:\n")
+    parts.extend(f"- {v}" for v in verdicts)
+    return "\n".join(parts) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
