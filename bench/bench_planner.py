@@ -17,7 +17,8 @@ per rank), 256 experts, top-8, 8192 tokens per rank, one domain.
    peer every ``period`` steps and replacing slot by slot (every slot whose expert
    changes is one expert copy sent).
 
-Single core: BLAS/OpenMP threads and torch threads are set to 1. Medians over
+Single core: BLAS/OpenMP threads and torch threads are set to 1; times are
+process CPU time; glibc keeps freed memory (see ``MALLOC_VARS``). Medians over
 repeats; ratios are against baselines measured in the same run.
 
     make bench-planner      # or: python bench/bench_planner.py [--quick] [--json out.json]
@@ -69,6 +70,10 @@ TOKENS_PER_RANK = 8192
 NUM_EXPERTS = 256
 IMBALANCES = (1.5, 2.0, 3.0)
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+# glibc: keep freed blocks in the heap instead of returning each large array to the OS
+# (what its adaptive threshold does in a long-running controller anyway); otherwise a
+# solve's time swings 2-3x with page faults depending on what ran before it.
+MALLOC_VARS = {"MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_": str(512 << 20)}
 
 console = Console()
 
@@ -348,8 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--markdown", type=Path, help="also write the tables here as markdown")
     args = ap.parse_args(argv)
-    if any(os.environ.get(v) != "1" for v in THREAD_VARS):  # one core: re-run with 1 thread
-        env = {**os.environ, **dict.fromkeys(THREAD_VARS, "1")}
+    want = dict.fromkeys(THREAD_VARS, "1") | MALLOC_VARS
+    if any(os.environ.get(k) != v for k, v in want.items()):  # re-run: 1 thread, steady heap
+        env = {**os.environ, **want}
         os.execve(sys.executable, [sys.executable, __file__, *sys.argv[1:]], env)
     if args.quick:
         args.seeds, args.repeats, args.steps = 1, 5, 30
