@@ -1,0 +1,201 @@
+"""``expertmesh demo``: train a small MoE language model across simulated DCs on local Ray."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from expertmesh.planner import Topology, available_policies
+
+__all__ = ["add_parser", "build_settings"]
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="train a small MoE LM across simulated DCs on a local Ray cluster",
+        description="Start a local Ray cluster with one node per DC (labeled dc=<name>), a "
+        "controller actor and one worker actor per rank; train a byte-level MoE language model "
+        "on real text with expert parallelism across DCs over shaped WAN links; print loss and "
+        "step time live.",
+    )
+    p.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
+    p.add_argument(
+        "--policy",
+        help="placement policy: " + ", ".join(available_policies()) + " (default: hybrid when "
+        "registered, else the first of quota, eplb, static)",
+    )
+    p.add_argument(
+        "--trigger",
+        default="every_n:5",
+        help="when to re-plan: every_step, every_n:N or threshold:X (default every_n:5)",
+    )
+    p.add_argument("--topology", type=Path, help="topology YAML (else --dcs x --ranks-per-dc)")
+    p.add_argument("--dcs", type=int, default=3, help="DCs (default 3)")
+    p.add_argument("--ranks-per-dc", type=int, default=2, help="ranks per DC (default 2)")
+    p.add_argument("--masters", type=int, default=2, help="master slots per rank (default 2)")
+    p.add_argument("--spare", type=int, default=4, help="spare slots per rank (default 4)")
+    p.add_argument("--inter-dc-gbps", type=float, help="inter-DC bandwidth (default 1)")
+    p.add_argument("--inter-dc-latency-ms", type=float, help="inter-DC latency (default 20)")
+    p.add_argument("--no-shaper", action="store_true", help="do not shape inter-DC links")
+    p.add_argument("--corpus", type=Path, help="text file to train on (default: Python's stdlib)")
+    p.add_argument("--experts", type=int, default=12, help="experts per layer (default 12)")
+    p.add_argument("--layers", type=int, default=2, help="MoE layers (default 2)")
+    p.add_argument("--top-k", type=int, default=2, help="experts per token (default 2)")
+    p.add_argument("--hidden", type=int, default=32, help="model width (default 32)")
+    p.add_argument("--batch", type=int, default=16, help="sequences per rank per step")
+    p.add_argument("--seq-len", type=int, default=64, help="bytes per sequence")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, help="write per-step results here")
+    p.add_argument("--exit", action="store_true", help="exit after training (else wait for Ctrl-C)")
+    p.set_defaults(func=run)
+
+
+def parse_trigger(text: str) -> dict[str, Any]:
+    mode, _, val = text.partition(":")
+    if mode == "every_step" and not val:
+        return {"mode": "every_step"}
+    if mode == "every_n" and val.isdigit():
+        return {"mode": "every_n", "every": int(val)}
+    if mode == "threshold" and val:
+        try:
+            return {"mode": "threshold", "threshold": float(val)}
+        except ValueError:
+            pass
+    raise ValueError(f"--trigger {text!r}: use every_step, every_n:N or threshold:X")
+
+
+def build_settings(args: argparse.Namespace) -> Any:
+    """The :class:`RuntimeSettings` the arguments describe (ValueError on bad input)."""
+    from expertmesh.controller.core import Trigger
+    from expertmesh.controller.runtime import RuntimeSettings
+    from expertmesh.workers.model import LMConfig
+
+    if args.policy is None:
+        have = available_policies()
+        args.policy = next(p for p in ("hybrid", "quota", "eplb", "static") if p in have)
+    if args.policy not in available_policies():
+        raise ValueError(
+            f"unknown policy {args.policy!r}; choose from {', '.join(available_policies())}"
+        )
+    if args.steps < 1:
+        raise ValueError("--steps must be >= 1")
+    if args.topology is not None:
+        topo = Topology.from_dict(yaml.safe_load(args.topology.read_text()))
+    else:
+        topo = Topology.generate(
+            args.dcs, args.ranks_per_dc, masters=args.masters, spare=args.spare
+        ).with_inter_dc(1.0, 20.0)
+    if args.inter_dc_gbps is not None or args.inter_dc_latency_ms is not None:
+        gbps = args.inter_dc_gbps if args.inter_dc_gbps is not None else topo.inter_dc.gbps
+        topo = topo.with_inter_dc(gbps, args.inter_dc_latency_ms)
+    if args.corpus is not None and not args.corpus.is_file():
+        raise FileNotFoundError(2, "No such file", str(args.corpus))
+    lm = LMConfig(
+        num_layers=args.layers,
+        num_experts=args.experts,
+        top_k=args.top_k,
+        hidden=args.hidden,
+        batch=args.batch,
+        seq_len=args.seq_len,
+        seed=args.seed,
+    )
+    if lm.num_experts > topo.num_ranks * topo.masters_per_rank:
+        raise ValueError(
+            f"{lm.num_experts} experts do not fit {topo.num_ranks} ranks x "
+            f"{topo.masters_per_rank} master slots"
+        )
+    return RuntimeSettings(
+        topology=topo.to_dict(),
+        lm=lm,
+        policy=args.policy,
+        trigger=Trigger(**parse_trigger(args.trigger)),
+        shaper=not args.no_shaper,
+        corpus=str(args.corpus) if args.corpus else None,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.live import Live
+    from rich.table import Table
+
+    from expertmesh.controller.runtime import Runtime
+
+    settings = build_settings(args)
+    logging.basicConfig(level=logging.WARNING)
+    console = Console()
+    topo = Topology.from_dict(settings.topology)
+    console.print(
+        f"[bold]expertmesh demo[/]: {topo.num_dcs} DCs x {topo.num_ranks // topo.num_dcs} ranks, "
+        f"inter-DC {topo.inter_dc.gbps:g} Gbit/s {topo.inter_dc.latency_ms:g} ms"
+        f"{'' if settings.shaper else ' (shaper off)'}, policy {settings.policy}, "
+        f"{settings.lm.num_experts} experts x {settings.lm.num_layers} layers, top-{settings.lm.top_k}"
+    )
+    rows: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    with Runtime(settings) as rt:
+        console.print(f"cluster up in {time.perf_counter() - t0:.1f}s; workers on {rt.node_dcs()}")
+        table = Table("step", "loss", "step s", "imbalance", "plan", "WAN tokens", "WAN weights")
+        with Live(table, console=console, refresh_per_second=4, transient=False):
+            for _ in range(args.steps):
+                r = rt.run_step()
+                rows.append(r.model_dump())
+                table.add_row(
+                    str(r.step),
+                    f"{r.loss:.4f}",
+                    f"{r.step_seconds:.3f}",
+                    f"{r.imbalance:.2f}",
+                    f"v{r.plan_version}",
+                    _mb(r.cross_dc_token_bytes),
+                    _mb(r.cross_dc_weight_bytes),
+                )
+                if len(table.rows) > 20:
+                    table.rows.pop(0)
+                    for col in table.columns:
+                        col._cells.pop(0)
+        status = rt.status()
+        summary = _summary(rows, status, settings)
+        console.print(
+            f"trained {len(rows)} steps in {time.perf_counter() - t0:.1f}s: loss "
+            f"{rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}, median step "
+            f"{summary['median_step_seconds']:.3f}s, plan v{status['version']}, "
+            f"controller errors {status['errors']}"
+        )
+        if args.json is not None:
+            args.json.write_text(json.dumps({"summary": summary, "steps": rows}, indent=1))
+            console.print(f"wrote {args.json}")
+        if not args.exit:
+            console.print("cluster is up; Ctrl-C to stop")
+            try:
+                while True:
+                    time.sleep(1.0)
+            except KeyboardInterrupt:
+                console.print("stopping")
+    return 0
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+def _summary(rows: list[dict[str, Any]], status: dict[str, Any], settings: Any) -> dict[str, Any]:
+    import statistics
+
+    return {
+        "policy": settings.policy,
+        "steps": len(rows),
+        "first_loss": rows[0]["loss"],
+        "final_loss": rows[-1]["loss"],
+        "median_step_seconds": statistics.median(r["step_seconds"] for r in rows),
+        "plan_version": status["version"],
+        "controller_errors": status["errors"],
+        "topology": settings.topology,
+        "lm": settings.lm.model_dump(),
+    }

@@ -1,0 +1,145 @@
+"""The step driver: which phases run, in which order, and how packets move between ranks.
+
+The driver talks to ranks through an :class:`Executor`. :class:`LocalExecutor`
+runs every :class:`RankState` in this process (tests, no Ray); the Ray
+executor in ``expertmesh.controller.runtime`` runs them as actors and passes
+packets as object refs, so a whole step is submitted at once and data flows
+worker to worker.
+
+:func:`migration_rounds` turns a plan's migrations into the rounds the ranks
+execute during *prepare*; it checks the planner's transfers (a source must
+hold the expert when its round starts) and adds what they miss, so a commit
+never finds a rank without its weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+from expertmesh.planner.plan import Migration, Placement
+from expertmesh.planner.topology import Topology
+from expertmesh.workers.rank import RankState
+
+__all__ = [
+    "FORWARD",
+    "REDUCE",
+    "Executor",
+    "LocalExecutor",
+    "Transfer",
+    "apply_plan",
+    "migration_rounds",
+    "train_step",
+]
+
+FORWARD = ("fan", "expert", "gather", "next")
+BACKWARD = ("bfan", "bexpert", "bgather", "bnext")
+REDUCE = ("red1", "red2", "red3", "red4", "red5")
+Transfer = tuple[int, int, int, int, str]  # (layer, expert, src_rank, dst_rank, "w" | "opt")
+
+
+class Executor(Protocol):
+    """Runs phases on every rank. ``outs[p][q]`` is the packet (or a handle to it) from
+    ``p`` to ``q``."""
+
+    num_ranks: int
+
+    def phase(self, name: str, layer: int, outs: list[list[Any]] | None, arg: Any = None) -> Any:
+        """Run phase ``name`` on every rank with inbox ``[outs[p][q] for p]``; returns outs."""
+        ...
+
+    def call_all(self, method: str, *args: Any) -> list[Any]:
+        """Call ``method(*args)`` on every rank (after everything submitted), wait, return."""
+        ...
+
+
+class LocalExecutor:
+    """Every rank in this process, phases run rank by rank (for tests and the reference)."""
+
+    def __init__(self, ranks: list[RankState]) -> None:
+        self.ranks = ranks
+        self.num_ranks = len(ranks)
+
+    def phase(
+        self, name: str, layer: int, outs: list[list[Any]] | None, arg: Any = None
+    ) -> list[list[Any]]:
+        n = self.num_ranks
+        return [
+            r.phase(name, layer, [outs[p][q] for p in range(n)] if outs else [], arg)
+            for q, r in enumerate(self.ranks)
+        ]
+
+    def call_all(self, method: str, *args: Any) -> list[Any]:
+        return [getattr(r, method)(*args) for r in self.ranks]
+
+
+def train_step(ex: Executor, step: int, num_layers: int) -> list[dict[str, Any]]:
+    """One training step on every rank; returns each rank's :meth:`RankState.stats`."""
+    ex.call_all("begin_step", step)
+    outs = ex.phase("begin", 0, None)
+    for layer in range(num_layers):
+        for name in FORWARD:
+            outs = ex.phase(name, layer, outs)
+    for layer in reversed(range(num_layers)):
+        for name in BACKWARD:
+            outs = ex.phase(name, layer, outs)
+    for name in REDUCE:
+        outs = ex.phase(name, 0, outs)
+    return ex.call_all("stats")
+
+
+def apply_plan(
+    ex: Executor,
+    version: int,
+    layers: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+    rounds: list[list[Transfer]],
+) -> None:
+    """Prepare plan ``version`` on every rank (run the migration ``rounds``, then check each
+    rank holds what it needs). Commit is separate (:meth:`RankState.commit`)."""
+    ex.call_all("prepare", version, layers)
+    outs = None
+    for rnd in [*rounds, []]:
+        outs = ex.phase("mig", 0, outs, rnd)
+    ex.call_all("prepare_end", version)
+
+
+def migration_rounds(
+    old: list[Placement],
+    new: list[Placement],
+    migrations: list[Migration],
+    topology: Topology,
+) -> list[list[Transfer]]:
+    """Rounds of transfers that turn ``old`` into ``new`` (one entry per layer each).
+
+    The planner's transfers are kept in their rounds (relays included) when their
+    source holds the expert by then; every copy they do not deliver is sent from the
+    nearest holder of the old placement in one more round; a master that moves gets
+    its Adam state from the old master in that round too.
+    """
+    if not (len(old) == len(new) == len(migrations)):
+        raise ValueError("old, new and migrations need one entry per layer")
+    rounds: dict[int, list[Transfer]] = {}
+    extra: list[Transfer] = []
+    for layer, (a, b, mig) in enumerate(zip(old, new, migrations, strict=True)):
+        have = a.holds().copy()  # [R, E]
+        want = b.holds()
+        for k in sorted({t.round for t in mig.transfers}):
+            batch = [t for t in mig.transfers if t.round == k]
+            ok = [t for t in batch if have[t.src_rank, t.expert] and not have[t.dst_rank, t.expert]]
+            for t in ok:
+                rounds.setdefault(k, []).append((layer, t.expert, t.src_rank, t.dst_rank, "w"))
+            for t in ok:
+                have[t.dst_rank, t.expert] = True
+        old_holders = a.holds()
+        for r, e in zip(*np.nonzero(want & ~have), strict=True):
+            src = np.flatnonzero(old_holders[:, e])
+            near = src[np.argmin(topology.distance(src, np.full_like(src, r)))]
+            extra.append((layer, int(e), int(near), int(r), "w"))
+        moved = np.flatnonzero(a.master_rank() != b.master_rank())
+        for e in moved.tolist():
+            extra.append((layer, e, int(a.master_rank()[e]), int(b.master_rank()[e]), "opt"))
+    out = [rounds[k] for k in sorted(rounds)]
+    if extra:
+        out.append(extra)
+    return out

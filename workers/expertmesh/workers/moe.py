@@ -1,0 +1,197 @@
+"""Pure pieces of the expert-parallel MoE layer (no Ray, no I/O).
+
+- :func:`assign_destinations`: which rank computes each of a source rank's
+  top-k assignments, following the committed plan's route.
+- :func:`relay_rank`: the rank of a remote DC that receives a source's WAN
+  bundle and fans it out inside that DC (hierarchical dispatch).
+- :func:`expert_compute` / :func:`expert_backward`: one rank's experts on the
+  tokens it received, forward and backward.
+- :func:`reference_moe`: the single-process MoE every distributed result must
+  equal (the correctness oracle).
+- :func:`adam_`: the optimizer step masters (and every rank, for dense weights) run.
+
+Shapes: ``n`` tokens, ``k`` top-k, ``d`` hidden, ``E`` experts, ``R`` ranks,
+``m`` assignments (token, expert) received by a rank, ``u`` distinct tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from expertmesh.workers.model import ExpertWeights, expert_forward
+
+__all__ = [
+    "ExpertContext",
+    "adam_",
+    "assign_destinations",
+    "expert_backward",
+    "expert_compute",
+    "largest_remainder",
+    "reference_moe",
+    "relay_rank",
+]
+
+
+def largest_remainder(total: int, weights: np.ndarray, offset: int = 0) -> np.ndarray:
+    """Split ``total`` into ``len(weights)`` integers proportional to ``weights`` [c] >= 0
+    (sum > 0); leftover units go to the largest fractional parts, ties broken starting at
+    index ``offset % c`` so no copy is always favoured. Returns [c] int64 summing to total."""
+    w = np.asarray(weights, dtype=np.float64)
+    if w.ndim != 1 or w.size == 0 or (w < 0).any() or w.sum() <= 0:
+        raise ValueError("weights must be a non-empty 1-D array of non-negative numbers, sum > 0")
+    exact = total * w / w.sum()
+    base = np.floor(exact).astype(np.int64)
+    left = int(total - base.sum())
+    if left:
+        c = w.size
+        tie = (np.arange(c) - offset) % c
+        order = np.lexsort((tie, -(exact - base)))
+        base[order[:left]] += 1
+    return base
+
+
+def assign_destinations(
+    rank: int,
+    idx: np.ndarray,
+    route: np.ndarray,
+    holds: np.ndarray,
+    rank_dc: np.ndarray,
+) -> np.ndarray:
+    """Destination rank of every assignment of source ``rank``.
+
+    - ``idx``: [n, k] expert of each token's k-th choice.
+    - ``route``: [N, 4] the committed plan's rows ``(src_rank, expert, dst_rank, tokens)``;
+      the rows of ``(rank, e)`` give the shares in which this microbatch's tokens for ``e``
+      are split (largest remainder, token order). A ``(rank, e)`` the plan did not see
+      goes evenly to the copies of ``e`` in this rank's DC, else to all copies.
+    - ``holds``: [R, E] bool, the committed placement.
+    - ``rank_dc``: [R] DC of each rank.
+
+    Returns ``dst`` [n, k] int64. ``ValueError`` if the route names a rank without the expert
+    or an expert has no copy.
+    """
+    flat = idx.reshape(-1)
+    dst = np.empty(flat.size, dtype=np.int64)
+    mine = route[route[:, 0] == rank] if route.size else np.zeros((0, 4), np.int64)
+    order = np.argsort(flat, kind="stable")  # assignments grouped by expert, token order kept
+    experts, starts, counts = np.unique(flat[order], return_index=True, return_counts=True)
+    for e, s, c in zip(experts.tolist(), starts.tolist(), counts.tolist(), strict=True):
+        rows = mine[(mine[:, 1] == e) & (mine[:, 3] > 0)]
+        if rows.size:
+            ranks, shares = rows[:, 2], rows[:, 3]
+        else:
+            holders = np.flatnonzero(holds[:, e])
+            if holders.size == 0:
+                raise ValueError(f"expert {e} has no copy in the committed placement")
+            local = holders[rank_dc[holders] == rank_dc[rank]]
+            ranks = local if local.size else holders
+            shares = np.ones(ranks.size)
+        if not holds[ranks, e].all():
+            raise ValueError(f"the route sends expert {e} to a rank that does not hold it")
+        split = largest_remainder(c, shares, offset=rank)
+        dst[order[s : s + c]] = np.repeat(ranks, split)
+    return dst.reshape(idx.shape)
+
+
+def relay_rank(src: int, dc: int, rank_dc: np.ndarray) -> int:
+    """The rank of DC ``dc`` that receives ``src``'s bundle for that DC: the rank with the
+    same index inside its DC as ``src`` in its own (modulo the DC's size)."""
+    src_ranks = np.flatnonzero(rank_dc == rank_dc[src])
+    dst_ranks = np.flatnonzero(rank_dc == dc)
+    if dst_ranks.size == 0:
+        raise ValueError(f"DC {dc} has no ranks")
+    i = int(np.searchsorted(src_ranks, src))
+    return int(dst_ranks[i % dst_ranks.size])
+
+
+@dataclass(eq=False)
+class ExpertContext:
+    """What :func:`expert_backward` needs from :func:`expert_compute`."""
+
+    x: torch.Tensor  # [u, d] leaf, requires grad
+    pos: torch.Tensor  # [m] row of x of each assignment
+    w: torch.Tensor  # [m] gate weight of each assignment
+    groups: list[tuple[torch.Tensor, torch.Tensor]]  # per expert: (assignment ids, output)
+
+
+def expert_compute(
+    x: torch.Tensor,
+    pos: torch.Tensor,
+    experts: torch.Tensor,
+    w: torch.Tensor,
+    weights: dict[int, ExpertWeights],
+) -> tuple[torch.Tensor, ExpertContext]:
+    """One rank's experts: ``y[t] = sum over assignments a with pos[a] = t of
+    w[a] * expert_{experts[a]}(x[t])``.
+
+    ``x`` [u, d] distinct tokens received; ``pos``, ``experts``, ``w`` [m] per assignment;
+    ``weights`` the rank's experts (tensors with ``requires_grad``). Returns ``y`` [u, d]
+    (detached) and the context for the backward.
+    """
+    x = x.detach().requires_grad_(True)
+    y = torch.zeros_like(x)
+    groups = []
+    for e in torch.unique(experts).tolist():
+        if e not in weights:
+            raise ValueError(f"tokens for expert {e}, which this rank does not hold")
+        ids = torch.nonzero(experts == e).squeeze(1)
+        out = expert_forward(x[pos[ids]], weights[e])  # [m_e, d]
+        groups.append((ids, out))
+        y.index_add_(0, pos[ids], w[ids, None] * out.detach())
+    return y, ExpertContext(x=x, pos=pos, w=w, groups=groups)
+
+
+def expert_backward(ctx: ExpertContext, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backward of :func:`expert_compute` for ``g`` [u, d] = dL/dy.
+
+    Accumulates the experts' parameter gradients into their ``.grad`` and returns
+    ``dL/dx`` [u, d] and ``dL/dw`` [m] (per assignment).
+    """
+    gw = torch.zeros_like(ctx.w)
+    outs, grads = [], []
+    for ids, out in ctx.groups:
+        gy = g[ctx.pos[ids]]  # [m_e, d]
+        gw[ids] = (gy * out.detach()).sum(-1)
+        outs.append(out)
+        grads.append(ctx.w[ids, None] * gy)
+    if outs:
+        torch.autograd.backward(outs, grads)
+    gx = ctx.x.grad if ctx.x.grad is not None else torch.zeros_like(ctx.x)
+    return gx, gw
+
+
+def reference_moe(
+    u: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, weights: dict[int, ExpertWeights]
+) -> torch.Tensor:
+    """Single-process MoE: ``y[t] = sum_j w[t, j] * expert_{idx[t, j]}(u[t])``.
+
+    ``u`` [n, d], ``idx`` and ``w`` [n, k]; differentiable in ``u``, ``w`` and the weights.
+    """
+    y = torch.zeros_like(u)
+    for e in torch.unique(idx).tolist():
+        t, j = torch.nonzero(idx == e, as_tuple=True)
+        y = y.index_add(0, t, w[t, j, None] * expert_forward(u[t], weights[e]))
+    return y
+
+
+def adam_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    step: int,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+) -> None:
+    """One Adam step in place (``step`` counts from 1)."""
+    b1, b2 = betas
+    with torch.no_grad():
+        m.mul_(b1).add_(grad, alpha=1 - b1)
+        v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+        mhat = m / (1 - b1**step)
+        vhat = v / (1 - b2**step)
+        param.sub_(lr * mhat / (vhat.sqrt() + eps))
