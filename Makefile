@@ -7,8 +7,8 @@ export RAY_AUTH_MODE ?= disabled
 export PYTHONDONTWRITEBYTECODE := 1
 
 .DEFAULT_GOAL := help
-.PHONY: help setup demo test test-unit test-integration lint fmt typecheck bench bench-planner clean \
-	serve proto
+.PHONY: help setup demo demo-planner test test-unit test-integration lint fmt typecheck bench \
+	bench-planner clean serve proto
 
 help: ## list the verbs
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -16,7 +16,11 @@ help: ## list the verbs
 setup: ## create .venv: pinned CPU torch first, then the project with dev tools
 	@VENV=$(VENV) scripts/setup.sh
 
-demo: setup ## the main job: generate a skewed trace and plan it with every policy, print a table
+demo: setup ## the main job: train a small MoE LM across 3 simulated DCs on local Ray (live loss, step time)
+	@mkdir -p $(OUT)
+	$(VENV)/bin/expertmesh demo --exit --steps 40 --json $(OUT)/demo.json
+
+demo-planner: setup ## planner only: generate a skewed trace and plan it with every policy, print a table
 	@mkdir -p $(OUT)
 	$(VENV)/bin/expertmesh trace generate --out $(OUT)/trace.npz --steps 8 --layers 2 \
 		--topology deploy/topologies/ep64.yaml --experts 256 --top-k 8 --tokens-per-rank 8192 \

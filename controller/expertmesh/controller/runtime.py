@@ -85,7 +85,6 @@ def _source_roots() -> str:
     return os.pathsep.join(dict.fromkeys(str(r) for r in roots))
 
 
-@ray.remote(num_cpus=0)
 class ShaperActor:
     """The cluster's one :class:`LinkShaper` (all ranks of a DC pair share its buckets)."""
 
@@ -99,7 +98,6 @@ class ShaperActor:
         return self.shaper.bytes.copy()
 
 
-@ray.remote(num_cpus=0)
 class WorkerActor:
     """One rank: a thin wrapper over :class:`RankState`."""
 
@@ -167,7 +165,6 @@ class RayExecutor:
         return list(ray.get([w.call.remote(method, *args) for w in self.workers]))
 
 
-@ray.remote(num_cpus=0, max_concurrency=8)
 class ControllerActor:
     """Thin actor over :class:`ControllerCore`: gather, call the core, apply the result."""
 
@@ -213,10 +210,12 @@ class ControllerActor:
         except Exception as err:
             self.errors += 1
             log.exception("planning after step %d failed", step)
-            return {**out, "error": f"plan: {err}"}
+            return {**out, "error": f"plan: {_last_line(err)}"}
         if pv is None:
             return out
-        out.update(imbalance_before=max(pv.imbalance_before), imbalance_after=max(pv.imbalance_after))
+        out.update(
+            imbalance_before=max(pv.imbalance_before), imbalance_after=max(pv.imbalance_after)
+        )
         new = [lp.placement for lp in pv.layers]
         layers = [(p.phy2log, p.master, lp.route) for p, lp in zip(new, pv.layers, strict=True)]
         ex = RayExecutor(self.workers)
@@ -234,7 +233,7 @@ class ControllerActor:
                 ex.call_all("abort", pv.version)
             except Exception:
                 log.exception("abort of plan %d failed", pv.version)
-            return {**out, "error": f"apply: {err}"}
+            return {**out, "error": f"apply: {_last_line(err)}"}
         self.placements = new
         out["version"] = pv.version
         out["migration_transfers"] = sum(len(r) for r in rounds)
@@ -254,6 +253,16 @@ class ControllerActor:
             "reports_rejected": self.core.reports_rejected,
             **self.phase_seconds,
         }
+
+
+def _last_line(err: BaseException) -> str:
+    lines = [x for x in str(err).splitlines() if x.strip()]
+    return lines[-1] if lines else type(err).__name__
+
+
+def _actor(cls: type, **options: Any) -> Any:
+    """``cls`` as a Ray actor class (built when the runtime starts, not at import)."""
+    return ray.remote(**options)(cls)
 
 
 def _initial_placements(topology: Topology, lm: LMConfig) -> list[Placement]:
@@ -296,13 +305,22 @@ class Runtime:
         ray.init(address=self.cluster.address, namespace=NAMESPACE, log_to_driver=False)
         s = self.settings
         head = {"label_selector": {"dc": dcs[0].name}}
-        self.shaper = ShaperActor.options(name="shaper", **head).remote(s.topology, s.shaper)
-        self.controller = ControllerActor.options(name="controller", **head).remote(s)
+        self.shaper = (
+            _actor(ShaperActor, num_cpus=0)
+            .options(name="shaper", **head)
+            .remote(s.topology, s.shaper)
+        )
+        self.controller = (
+            _actor(ControllerActor, num_cpus=0, max_concurrency=8)
+            .options(name="controller", **head)
+            .remote(s)
+        )
+        worker_cls = _actor(WorkerActor, num_cpus=0)
         placements = [(p.phy2log, p.master) for p in _initial_placements(self.topology, s.lm)]
         for r in range(self.topology.num_ranks):
-            dc = dcs[int(self.topology.rank_dc[r])].name
+            dc_name = dcs[int(self.topology.rank_dc[r])].name
             self.workers.append(
-                WorkerActor.options(name=f"worker-{r}", label_selector={"dc": dc}).remote(
+                worker_cls.options(name=f"worker-{r}", label_selector={"dc": dc_name}).remote(
                     r, s, placements, self.shaper, self.controller
                 )
             )
@@ -324,7 +342,7 @@ class Runtime:
         t1 = time.perf_counter()
         ctl = ray.get(self.controller.control.remote(self.step))
         control_s = time.perf_counter() - t1
-        total = sum(np.asarray(s["bytes"]) for s in stats)
+        total = np.sum([np.asarray(s["bytes"]) for s in stats], axis=0)
         delta, self._bytes = total - self._bytes, total
         computed = np.stack([np.asarray(s["computed"]) for s in stats])  # [R, L]
         imb = max(imbalance(computed[:, layer]) for layer in range(computed.shape[1]))

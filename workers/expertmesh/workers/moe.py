@@ -177,13 +177,14 @@ def reference_moe(
     return y
 
 
-def adam_(
+def adam_(  # noqa: PLR0917
     param: torch.Tensor,
     grad: torch.Tensor,
     m: torch.Tensor,
     v: torch.Tensor,
     step: int,
     lr: float,
+    *,
     betas: tuple[float, float] = (0.9, 0.95),
     eps: float = 1e-8,
 ) -> None:

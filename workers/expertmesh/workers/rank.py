@@ -49,6 +49,7 @@ __all__ = ["KINDS", "LayerState", "RankState", "payload_nbytes"]
 
 KINDS = ("tokens", "weights")
 Packet = Any
+Span = tuple[str, int, int, int, int, int, int]  # (kind, via, src, row0, rows, asn0, asns)
 Reserve = Callable[[int, int, int], float]  # (src_dc, dst_dc, nbytes) -> arrival clock time
 
 
@@ -79,9 +80,8 @@ class LayerState:
     def __post_init__(self) -> None:
         self.holds = self.placement.holds()
         self.master_rank = self.placement.master_rank()
-        counts = (self.placement.phy2log >= 0).sum(1)
-        if (self.holds.sum(1) != counts).any():
-            raise ValueError("a rank holds two copies of one expert")
+        # two slots of one rank may hold the same expert (eplb does this): the rank keeps
+        # one set of weights and computes both slots' tokens with it
 
 
 class RankState:
@@ -137,7 +137,7 @@ class RankState:
 
     def _row(self, ls: LayerState) -> list[int]:
         row = ls.placement.phy2log[self.rank]
-        return [int(e) for e in row if e >= 0]
+        return sorted({int(e) for e in row if e >= 0})
 
     def _lead(self, ls: LayerState, e: int, dc: int) -> int:
         """Lowest rank of ``dc`` holding ``e`` (the DC's reduce/fan-out point for ``e``)."""
@@ -169,7 +169,7 @@ class RankState:
         self._src: dict[int, dict[str, Any]] = {}
         self._relay: dict[int, dict[int, Any]] = {}
         self._direct_in: dict[int, dict[int, Any]] = {}
-        self._expert: dict[int, tuple[ExpertContext, list[tuple[str, int, int, int, int]]]] = {}
+        self._expert: dict[int, tuple[ExpertContext, list[Span]]] = {}
         self._direct_resp: dict[int, dict[int, Any]] = {}
         self.loss_sum = 0.0
         self.computed = np.zeros(self.cfg.num_layers, np.int64)
@@ -239,7 +239,7 @@ class RankState:
         self._src[layer] = {"a": a, "u": u, "w": w, "sent": sent, "n": u.shape[0]}
         return self._ship(out, "tokens")
 
-    def _packet(
+    def _packet(  # noqa: PLR0917
         self,
         ud: torch.Tensor,
         tok: np.ndarray,
@@ -302,10 +302,11 @@ class RankState:
                 raise ValueError(
                     f"rank {self.rank} holds plan {self.version}, tokens routed by plan {pkt['v']}"
                 )
-        xs, pos, es, ws, spans = [], [], [], [], []
+        xs, pos, es, ws = [], [], [], []
+        spans: list[Span] = []
         row = asn = 0
         for kind, via, src, pkt in items:
-            u, m = pkt["x"].shape[0], pkt["e"].shape[0]
+            u, m = int(pkt["x"].shape[0]), int(pkt["e"].shape[0])
             xs.append(pkt["x"])
             pos.append(pkt["pos"] + row)
             es.append(pkt["e"])
@@ -314,9 +315,8 @@ class RankState:
             row, asn = row + u, asn + m
         d = self.cfg.hidden
         x = torch.cat(xs) if xs else torch.zeros(0, d)
-        cat = (lambda ts, dt: torch.cat(ts) if ts else torch.zeros(0, dtype=dt))
         y, ctx = expert_compute(
-            x, cat(pos, torch.int64), cat(es, torch.int64), cat(ws, torch.float32),
+            x, _cat(pos, torch.int64), _cat(es, torch.int64), _cat(ws, torch.float32),
             self.experts[layer],
         )  # fmt: skip
         self.computed[layer] = asn
@@ -494,7 +494,9 @@ class RankState:
         if int(self.dc_ranks[self.dc][0]) == self.rank:
             for pkt in inbox:
                 if pkt is not None and "dg" in pkt:
-                    self._dense_sum = [a + b for a, b in zip(self._dense_sum, pkt["dg"], strict=True)]
+                    self._dense_sum = [
+                        a + b for a, b in zip(self._dense_sum, pkt["dg"], strict=True)
+                    ]
             for b in range(self.topology.num_dcs):
                 if b != self.dc:
                     lead = int(self.dc_ranks[b][0])
@@ -513,8 +515,8 @@ class RankState:
                 g = self._acc.get((lyr, e))
                 w = self.experts[lyr][e]
                 if g is not None:
-                    for p, gp, a, b in zip(w, g, m1, m2, strict=True):
-                        adam_(p, gp, a, b, self.opt_step, self.cfg.lr)
+                    for p, gp, mom, var in zip(w, g, m1, m2, strict=True):
+                        adam_(p, gp, mom, var, self.opt_step, self.cfg.lr)
                 holders = np.flatnonzero(ls.holds[:, e])
                 fresh = [t.detach().clone() for t in w]
                 for h in holders.tolist():
@@ -525,13 +527,13 @@ class RankState:
                     out[target] = out[target] or {}
                     out[target].setdefault("ew", {})[(lyr, e)] = fresh
         if int(self.dc_ranks[self.dc][0]) == self.rank:
-            sums = {self.dc: self._dense_sum}
+            sums: dict[int, list[torch.Tensor]] = {self.dc: self._dense_sum}
             for pkt in inbox:
                 if pkt is not None and "ds" in pkt:
-                    sums[pkt["ds"][0]] = pkt["ds"][1]
-            total = sums[0]
+                    sums[int(pkt["ds"][0])] = pkt["ds"][1]
+            total = sums[0]  # summed in DC order: every leader gets the same bits
             for b in range(1, self.topology.num_dcs):
-                total = [a + c for a, c in zip(total, sums[b], strict=True)]
+                total = [x + c for x, c in zip(total, sums[b], strict=True)]
             self._dense_step(total)
             for q in self.dc_ranks[self.dc].tolist():
                 if q != self.rank:
@@ -571,13 +573,17 @@ class RankState:
 
     # ---- two-phase plan application ----
 
-    def prepare(self, version: int, layers: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
+    def prepare(
+        self, version: int, layers: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
+    ) -> None:
         """Start preparing plan ``version``: per layer ``(phy2log [R, S], master [E], route
         [N, 4])``. Refuses a version not newer than the committed or a prepared one."""
         if version <= self.version:
             raise ValueError(f"plan {version} is not newer than committed plan {self.version}")
         if self._pending is not None and version < self._pending["version"]:
-            raise ValueError(f"plan {version} is older than prepared plan {self._pending['version']}")
+            raise ValueError(
+                f"plan {version} is older than prepared plan {self._pending['version']}"
+            )
         if len(layers) != self.cfg.num_layers:
             raise ValueError(f"plan has {len(layers)} layers, the model {self.cfg.num_layers}")
         new = [
@@ -586,7 +592,9 @@ class RankState:
         ]
         self._pending = {"version": version, "layers": new, "w": {}, "opt": {}}
 
-    def _mig(self, inbox: list[Packet], transfers: list[tuple[int, int, int, int, str]]) -> list[Packet]:
+    def _mig(
+        self, inbox: list[Packet], transfers: list[tuple[int, int, int, int, str]]
+    ) -> list[Packet]:
         """Store what arrived; send this round's transfers ``(layer, expert, src, dst, kind)``
         (kind ``w``: weights, ``opt``: the master's Adam state)."""
         pend = self._pending
@@ -607,7 +615,9 @@ class RankState:
             have = self.experts[lyr].get(e)
             w = [t.detach().clone() for t in have] if have is not None else pend["w"].get((lyr, e))
             if w is None:
-                raise ValueError(f"rank {self.rank} must send expert {e} of layer {lyr}; it has none")
+                raise ValueError(
+                    f"rank {self.rank} must send expert {e} of layer {lyr}; it has none"
+                )
             out[dst]["mw"][(lyr, e)] = w
         return self._ship(out, "weights")
 
@@ -620,9 +630,9 @@ class RankState:
             for e in self._row(ls):
                 if e not in self.experts[lyr] and (lyr, e) not in pend["w"]:
                     raise ValueError(f"rank {self.rank} lacks expert {e} of layer {lyr}")
-                if ls.master_rank[e] == self.rank and e not in self.opt[lyr]:
-                    if (lyr, e) not in pend["opt"]:
-                        raise ValueError(f"rank {self.rank} lacks the master state of {e}")
+                mine = ls.master_rank[e] == self.rank
+                if mine and e not in self.opt[lyr] and (lyr, e) not in pend["opt"]:
+                    raise ValueError(f"rank {self.rank} lacks the master state of {e}")
         pend["ready"] = True
 
     def commit(self, version: int) -> None:
@@ -666,6 +676,10 @@ class RankState:
             "shaped_seconds": self.shaped_seconds,
             "version": self.version,
         }
+
+
+def _cat(ts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    return torch.cat(ts) if ts else torch.zeros(0, dtype=dtype)
 
 
 def _zeros_state(w: ExpertWeights) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -57,9 +57,11 @@ class LinkShaper:
         self.messages = np.zeros(bw.shape, dtype=np.int64)
 
     @classmethod
-    def from_topology(cls, topology: Topology, *, enabled: bool = True) -> LinkShaper:
+    def from_topology(
+        cls, topology: Topology, *, enabled: bool = True, clock: Callable[[], float] = time.time
+    ) -> LinkShaper:
         return cls(
-            topology.dc_gbps * 1e9 / 8.0, topology.dc_latency_ms / 1e3, enabled=enabled
+            topology.dc_gbps * 1e9 / 8.0, topology.dc_latency_ms / 1e3, enabled=enabled, clock=clock
         )
 
     @property

@@ -1,0 +1,78 @@
+"""The link shaper: FIFO bandwidth and latency per ordered DC pair."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from expertmesh.planner import Topology
+from expertmesh.workers.shaper import LinkShaper
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.now += s
+
+
+def _shaper(clock: FakeClock, enabled: bool = True) -> LinkShaper:
+    topo = Topology.generate(2, 1).with_inter_dc(0.08, 20.0)  # 10 MB/s, 20 ms
+    return LinkShaper.from_topology(topo, enabled=enabled, clock=clock)
+
+
+def test_messages_queue_on_a_link_and_arrive_after_latency() -> None:
+    clock = FakeClock()
+    s = _shaper(clock)
+    assert s.reserve(0, 1, 1_000_000) == pytest.approx(100.0 + 0.1 + 0.02)
+    assert s.reserve(0, 1, 1_000_000) == pytest.approx(100.0 + 0.2 + 0.02)  # queued behind
+    assert s.reserve(1, 0, 1_000_000) == pytest.approx(100.0 + 0.1 + 0.02)  # other direction
+    assert s.reserve(0, 0, 10**9) == 100.0  # inside a DC: not shaped
+    assert s.bytes[0, 1] == 2_000_000 and s.bytes[1, 0] == 1_000_000
+
+
+def test_send_sleeps_the_sender_and_off_only_counts() -> None:
+    clock = FakeClock()
+    s = _shaper(clock)
+    assert s.send(0, 1, 500_000, sleep=clock.sleep) == pytest.approx(0.07)
+    off = _shaper(clock, enabled=False)
+    assert off.send(0, 1, 10**9, sleep=clock.sleep) == 0.0
+    assert off.bytes[0, 1] == 10**9
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError):
+        LinkShaper(np.ones((2, 3)), np.ones((2, 3)))
+    with pytest.raises(ValueError):
+        LinkShaper(np.zeros((2, 2)), np.zeros((2, 2)))
+    with pytest.raises(ValueError):
+        _shaper(FakeClock()).reserve(0, 5, 1)
+
+
+def test_measured_throughput_within_10_percent_of_topology() -> None:
+    """Real clock, four threads sending 64 KB messages over one 40 Mbit/s pair."""
+    topo = Topology.generate(2, 1).with_inter_dc(0.04, 5.0)  # 5 MB/s
+    s = LinkShaper.from_topology(topo)
+    total, msg = 2_000_000, 64_000
+
+    def sender() -> None:
+        for _ in range(total // msg // 4):
+            s.send(0, 1, msg)
+
+    t0 = time.time()
+    threads = [threading.Thread(target=sender) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.time() - t0
+    sent = int(s.bytes[0, 1])
+    expected = sent / 5e6 + 0.005
+    assert abs(elapsed - expected) / expected < 0.10
