@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import permutations
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -16,7 +18,7 @@ from expertmesh.planner import (
     make_policy,
     plan_trace,
 )
-from expertmesh.planner.eplb import _relabel, rebalance
+from expertmesh.planner.eplb import _assign, _relabel, rebalance
 
 
 def _skewed_trace(rng: np.random.Generator, shape: tuple[int, ...], hot: float) -> np.ndarray:
@@ -163,3 +165,13 @@ def test_drift_moves_fewer_copies_than_replacing_slot_by_slot():
         naive += 0 if prev is None else int((cur != prev).sum())
         prev = cur
     assert naive > 0 and ours < naive
+
+
+def test_assignment_maximises_multiset_overlap():
+    rng = np.random.default_rng(7)
+    for _ in range(20):
+        new, old = rng.integers(0, 3, (2, 4, 6))
+        src = _assign(new, old)  # place b gets bin src[b]
+        kept = np.minimum(new[src], old).sum()
+        best = max(np.minimum(new[list(p)], old).sum() for p in permutations(range(4)))
+        assert kept == best

@@ -434,7 +434,10 @@ def _counts(phy2log: np.ndarray, num_experts: int) -> np.ndarray:
 def _assign(new_cnt: np.ndarray, old_cnt: np.ndarray) -> np.ndarray:
     """For bins ``new_cnt`` [n, E] and places ``old_cnt`` [n, E] (copy counts), the bin
     each place gets, [n], maximising the copies that stay (multiset overlap)."""
-    overlap = np.minimum(new_cnt[:, None, :], old_cnt[None, :, :]).sum(-1)  # [n_new, n_old]
+    # sum_e min(a_e, b_e) = sum_k sum_e [a_e >= k][b_e >= k]: a few [n, E] x [E, n] products
+    overlap = np.zeros((new_cnt.shape[0], old_cnt.shape[0]))  # [n_new, n_old]
+    for k in range(1, int(min(new_cnt.max(initial=0), old_cnt.max(initial=0))) + 1):
+        overlap += (new_cnt >= k).astype(np.float64) @ (old_cnt >= k).T.astype(np.float64)
     rows, cols = linear_sum_assignment(overlap, maximize=True)
     src = np.empty(len(cols), dtype=np.int64)
     src[cols] = rows
