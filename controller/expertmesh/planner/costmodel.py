@@ -24,6 +24,7 @@ Public entry: :func:`step_cost`; inputs :class:`~expertmesh.planner.traffic.Toke
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -31,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from expertmesh.planner.model import ModelSpec
 from expertmesh.planner.plan import Placement
 from expertmesh.planner.topology import Topology
-from expertmesh.planner.traffic import TokenTraffic
+from expertmesh.planner.traffic import Domain, TokenTraffic, even_traffic
 
 __all__ = [
     "PHASES",
@@ -40,7 +41,9 @@ __all__ = [
     "StepCost",
     "TransferEncoding",
     "crossings",
+    "expected_crossings",
     "migration_streams",
+    "placement_cost",
     "replica_streams",
     "step_cost",
 ]
@@ -290,7 +293,15 @@ def crossings(traffic: TokenTraffic, top_k: int, hierarchical: bool = True) -> n
     a = traffic.pair_tokens
     if not hierarchical or top_k == 1:
         return a
-    n = traffic.dc_tokens[traffic.pair_src]
+    return expected_crossings(traffic.dc_tokens[traffic.pair_src], a, top_k)
+
+
+def expected_crossings(n: np.ndarray, a: np.ndarray, top_k: int) -> np.ndarray:
+    """Expected distinct tokens among ``n`` tokens of top-``top_k`` that carry ``a``
+    assignments to one place, under independent draws: ``n * (1 - (1 - a/(n k))^k)``,
+    clipped to ``[a / k, min(a, n)]``. ``n``, ``a``: broadcastable float arrays."""
+    n = np.asarray(n, dtype=np.float64)
+    a = np.asarray(a, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         p = np.clip(np.where(n > 0, a / (n * top_k), 0.0), 0.0, 1.0)
     x = n * -np.expm1(top_k * np.log1p(-np.minimum(p, 1 - 1e-15)))
@@ -441,3 +452,22 @@ def step_cost(
         cross_dc_weight_bytes=streams.cross_dc_bytes,
         bottleneck=bottleneck,
     )
+
+
+def placement_cost(
+    topology: Topology,
+    model: ModelSpec,
+    load: np.ndarray,
+    placement: Placement,
+    *,
+    domain: Domain,
+    remote: Literal["spread", "master"],
+    settings: CostSettings | None = None,
+    encoding: TransferEncoding | None = None,
+) -> StepCost:
+    """:func:`step_cost` of ``placement`` routing ``load`` [R, E] by the even split
+    (:func:`~expertmesh.planner.traffic.even_traffic` with ``domain`` and ``remote``), with
+    its replica sync streams and no migration. What policies minimize."""
+    traffic = even_traffic(load, placement, topology, model.top_k, domain=domain, remote=remote)
+    streams = replica_streams(placement, topology, model, settings, encoding)
+    return step_cost(topology, model, traffic, streams, settings)

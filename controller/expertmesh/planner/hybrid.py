@@ -1,0 +1,577 @@
+"""``hybrid``: move experts to the data where that beats moving data to the experts (HybridEP).
+
+Across a slow link a token costs its activation on every crossing of every
+step; an expert copy costs its weights out and its gradient back once per
+update, and placing it costs one copy amortized over the placement period.
+Every ``period`` steps, on the load of a history window, the policy:
+
+1. **moves masters** to the DC that sends them the most tokens when the tokens
+   saved over a period outweigh one move of weights plus optimizer state;
+2. **picks, per ordered DC pair, the share of traffic that travels as copies**:
+   DC ``d``'s tokens for experts mastered in DC ``x`` are the pair's traffic;
+   copying the ``j`` experts ``d`` uses most into ``d`` removes their tokens from
+   the pair (hierarchical dispatch: a token still crosses while any of its
+   experts stays remote) and adds ``j`` replica syncs. For every pair all
+   ``j = 0..J`` are scored with the cost model's pair equations
+   (docs/cost-model.md) and the fastest kept; where a DC lacks the slots for
+   every pair's choice, its pairs share the slots so that the slowest pair is
+   as fast as it can be (minimax over a threshold, found by bisection);
+3. **partitions each DC's copies onto its ranks** (domain-based partition):
+   copies that stay keep their rank, new ones go heaviest first to the rank
+   with the least predicted work and a free slot, so each DC balances inside;
+4. **guards**: the whole plan, the masters-only plan and the previous plan are
+   scored with the full cost model (migration into them streamed over the
+   period) and the fastest wins, so the policy never picks a plan its model
+   says is slower than not replicating at all.
+
+Tokens go to a copy in their own DC when there is one (evenly among them), else
+to the master. Parameter-efficient migration: copies come from the nearest
+holder through relays (the migration planner), and ``encoding`` sets reduced
+precision and changed-bytes-only transfers, which the cost model and the
+simulator charge.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, cast
+
+import numpy as np
+from pydantic import Field
+
+from expertmesh.planner.costmodel import (
+    CostSettings,
+    TransferEncoding,
+    expected_crossings,
+    migration_streams,
+    replica_streams,
+    step_cost,
+)
+from expertmesh.planner.model import ModelSpec
+from expertmesh.planner.plan import Placement
+from expertmesh.planner.policy import Policy, PolicyContext, PolicySettings, register
+from expertmesh.planner.routing import route_even
+from expertmesh.planner.static import static_placement
+from expertmesh.planner.topology import Topology
+from expertmesh.planner.traffic import even_traffic
+
+__all__ = ["HybridPolicy", "plan_hybrid", "route_local_or_master"]
+
+
+class HybridSettings(PolicySettings):
+    """Settings of :class:`HybridPolicy`."""
+
+    period: int = Field(default=10, ge=1, le=10_000_000, description="re-plan every `period` steps")
+    window: int = Field(
+        default=10,
+        ge=1,
+        le=1_000_000,
+        description="history microbatches averaged into the estimate",
+    )
+    move_masters: bool = Field(
+        default=True, description="move a master (with optimizer state) to its heaviest DC"
+    )
+    rounds: int = Field(
+        default=3,
+        ge=1,
+        le=20,
+        description="coordinate-descent rounds: each DC pair re-scored against the reverse "
+        "pair's choice (they share the two links)",
+    )
+    cost: CostSettings = Field(default_factory=CostSettings, description="the cost model")
+    encoding: TransferEncoding = Field(
+        default_factory=TransferEncoding,
+        description="parameter-efficient migration: bytes on the wire per weight and "
+        "gradient, changed-bytes-only refresh",
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class _Inputs:
+    """What one hybrid solve works on. ``dc_load`` [D, E] estimated assignments from DC d to
+    expert e; ``dc_tokens`` [D] tokens from each DC; ``previous``: the placement running now."""
+
+    topology: Topology
+    model: ModelSpec
+    cfg: HybridSettings
+    estimate: np.ndarray
+    dc_load: np.ndarray
+    dc_tokens: np.ndarray
+    previous: Placement | None
+
+
+def route_local_or_master(load: np.ndarray, placement: Placement, topology: Topology) -> np.ndarray:
+    """Route [N, 4]: ``load[r, e]`` evenly to the copies of ``e`` in ``r``'s DC, or all to
+    ``e``'s master when that DC holds none."""
+    num_experts = load.shape[1]
+    held = _dc_holds(placement, topology, num_experts)  # [D, E]
+    local = held[topology.rank_dc]  # [R, E]
+    near = route_even(np.where(local, load, 0), placement, topology.rank_dc)
+    src, exp = np.nonzero(~local & (load > 0))
+    far = np.stack([src, exp, placement.master_rank()[exp], load[src, exp]], axis=1)
+    return np.concatenate([near, far.astype(np.int64)])
+
+
+def _dc_holds(placement: Placement, topology: Topology, num_experts: int) -> np.ndarray:
+    """[D, E] bool: DC d holds a copy of e."""
+    r, s = np.nonzero(placement.phy2log >= 0)
+    out = np.zeros((topology.num_dcs, num_experts), dtype=bool)
+    out[topology.rank_dc[r], placement.phy2log[r, s]] = True
+    return out
+
+
+def _link_time(nbytes: np.ndarray, lat: np.ndarray, bw: np.ndarray) -> np.ndarray:
+    return np.where(nbytes > 0, lat + nbytes / bw, 0.0)
+
+
+class _Pairs:
+    """Every ordered DC pair ``(d, x)``: DC ``d``'s estimated assignments to the experts
+    mastered in DC ``x``, those experts sorted by that load (heaviest first), and the
+    cost-model score of copying the ``j`` heaviest into ``d``, for every ``j``.
+
+    ``mdc`` [E] DC of each master; ``held_before`` [D, E] copies already in place (they
+    cost no copy). Row arrays ([n], one per (pair, expert), sorted by pair then load):
+    ``dc``, ``expert``, ``group`` (pair id), ``j`` (1-based position in the pair).
+    """
+
+    def __init__(self, inp: _Inputs, mdc: np.ndarray, held_before: np.ndarray) -> None:
+        self.inp = inp
+        num_dcs = inp.dc_load.shape[0]
+        d_idx, e_idx = np.nonzero(inp.dc_load > 0)
+        keep = mdc[e_idx] != d_idx
+        d_idx, e_idx = d_idx[keep], e_idx[keep]
+        x_idx = mdc[e_idx]
+        weight = inp.dc_load[d_idx, e_idx]
+        order = np.lexsort((-weight, x_idx, d_idx))
+        self.dc, self.expert = d_idx[order], e_idx[order]
+        x_idx, weight = x_idx[order], weight[order]
+        key = self.dc * num_dcs + x_idx
+        start = np.r_[True, key[1:] != key[:-1]] if key.size else np.zeros(0, bool)
+        self.group = np.cumsum(start) - 1
+        self.first = np.flatnonzero(start)  # [G] first row of each pair
+        self.num_groups = self.first.size
+        self.j = np.arange(self.group.size) - self.first[self.group] + 1
+        self.g_dc, self.g_x = self.dc[self.first], x_idx[self.first]
+        self.total = np.bincount(self.group, weights=weight, minlength=self.num_groups)
+        self.remaining = self.total[self.group] - _cumsum_in(weight, self.group, self.first)
+        cfg, model = inp.cfg, inp.model
+        copy = np.where(
+            held_before[self.dc, self.expert], 0.0, cfg.encoding.copy_bytes(model, False)
+        )
+        self.copy = _cumsum_in(copy / cfg.period, self.group, self.first)  # amortized
+        g_key = self.g_dc * num_dcs + self.g_x
+        rev_key = self.g_x * num_dcs + self.g_dc
+        at = np.minimum(np.searchsorted(g_key, rev_key), max(self.num_groups - 1, 0))
+        self.rev = np.where(g_key[at] == rev_key, at, -1) if self.num_groups else at
+        topo = inp.topology
+        self.bw = topo.dc_gbps[self.g_dc, self.g_x] * 1e9 / 8.0  # [G]
+        self.lat = topo.dc_latency_ms[self.g_dc, self.g_x] / 1e3
+        per = float(cfg.cost.microbatches_per_update)
+        self.w = cfg.encoding.refresh_bytes(model) / per if model.training else 0.0
+        self.g = cfg.encoding.gradient_bytes(model) / per if model.training else 0.0
+
+    def state(self, j_cur: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per pair under choice ``j_cur`` [G]: crossing bytes and amortized copy bytes."""
+        row = self.first + np.maximum(j_cur, 1) - 1
+        rem = np.where(j_cur > 0, self.remaining[np.minimum(row, self.j.size - 1)], self.total)
+        copy = np.where(j_cur > 0, self.copy[np.minimum(row, self.j.size - 1)], 0.0)
+        return self._bytes(rem, self.g_dc), copy
+
+    def _bytes(self, remaining: np.ndarray, dcs: np.ndarray) -> np.ndarray:
+        k, tb = self.inp.model.top_k, float(self.inp.model.token_bytes)
+        return expected_crossings(self.inp.dc_tokens[dcs], remaining, k) * tb
+
+    def options(self, j_cur: np.ndarray | None) -> dict[str, np.ndarray]:
+        """Score every prefix of every pair, the reverse pair held at ``j_cur`` [G]
+        (``None``: each pair alone, as if the reverse pair sent nothing).
+
+        Returns option rows sorted by (pair, j): ``group``, ``j``, ``cost`` (seconds),
+        ``expert`` (-1 for j = 0), ``dc``; and ``group_dc`` [G]."""
+        if j_cur is None:
+            z = np.zeros(self.num_groups)
+            rev: tuple[np.ndarray, np.ndarray, np.ndarray] = (z, z.astype(np.int64), z)
+            return self._options(rev)
+        xb, cb = self.state(j_cur)
+        has_rev = self.rev >= 0
+        rv = np.maximum(self.rev, 0)
+        rev_x = np.where(has_rev, xb[rv], 0.0)  # reverse pair's crossing bytes
+        rev_j = np.where(has_rev, j_cur[rv], 0)
+        rev_c = np.where(has_rev, cb[rv], 0.0)
+        return self._options((rev_x, rev_j, rev_c))
+
+    def _options(self, rev: tuple[np.ndarray, np.ndarray, np.ndarray]) -> dict[str, np.ndarray]:
+        gids = np.arange(self.num_groups)
+        cost0 = self._score(self._bytes(self.total, self.g_dc), 0, 0.0, gids, rev)
+        costj = self._score(
+            self._bytes(self.remaining, self.dc), self.j, self.copy, self.group, rev
+        )
+        o_group = np.concatenate([gids, self.group])
+        o_j = np.concatenate([np.zeros(self.num_groups, np.int64), self.j])
+        o_cost = np.concatenate([cost0, costj])
+        o_exp = np.concatenate([np.full(self.num_groups, -1), self.expert])
+        o = np.lexsort((o_j, o_group))
+        return {
+            "group": o_group[o],
+            "j": o_j[o],
+            "cost": o_cost[o],
+            "expert": o_exp[o],
+            "dc": self.g_dc[o_group[o]],
+            "group_dc": self.g_dc,
+        }
+
+    def _score(
+        self,
+        x: np.ndarray,
+        j: np.ndarray | int,
+        copy: np.ndarray | float,
+        gi: np.ndarray,
+        rev: tuple[np.ndarray, np.ndarray, np.ndarray],
+    ) -> np.ndarray:
+        """docs/cost-model.md restricted to the two links of one DC pair: ``x`` crossing
+        bytes of this pair's tokens, ``j`` copies (``copy`` amortized copy bytes)."""
+        bw, lat = self.bw[gi], self.lat[gi]
+        rx, rj, rc = rev[0][gi], rev[1][gi], rev[2][gi]
+        tok = np.maximum(_link_time(x, lat, bw), _link_time(rx, lat, bw))
+        both = x + rx
+        if not self.inp.model.training:
+            return np.maximum(2 * tok, (both + np.maximum(copy, rc)) / bw)
+        w, g = self.w, self.g
+        if self.inp.cfg.cost.microbatches_per_update == 1:
+            tail = np.maximum(_link_time(x + rj * g, lat, bw), _link_time(rx + j * g, lat, bw))
+        else:
+            tail = tok
+        chain = 3 * tok + tail
+        out_link = 2 * both + j * g + rj * w + rc  # d -> x
+        in_link = 2 * both + j * w + copy + rj * g  # x -> d
+        return np.maximum(chain, np.maximum(out_link, in_link) / bw)
+
+
+def _cumsum_in(v: np.ndarray, group: np.ndarray, first: np.ndarray) -> np.ndarray:
+    """Inclusive prefix sums of ``v`` [n] restarting at each group's first row."""
+    if v.size == 0:
+        return v.astype(np.float64)
+    c = np.cumsum(v, dtype=np.float64)
+    return c - (c[first] - v[first])[group]
+
+
+def _choose(opts: dict[str, np.ndarray], free: np.ndarray) -> np.ndarray:
+    """[G] copies per pair: each pair's fastest prefix, or, in a DC without the slots for
+    all of them, the fewest copies that keep every pair of the DC under the smallest
+    feasible threshold (bisection per DC over the DC's option costs)."""
+    group, j, cost, odc = opts["group"], opts["j"], opts["cost"], opts["dc"]
+    group_dc = opts["group_dc"]
+    num_groups = group_dc.size
+    if num_groups == 0:
+        return np.zeros(0, np.int64)
+    starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
+    # fastest prefix per pair (ties: fewer copies; options are sorted by j)
+    best = np.full(num_groups, np.inf)
+    np.minimum.at(best, group, cost)
+    is_best = cost <= best[group] * (1 + 1e-12)
+    pick = np.full(num_groups, np.iinfo(np.int64).max)
+    np.minimum.at(pick, group[is_best], j[is_best])
+    num_dcs = free.size
+    need = np.bincount(group_dc, weights=pick, minlength=num_dcs)
+    tight = need > free
+    if not tight.any():
+        return pick
+
+    def minimal_j(thr: np.ndarray) -> np.ndarray:
+        ok = cost <= thr[odc]
+        jj = np.where(ok, j, np.iinfo(np.int64).max)
+        return np.minimum.reduceat(jj, starts)
+
+    # per tight DC, bisection over its sorted option costs
+    sel = tight[odc]
+    c_dc, c_cost = odc[sel], cost[sel]
+    srt = np.lexsort((c_cost, c_dc))
+    c_dc, c_cost = c_dc[srt], c_cost[srt]
+    seg_start = np.searchsorted(c_dc, np.arange(num_dcs), "left")
+    seg_end = np.searchsorted(c_dc, np.arange(num_dcs), "right")
+    lo, hi = seg_start.copy(), seg_end - 1  # index of candidate thresholds
+    big = np.iinfo(np.int64).max
+    while True:
+        active = tight & (lo < hi)
+        if not active.any():
+            break
+        mid = (lo + hi) // 2
+        thr = np.full(num_dcs, np.inf)
+        thr[active] = c_cost[mid[active]]
+        mj = minimal_j(thr)
+        over = np.bincount(group_dc, weights=np.where(mj == big, 1e18, mj), minlength=num_dcs)
+        feasible = over <= free
+        hi = np.where(active & feasible, mid, hi)
+        lo = np.where(active & ~feasible, mid + 1, lo)
+    thr = np.full(num_dcs, np.inf)
+    thr[tight] = c_cost[np.maximum(hi[tight], seg_start[tight])]
+    mj = minimal_j(thr)
+    out = np.where(tight[group_dc], np.where(mj == big, 0, mj), pick)
+    return out.astype(np.int64)
+
+
+def _partition(
+    topology: Topology,
+    fixed: np.ndarray,
+    items: tuple[np.ndarray, np.ndarray, np.ndarray],
+    rank_weight: np.ndarray,
+) -> np.ndarray:
+    """Domain-based partition: each new copy (``items``: DC, expert, weight, each [n]) goes, heaviest first, to the
+    rank of its DC with the least weight and a free slot of ``fixed`` [R, S] (filled in
+    place). ``rank_weight`` [R]: predicted tokens already on each rank. Returns the [n]
+    ranks (-1 where the DC had no slot left)."""
+    items_dc, items_expert, items_weight = items
+    out = np.full(items_dc.size, -1, np.int64)
+    if items_dc.size == 0:
+        return out
+    free = (fixed < 0).sum(axis=1)
+    sizes = np.array([d.num_ranks for d in topology.dcs])
+    width = int(sizes.max())
+    first = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    ranks = first[:, None] + np.arange(width)[None, :]  # [D, width]
+    valid = np.arange(width)[None, :] < sizes[:, None]
+    ranks = np.where(valid, ranks, 0)
+    load = np.where(valid, rank_weight[ranks], np.inf)  # [D, width]
+    room = np.where(valid, free[ranks], 0)
+    order = np.lexsort((-items_weight, items_dc))
+    idc = items_dc[order]
+    pos = np.arange(order.size) - np.searchsorted(idc, idc, "left")  # index within DC
+    for i in range(int(pos.max()) + 1):
+        take = order[pos == i]
+        dcs = items_dc[take]
+        cand = np.where(room[dcs] > 0, load[dcs], np.inf)  # [n_i, width]
+        col = np.argmin(cand, axis=1)
+        okay = np.isfinite(cand[np.arange(dcs.size), col])
+        take, dcs, col = take[okay], dcs[okay], col[okay]
+        rank = ranks[dcs, col]
+        out[take] = rank
+        load[dcs, col] += items_weight[take]
+        room[dcs, col] -= 1
+    placed = out >= 0
+    for r, e in zip(out[placed], items_expert[placed], strict=True):
+        fixed[r, int(np.flatnonzero(fixed[r] < 0)[0])] = e
+    return out
+
+
+def plan_hybrid(
+    estimate: np.ndarray,
+    masters: Placement,
+    topology: Topology,
+    model: ModelSpec,
+    cfg: HybridSettings,
+    *,
+    previous: Placement | None = None,
+) -> Placement:
+    """The hybrid placement for estimated load ``estimate`` [R, E] (mean tokens per step).
+
+    ``masters``: the placement whose masters to start from (slots other than masters are
+    ignored); ``previous``: the placement running now (its copies stay where they are
+    when chosen again, and it is a candidate of the guard).
+    """
+    num_experts = estimate.shape[1]
+    num_dcs, slots = topology.num_dcs, topology.slots_per_rank
+    rank_dc = topology.rank_dc
+    dc_load = np.zeros((num_dcs, num_experts))
+    np.add.at(dc_load, rank_dc, estimate)  # [D, E]
+    dc_tokens = dc_load.sum(axis=1) / model.top_k
+    mrank = masters.master_rank()
+    mdc = rank_dc[mrank]
+    dc_slots = np.bincount(rank_dc, minlength=num_dcs) * slots
+    move = np.zeros(num_experts, bool)
+    if cfg.move_masters:
+        move, mdc = _move_masters(dc_load, mdc, dc_slots, model, cfg)
+    held_before = (
+        _dc_holds(previous, topology, num_experts)
+        if previous is not None
+        else np.zeros((num_dcs, num_experts), bool)
+    )
+    inp = _Inputs(topology, model, cfg, estimate, dc_load, dc_tokens, previous)
+    pairs = _Pairs(inp, mdc, held_before)
+    free = dc_slots - np.bincount(mdc, minlength=num_dcs)
+    # coordinate descent: each pair against the reverse pair's current choice
+    j_cur = _choose(pairs.options(None), free)  # each pair alone
+    choices = [j_cur]
+    for _ in range(cfg.rounds):
+        j_new = _choose(pairs.options(j_cur), free)
+        choices.append(j_new)
+        if np.array_equal(j_new, j_cur):
+            break
+        j_cur = j_new
+    candidates = [_build(inp, masters, move, mdc, _replicas(pairs, jc)) for jc in _unique(choices)]
+    empty = np.zeros(0, np.int64)
+    candidates.append(_build(inp, masters, move, mdc, (empty, empty)))
+    if previous is not None:
+        candidates.append(previous)
+    costs = [_guard_cost(inp, c) for c in candidates]
+    return candidates[int(np.argmin(costs))]
+
+
+def _replicas(pairs: _Pairs, j: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(DC, expert) of every copy when pair ``g`` copies its ``j[g]`` heaviest experts."""
+    row = pairs.j <= j[pairs.group] if pairs.group.size else np.zeros(0, bool)
+    return pairs.dc[row], pairs.expert[row]
+
+
+def _unique(arrays: list[np.ndarray]) -> list[np.ndarray]:
+    out: list[np.ndarray] = []
+    for a in arrays:
+        if not any(np.array_equal(a, b) for b in out):
+            out.append(a)
+    return out
+
+
+def _move_masters(
+    dc_load: np.ndarray,
+    mdc: np.ndarray,
+    dc_slots: np.ndarray,
+    model: ModelSpec,
+    cfg: HybridSettings,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Masters that move to their heaviest DC: ``(moved [E] bool, new master DC [E])``."""
+    num_experts = mdc.size
+    best = np.argmax(dc_load, axis=0)
+    gain = dc_load[best, np.arange(num_experts)] - dc_load[mdc, np.arange(num_experts)]
+    saved = gain * model.token_crossings * model.token_bytes * cfg.period
+    want = (best != mdc) & (saved > cfg.encoding.copy_bytes(model, master=True))
+    count = np.bincount(mdc, minlength=dc_slots.size)
+    moved = np.zeros(num_experts, bool)
+    for e in np.flatnonzero(want)[np.argsort(-saved[want], kind="stable")]:
+        b = best[e]
+        if count[b] < dc_slots[b]:
+            count[b] += 1
+            count[mdc[e]] -= 1
+            moved[e] = True
+    return moved, np.where(moved, best, mdc)
+
+
+def _build(
+    inp: _Inputs,
+    masters: Placement,
+    move: np.ndarray,
+    mdc: np.ndarray,
+    replicas: tuple[np.ndarray, np.ndarray],
+) -> Placement:
+    """Placement with the masters (``move`` [E] ones re-placed in DC ``mdc`` [E]) and one
+    replica per ``replicas`` (DC, expert) pair."""
+    topology, dc_load, previous = inp.topology, inp.dc_load, inp.previous
+    rep_dc, rep_e = replicas
+    mrank = masters.master_rank()
+    num_ranks, slots = topology.num_ranks, topology.slots_per_rank
+    num_experts = mdc.size
+    phy2log = np.full((num_ranks, slots), -1, np.int32)
+    stay = np.flatnonzero(~move)
+    flat = phy2log.reshape(-1)
+    flat[masters.master] = np.arange(num_experts)  # moved masters leave once re-placed
+    # predicted tokens per copy: a replica computes its DC's tokens; a master its own DC's
+    # plus those of every DC without a copy
+    has = np.zeros_like(dc_load, dtype=bool)
+    has[mdc, np.arange(num_experts)] = True
+    has[rep_dc, rep_e] = True
+    remote = np.where(has, 0.0, dc_load).sum(axis=0)  # [E]
+    master_w = dc_load[mdc, np.arange(num_experts)] + remote
+    rank_weight = np.bincount(mrank[stay], weights=master_w[stay], minlength=num_ranks)
+    # replicas already on a rank in the previous placement stay on that rank
+    keep_rank = np.full(rep_e.size, -1, np.int64)
+    if previous is not None and rep_e.size and previous.num_ranks:
+        r, s = np.nonzero(previous.phy2log >= 0)
+        e = previous.phy2log[r, s].astype(np.int64)
+        is_rep = (r * previous.slots_per_rank + s) != previous.master[e]
+        key = topology.rank_dc[r[is_rep]] * num_experts + e[is_rep]
+        kr = r[is_rep]
+        srt = np.argsort(key, kind="stable")
+        key, kr = key[srt], kr[srt]
+        want = rep_dc * num_experts + rep_e
+        key = np.r_[key, -1]  # sentinel: never equal to a wanted key
+        at = np.minimum(np.searchsorted(key[:-1], want), key.size - 1)
+        hit = key[at] == want
+        keep_rank[hit] = kr[at[hit]]
+        for i in np.flatnonzero(hit):
+            r0 = keep_rank[i]
+            free_slots = np.flatnonzero(phy2log[r0] < 0)
+            if free_slots.size == 0:
+                keep_rank[i] = -1
+                continue
+            phy2log[r0, free_slots[0]] = rep_e[i]
+            rank_weight[r0] += dc_load[rep_dc[i], rep_e[i]]
+    new_rep = keep_rank < 0
+    moved = np.flatnonzero(move)
+    items_dc = np.concatenate([mdc[moved], rep_dc[new_rep]])
+    items_e = np.concatenate([moved, rep_e[new_rep]])
+    items_w = np.concatenate([master_w[moved], dc_load[rep_dc[new_rep], rep_e[new_rep]]])
+    is_master_item = np.r_[np.ones(moved.size, bool), np.zeros(int(new_rep.sum()), bool)]
+    where = _partition(topology, phy2log, (items_dc, items_e, items_w), rank_weight)
+    master = masters.master.copy()
+    for rank, e in zip(where[is_master_item], items_e[is_master_item], strict=True):
+        if rank >= 0:  # the new slot takes mastership; the old slot is freed
+            flat[masters.master[e]] = -1
+            master[e] = rank * slots + int(np.flatnonzero(phy2log[rank] == e)[0])
+    return Placement(phy2log=phy2log, master=master.astype(np.int64))
+
+
+def _guard_cost(inp: _Inputs, cand: Placement) -> float:
+    """Modeled seconds of ``cand`` on ``estimate``, with the copies it adds over
+    ``previous`` streamed over one period (each from its master's rank)."""
+    topology, model, cfg, estimate, previous = (
+        inp.topology, inp.model, inp.cfg, inp.estimate, inp.previous
+    )  # fmt: skip
+    traffic = even_traffic(estimate, cand, topology, model.top_k, domain="dc", remote="master")
+    streams = replica_streams(cand, topology, model, cfg.cost, cfg.encoding)
+    if previous is not None:
+        before = previous.holds()
+        r, s = np.nonzero(cand.phy2log >= 0)
+        e = cand.phy2log[r, s].astype(np.int64)
+        new = ~before[r, e]
+        if new.any():
+            is_master = (r * cand.slots_per_rank + s) == cand.master[e]
+            nbytes = np.where(
+                is_master[new],
+                cfg.encoding.copy_bytes(model, True),
+                cfg.encoding.copy_bytes(model, False),
+            )
+            src = previous.master_rank()[e[new]]
+            streams = streams + migration_streams(
+                src, r[new], nbytes, topology, scale=1.0 / cfg.period
+            )
+    return step_cost(topology, model, traffic, streams, cfg.cost).seconds
+
+
+@register
+class HybridPolicy(Policy):
+    """HybridEP's planner: per DC pair, the share of traffic moved as expert copies."""
+
+    name = "hybrid"
+    Settings = HybridSettings
+    relabel_ranks = False
+    #: the even split its route uses (see :func:`route_local_or_master`)
+    even_split: ClassVar[tuple[str, str]] = ("dc", "master")
+
+    @property
+    def cfg(self) -> HybridSettings:
+        return cast(HybridSettings, self.settings)
+
+    @property
+    def transfer_encoding(self) -> TransferEncoding:
+        """How this policy sends expert weights and gradients (the simulator charges it)."""
+        return self.cfg.encoding
+
+    def history_window(self) -> int:
+        return self.cfg.window
+
+    def place(self, ctx: PolicyContext) -> Placement:
+        prev = ctx.previous.placement if ctx.previous is not None else None
+        if prev is not None and ctx.step % self.cfg.period:
+            return prev
+        t = ctx.topology
+        masters = (
+            prev
+            if prev is not None
+            else static_placement(
+                t.num_ranks, t.slots_per_rank, ctx.model.num_experts, t.masters_per_rank
+            )
+        )
+        if ctx.history.shape[0] == 0:
+            return masters  # nothing seen yet: plain EP
+        estimate = ctx.history.mean(axis=0)  # [R, E]
+        return plan_hybrid(estimate, masters, t, ctx.model, self.cfg, previous=prev)
+
+    def route(self, ctx: PolicyContext, placement: Placement) -> np.ndarray:
+        return route_local_or_master(ctx.load, placement, ctx.topology)

@@ -1,0 +1,163 @@
+"""hybrid and fastermoe: valid plans, the two degenerate cases, the guard, shadowing."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from expertmesh.planner import ModelSpec, Topology, check_layer_plan, make_policy, plan_trace
+from expertmesh.planner.costmodel import CostSettings, placement_cost
+from expertmesh.planner.fastermoe import shadow
+from expertmesh.planner.hybrid import HybridSettings, plan_hybrid, route_local_or_master
+from expertmesh.planner.static import static_placement
+from expertmesh.planner.topology import Link
+from expertmesh.planner.traffic import even_traffic, traffic_from_route
+
+
+def _topo(gbps: float, latency_ms: float = 20.0) -> Topology:
+    return Topology.generate(
+        2, 4, masters=2, spare=2, inter_dc_gbps=gbps, inter_dc_latency_ms=latency_ms
+    )
+
+
+def _load(topo: Topology, num_experts: int, tokens: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    p = rng.dirichlet(np.ones(num_experts))
+    return rng.multinomial(tokens * 2, p, size=topo.num_ranks)  # top-2
+
+
+def _hybrid(topo, model, load, **cfg):
+    base = static_placement(topo.num_ranks, topo.slots_per_rank, model.num_experts, 2)
+    return base, plan_hybrid(load.astype(float), base, topo, model, HybridSettings(**cfg))
+
+
+def test_fast_links_and_expensive_copies_give_static():
+    topo = _topo(gbps=3200, latency_ms=0.0)
+    model = ModelSpec(num_experts=8, top_k=2, hidden=256, ffn_hidden=65536)
+    base, plan = _hybrid(topo, model, _load(topo, 8, 512))
+    assert np.array_equal(plan.phy2log, base.phy2log)
+    assert np.array_equal(plan.master, base.master)
+
+
+def test_slow_links_and_cheap_copies_replicate_every_used_expert_in_every_dc():
+    topo = _topo(gbps=0.01)
+    model = ModelSpec(num_experts=8, top_k=2, hidden=1024, ffn_hidden=1)
+    load = _load(topo, 8, 4096)
+    _, plan = _hybrid(topo, model, load, move_masters=False)
+    held = np.zeros((2, 8), bool)
+    r, s = np.nonzero(plan.phy2log >= 0)
+    held[topo.rank_dc[r], plan.phy2log[r, s]] = True
+    used = np.zeros((2, 8))
+    np.add.at(used, topo.rank_dc, load)
+    assert held[used > 0].all()
+    # and no token crosses a DC any more
+    c = placement_cost(topo, model, load, plan, domain="dc", remote="master")
+    assert c.cross_dc_token_bytes == 0
+
+
+def test_masters_move_to_the_dc_that_uses_them():
+    topo = _topo(gbps=1.0)
+    model = ModelSpec(num_experts=8, top_k=1, hidden=1024, ffn_hidden=4)
+    load = np.zeros((8, 8), np.int64)
+    load[4:, :] = 1000  # only DC 1 sends tokens
+    _, plan = _hybrid(topo, model, load, period=100)
+    assert (topo.rank_dc[plan.master_rank()] == 1).all()
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    seed=st.integers(0, 1000),
+    gbps=st.sampled_from([0.05, 1.0, 10.0, 400.0]),
+    ffn=st.sampled_from([1, 64, 4096]),
+    training=st.booleans(),
+)
+def test_guard_never_picks_a_plan_slower_than_masters_only(seed, gbps, ffn, training):
+    topo = _topo(gbps)
+    model = ModelSpec(num_experts=8, top_k=2, hidden=512, ffn_hidden=ffn, training=training)
+    load = _load(topo, 8, 2048, seed)
+    base, plan = _hybrid(topo, model, load, move_masters=False)
+    cost = placement_cost(topo, model, load, plan, domain="dc", remote="master").seconds
+    static = placement_cost(topo, model, load, base, domain="dc", remote="master").seconds
+    assert cost <= static * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("name", ["hybrid", "fastermoe"])
+def test_plans_are_valid_over_a_trace(name):
+    topo = _topo(gbps=1.0)
+    model = ModelSpec(num_experts=8, top_k=2, hidden=512, ffn_hidden=16)
+    rng = np.random.default_rng(5)
+    load = rng.integers(0, 300, size=(5, 2, topo.num_ranks, 8))
+    settings_ = {"period": 2, "window": 2} if name == "hybrid" else None
+    plan = plan_trace(load, topo, model, make_policy(name, settings_))
+    for t in range(5):
+        for layer in range(2):
+            check_layer_plan(plan.layers[t][layer], load[t, layer], topo.slots_per_rank)
+
+
+def test_hybrid_keeps_its_plan_between_periods():
+    topo = _topo(gbps=0.1)
+    model = ModelSpec(num_experts=8, top_k=2, hidden=512, ffn_hidden=16)
+    load = np.random.default_rng(2).integers(0, 300, size=(4, 1, topo.num_ranks, 8))
+    plan = plan_trace(load, topo, model, make_policy("hybrid", {"period": 2, "window": 1}))
+    p = [plan.layers[t][0].placement for t in range(4)]
+    assert np.array_equal(p[0].phy2log, static_placement(8, 4, 8, 2).phy2log)  # no history
+    assert p[2] is not p[1] and np.array_equal(p[3].phy2log, p[2].phy2log)
+
+
+def test_capacity_shares_slots_across_pairs():
+    # three DCs of one rank with no spare slot beyond two: DC 0 cannot copy everything
+    topo = Topology.generate(3, 1, masters=2, spare=1, inter_dc_gbps=0.01)
+    model = ModelSpec(num_experts=6, top_k=1, hidden=1024, ffn_hidden=1)
+    load = np.array([[0, 0, 500, 400, 300, 200], [0] * 6, [0] * 6])
+    _, plan = _hybrid(topo, model, load, move_masters=False)
+    assert (plan.phy2log[0] >= 0).sum() == 3  # its two masters and one copy
+    assert 2 in plan.phy2log[0]  # the heaviest remote expert
+
+
+def test_route_local_or_master_matches_the_fast_traffic():
+    topo = _topo(gbps=1.0)
+    model = ModelSpec(num_experts=8, top_k=2, hidden=512, ffn_hidden=1)
+    load = _load(topo, 8, 1024, 3)
+    _, plan = _hybrid(topo, model, load)
+    route = route_local_or_master(load, plan, topo)
+    from expertmesh.planner.plan import LayerPlan
+
+    check_layer_plan(LayerPlan(plan, route), load, topo.slots_per_rank)
+    exact = traffic_from_route(route, load, topo, 2)
+    fast = even_traffic(load, plan, topo, 2, domain="dc", remote="master")
+    assert np.abs(exact.rank_tokens - fast.rank_tokens).max() < np.count_nonzero(load)
+    assert exact.pair_tokens.sum() == pytest.approx(fast.pair_tokens.sum())
+
+
+def test_shadow_puts_experts_on_every_rank():
+    base = static_placement(4, 3, 4, 1)
+    p = shadow(base, np.array([2, 0]))
+    holds = p.holds()
+    assert holds[:, 2].all() and holds[:, 0].all()
+    assert np.array_equal(p.master, base.master)
+    with pytest.raises(ValueError, match="free slots"):
+        shadow(base, np.array([0, 1, 2]))
+
+
+def test_fastermoe_shadows_hot_experts_when_links_are_slow_and_not_when_fast():
+    model = ModelSpec(num_experts=8, top_k=2, hidden=1024, ffn_hidden=1)
+    slow = _topo(gbps=0.01)
+    load = np.zeros((1, 1, 8, 8), np.int64)
+    load[0, 0, :, 0] = 5000  # everyone wants expert 0 (on rank 0)
+    pol = make_policy("fastermoe")
+    p = plan_trace(load, slow, model, pol).layers[0][0].placement
+    assert p.holds()[:, 0].all()
+    big = ModelSpec(num_experts=8, top_k=2, hidden=64, ffn_hidden=1 << 20)
+    fast = Topology.generate(2, 4, masters=2, spare=2, inter_dc_gbps=3200,
+                             intra_dc=Link(3200, 0.0))  # fmt: skip
+    light = np.ones((1, 1, 8, 8), np.int64)
+    p = plan_trace(light, fast, big, pol).layers[0][0].placement
+    assert p.holds().sum() == 8
+
+
+def test_hybrid_settings_are_validated():
+    with pytest.raises(ValueError, match="period"):
+        make_policy("hybrid", {"period": 0})
+    with pytest.raises(ValueError, match="flops_per_second"):
+        make_policy("hybrid", {"cost": {"flops_per_second": -1}})
+    assert make_policy("hybrid", {"cost": CostSettings().model_dump()}).name == "hybrid"
