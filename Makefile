@@ -55,6 +55,9 @@ bench: bench-planner ## every benchmark
 serve: setup ## controller + REST/dashboard (127.0.0.1:8700) + gRPC (127.0.0.1:8701), no Ray workers
 	$(VENV)/bin/expertmesh serve --topology deploy/topologies/two-dc.yaml
 
+screenshots: setup ## re-take docs/dashboard.png (headless Chromium against a live controller)
+	EXPERTMESH_SCREENSHOTS=docs $(PY) -m pytest -q tests/integration/test_dashboard.py
+
 proto: setup ## regenerate proto/expertmesh/v1/*_pb2*.py from the .proto (committed; a test checks)
 	PYTHON=$(PY) PATH=$(VENV)/bin:$$PATH scripts/gen_proto.sh
 

@@ -16,3 +16,13 @@ if [[ ! -f $stamp || pyproject.toml -nt $stamp ]]; then
   "$py" -m pip install --quiet -e ".[dev]"
   touch "$stamp"
 fi
+# The dashboard test drives a real headless Chromium (Debian's `chromium`; no browser download).
+if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
+  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing chromium for the dashboard test (apt-get)"
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null
+  else
+    echo "setup: chromium not found and not root; the dashboard test will be skipped" >&2
+  fi
+fi

@@ -1,0 +1,190 @@
+"""The web dashboard in a real headless Chromium against a live controller.
+
+Checks that every view renders the controller's real data and that it updates
+as new plans commit. With EXPERTMESH_SCREENSHOTS=<dir> it also saves screenshots
+there (`make screenshots` writes docs/dashboard*.png).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from expertmesh.controller.core import ControllerCore, ControllerSettings
+from expertmesh.controller.server import Surfaces
+from expertmesh.controller.settings import SurfaceSettings
+from expertmesh.planner import ModelSpec, Topology, available_policies
+
+from .chromium import Chromium, find_chromium
+
+L, E = 4, 64
+
+
+def _core() -> ControllerCore:
+    topo = Topology.from_dict(
+        {
+            "dcs": [
+                {"name": "us-east", "nodes": 2, "ranks_per_node": 4},
+                {"name": "eu-west", "nodes": 2, "ranks_per_node": 4},
+                {"name": "ap-south", "nodes": 1, "ranks_per_node": 4},
+            ],
+            "slots_per_rank": {"masters": 4, "spare": 2},
+            "links": {"pairs": [{"a": "us-east", "b": "eu-west", "gbps": 5, "latency_ms": 80}]},
+        }
+    )
+    model = ModelSpec(num_layers=L, num_experts=E, top_k=4, hidden=1024, ffn_hidden=512)
+    if "eplb" in available_policies():
+        policy, knobs = "eplb", {"period": 1, "window": 2}
+    else:
+        policy, knobs = "static", {}
+    settings = ControllerSettings(
+        policy=policy, policy_settings=knobs, trigger={"mode": "every_n", "every": 2}
+    )
+    return ControllerCore(topo, model, settings)
+
+
+class Feeder:
+    """Synthetic training: skewed, drifting load; plans commit on the trigger; steps, cross-DC
+    traffic and worker health go to telemetry."""
+
+    def __init__(self, surfaces: Surfaces) -> None:
+        self.s, self.core = surfaces, surfaces.core
+        self.rng = np.random.default_rng(0)
+        self.step = 0
+
+    def run_step(self) -> None:
+        core, tel, topo = self.core, self.s.telemetry, self.core.topology
+        num_ranks = topo.num_ranks
+        hot = (np.arange(E) + 3 * self.step) % E
+        weights = 1.0 / (1 + np.arange(E)) ** 0.9
+        for layer in range(L):
+            p = np.empty(E)
+            p[hot] = weights
+            p = np.roll(p, 7 * layer) / p.sum()
+            load = self.rng.multinomial(512 * 4, p, size=num_ranks)  # [R, E]
+            core.report_layer(self.step, layer, load)
+        pv = core.maybe_plan(self.step)
+        if pv is not None:
+            core.commit(pv.version)
+        tokens = core.newest_rank_tokens(0)
+        cross_tok = np.zeros((topo.num_dcs, topo.num_dcs))
+        cross_w = np.zeros_like(cross_tok)
+        lp = core.committed.layers[0] if core.committed else None
+        if lp is not None:
+            src, dst, tok = lp.route[:, 0], lp.route[:, 2], lp.route[:, 3]
+            np.add.at(cross_tok, (topo.rank_dc[src], topo.rank_dc[dst]), tok * 2048.0)
+            if pv is not None:
+                for t in lp.migration.transfers:
+                    cross_w[topo.rank_dc[t.src_rank], topo.rank_dc[t.dst_rank]] += t.nbytes
+        tel.record_step(
+            self.step,
+            0.05 + 0.01 * self.rng.random(),
+            2.0 / (1 + 0.1 * self.step),
+            tokens,
+            cross_dc_token_bytes=cross_tok,
+            cross_dc_weight_bytes=cross_w,
+        )
+        for r in range(num_ranks):
+            tel.set_worker_state(r, not (r == 5 and self.step >= 3))
+        self.step += 1
+
+
+@pytest.fixture
+def browser():
+    binary = find_chromium()
+    if binary is None:
+        pytest.skip("chromium is not installed (scripts/setup.sh installs it)")
+    b = Chromium(binary)
+    yield b
+    b.close()
+
+
+def test_dashboard_renders_real_data_and_updates(browser, tmp_path):
+    core = _core()
+    settings = SurfaceSettings(rest_port=0, grpc_port=0, db_path=str(tmp_path / "p.sqlite"))
+    with Surfaces(core, settings) as s:
+        feeder = Feeder(s)
+        for _ in range(6):
+            feeder.run_step()
+        version = core.committed.version
+        browser.navigate(f"{s.rest_url}/")
+        browser.wait_for("Number(document.body.dataset.polls || 0) >= 1")
+        nav = browser.eval("performance.getEntriesByType('navigation')[0].loadEventEnd")
+        first = float(browser.eval("document.body.dataset.firstRenderMs"))
+        assert nav < 1000, f"page load took {nav:.0f} ms"
+        assert first < 1500, f"first render took {first:.0f} ms"
+
+        # header and heatmap: the controller's numbers
+        assert browser.eval("document.getElementById('kpi-version').textContent") == f"v{version}"
+        heat = browser.eval("Object.assign({}, document.getElementById('heatmap').dataset)")
+        assert (int(heat["layers"]), int(heat["experts"])) == (L, E)
+        want_sum = sum(float(core.layer_stats(i).expert_load.sum()) for i in range(L))
+        assert float(heat["sum"]) == pytest.approx(want_sum, rel=1e-3)
+        # per-rank chart, timeline, map, workers, plan table
+        assert int(browser.eval("document.getElementById('ranks-chart').dataset.ranks")) == 20
+        assert browser.eval("document.querySelectorAll('#ranks-chart canvas').length") >= 1
+        assert int(browser.eval("document.getElementById('timeline-chart').dataset.points")) >= 6
+        names = browser.eval("[...document.querySelectorAll('#dc-map g')].map(g => g.dataset.dc)")
+        assert names == ["us-east", "eu-west", "ap-south"]
+        assert browser.eval("document.querySelectorAll('#dc-map line.tok').length") >= 1
+        assert browser.eval("document.querySelectorAll('#workers .dot.down').length") == 1
+        assert browser.eval("document.querySelectorAll('#workers .dot.up').length") == 19
+        rows = browser.eval(
+            "[...document.querySelectorAll('#plans-table tbody tr')].map(r => r.dataset.version)"
+        )
+        assert rows == [str(v) for v in range(version, 0, -1)]
+        # a plan's diff
+        browser.eval(
+            f"document.querySelector('#plans-table tr[data-version=\"{version}\"]').click()"
+        )
+        head = browser.wait_for("(document.querySelector('#plan-diff h3') || {}).textContent")
+        assert head.startswith(f"v{version - 1} → v{version}")
+
+        shots = os.environ.get("EXPERTMESH_SCREENSHOTS")
+        if shots:
+            Path(shots).mkdir(parents=True, exist_ok=True)
+            browser.screenshot(Path(shots) / "dashboard.png")
+
+        # live: more steps commit new plans; the page follows without a reload
+        stop = threading.Event()
+
+        def feed() -> None:
+            while not stop.is_set() and feeder.step < 14:
+                feeder.run_step()
+                stop.wait(0.2)
+
+        t = threading.Thread(target=feed)
+        t.start()
+        try:
+            newer = browser.wait_for(
+                f"Number(document.body.dataset.planVersion) > {version} && "
+                "document.body.dataset.planVersion"
+            )
+        finally:
+            stop.set()
+            t.join(10)
+        assert int(newer) > version
+        assert browser.console == [], browser.console
+
+
+def test_dashboard_escapes_what_it_shows(browser, tmp_path):
+    evil = '<img src=x onerror="window.pwned=1">'
+    topo = Topology.from_dict(
+        {
+            "dcs": [{"name": evil, "nodes": 1, "ranks_per_node": 2}],
+            "slots_per_rank": {"masters": 4, "spare": 0},
+        }
+    )
+    core = ControllerCore(topo, ModelSpec(num_layers=1, num_experts=8))
+    settings = SurfaceSettings(rest_port=0, grpc_port=0)
+    with Surfaces(core, settings) as s:
+        core.report_layer(0, 0, np.ones((2, 8), int))
+        browser.navigate(f"{s.rest_url}/")
+        browser.wait_for("Number(document.body.dataset.polls || 0) >= 1")
+        assert browser.eval("document.querySelector('#dc-map g text').textContent") == evil
+        assert browser.eval("document.querySelectorAll('img').length") == 0
+        assert browser.eval("window.pwned === undefined")
