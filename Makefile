@@ -8,7 +8,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 
 .DEFAULT_GOAL := help
 .PHONY: help setup demo demo-planner test test-unit test-integration lint fmt typecheck bench \
-	bench-planner clean serve proto
+	bench-planner clean serve proto emulate-up emulate-down emulate-status
 
 help: ## list the verbs
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -63,6 +63,16 @@ proto: setup ## regenerate proto/expertmesh/v1/*_pb2*.py from the .proto (commit
 
 bench-planner: setup ## planner: quota/eplb vs DeepSeek EPLB at EP64 (table + ratios)
 	$(PY) bench/bench_planner.py
+
+EMU_TOPOLOGY ?= deploy/topologies/emulate.yaml
+emulate-up: setup ## one-machine multi-DC Ray cluster: a network namespace per DC, htb-shaped veths (root; EMU_TOPOLOGY=...)
+	$(PY) deploy/emulate/netemu.py up --topology $(EMU_TOPOLOGY)
+
+emulate-status: setup ## the emulation's namespaces, addresses, shaped rates and Ray PIDs
+	$(PY) deploy/emulate/netemu.py status
+
+emulate-down: setup ## tear the emulation down: its Ray processes, namespaces, veths, bridge, temp dir
+	$(PY) deploy/emulate/netemu.py down
 
 clean: ## remove the venv, caches and outputs
 	rm -rf $(VENV) $(OUT) .cache .pytest_cache .mypy_cache .ruff_cache .hypothesis
