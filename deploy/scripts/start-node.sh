@@ -1,0 +1,147 @@
+#!/usr/bin/env bash
+# Start this machine's Ray node labeled dc=<its DC>; on the head, also `expertmesh serve`.
+#
+#   start-node.sh head                 # Ray head (GCS on :6379) + expertmesh serve
+#   start-node.sh worker HEAD_IP       # Ray worker joining HEAD_IP:6379
+#   start-node.sh stop-serve           # stop the `expertmesh serve` this script started
+#   start-node.sh which-dc             # print the DC this machine resolves to
+#
+# The DC comes from, first match wins:
+#   1. $EXPERTMESH_DC
+#   2. the `dc` key of $RAY_OVERRIDE_LABELS (what `ray up` sets from a cloud node type's `labels`)
+#   3. a per-host file, $EXPERTMESH_DC_FILE (default /etc/expertmesh/dc): one line, the DC name
+#   4. the IP-to-DC map $EXPERTMESH_DC_MAP (default <repo>/deploy/dc-map.yaml):
+#      lines `<IP or CIDR>: <DC>`, matched against this node's IP
+# This node's IP: $EXPERTMESH_NODE_IP, else the first address of `hostname -I`.
+# Other knobs (environment): EXPERTMESH_HOME (the checkout, default: this script's repo),
+# EXPERTMESH_VENV (default ~/expertmesh-venv), EXPERTMESH_TOPOLOGY (default
+# deploy/topologies/onprem-3dc.yaml), EXPERTMESH_STATE (default ~/.expertmesh: serve's pid, log
+# and SQLite plan store), EXPERTMESH_SERVE_HOST (default this node's IP), EXPERTMESH_TOKEN
+# (bearer token for serve's writes), RAY_METRICS_PORT (default 8080).
+# EXPERTMESH_DRY_RUN=FILE appends the commands to FILE instead of running them (tests).
+set -euo pipefail
+
+home=${EXPERTMESH_HOME:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}
+venv=${EXPERTMESH_VENV:-$HOME/expertmesh-venv}
+state=${EXPERTMESH_STATE:-$HOME/.expertmesh}
+topology=${EXPERTMESH_TOPOLOGY:-$home/deploy/topologies/onprem-3dc.yaml}
+dc_file=${EXPERTMESH_DC_FILE:-/etc/expertmesh/dc}
+dc_map=${EXPERTMESH_DC_MAP:-$home/deploy/dc-map.yaml}
+metrics_port=${RAY_METRICS_PORT:-8080}
+py=$venv/bin/python
+[[ -x $py ]] || py=python3
+
+die() { echo "start-node.sh: $*" >&2; exit 2; }
+
+run() {
+  if [[ -n ${EXPERTMESH_DRY_RUN:-} ]]; then
+    printf '%q ' "$@" >>"$EXPERTMESH_DRY_RUN"
+    echo >>"$EXPERTMESH_DRY_RUN"
+  else
+    "$@"
+  fi
+}
+
+node_ip() {
+  if [[ -n ${EXPERTMESH_NODE_IP:-} ]]; then
+    echo "$EXPERTMESH_NODE_IP"
+  else
+    hostname -I | awk '{print $1}'
+  fi
+}
+
+which_dc() {
+  local ip=$1
+  if [[ -n ${EXPERTMESH_DC:-} ]]; then
+    echo "$EXPERTMESH_DC"
+    return
+  fi
+  # RAY_OVERRIDE_LABELS, the per-host file and the map, in that order (python: JSON and CIDRs).
+  "$py" - "$ip" "$dc_file" "$dc_map" <<'EOF'
+import ipaddress, json, os, sys
+ip, dc_file, dc_map = sys.argv[1:4]
+labels = os.environ.get("RAY_OVERRIDE_LABELS")
+if labels:
+    try:
+        dc = json.loads(labels).get("dc")
+    except (ValueError, AttributeError):
+        dc = None
+    if dc:
+        sys.exit(print(dc))
+if os.path.isfile(dc_file):
+    dc = open(dc_file).read().strip()
+    if dc:
+        sys.exit(print(dc))
+if not os.path.isfile(dc_map):
+    sys.exit(f"no DC for {ip}: no $EXPERTMESH_DC, {dc_file} or map {dc_map}")
+addr = ipaddress.ip_address(ip)
+for n, line in enumerate(open(dc_map), 1):
+    line = line.split("#", 1)[0].strip()
+    if not line:
+        continue
+    key, sep, dc = line.rpartition(":")
+    if not sep or not key.strip() or not dc.strip():
+        sys.exit(f"{dc_map}:{n}: expected `<IP or CIDR>: <DC>`, got {line!r}")
+    if addr in ipaddress.ip_network(key.strip().strip("'\""), strict=False):
+        sys.exit(print(dc.strip().strip("'\"")))
+sys.exit(f"no DC for {ip} in {dc_map}; add a line or write the DC name to {dc_file}")
+EOF
+}
+
+serve_pid() {
+  local pid
+  [[ -f $state/serve.pid ]] || return 1
+  pid=$(<"$state/serve.pid")
+  # only a process that still is the serve we started (PIDs get reused)
+  [[ -r /proc/$pid/cmdline ]] && tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q "expertmesh serve" \
+    && echo "$pid"
+}
+
+stop_serve() {
+  local pid
+  if pid=$(serve_pid); then
+    run kill "$pid"
+  fi
+  run rm -f "$state/serve.pid"
+}
+
+role=${1:-}
+case $role in
+  which-dc)
+    which_dc "$(node_ip)"
+    ;;
+  head)
+    ip=$(node_ip)
+    dc=$(which_dc "$ip") || die "cannot find this node's DC"
+    args=(--head --port=6379 --node-ip-address="$ip" --labels="dc=$dc"
+      --metrics-export-port="$metrics_port" --dashboard-host=0.0.0.0 --disable-usage-stats)
+    [[ -f $HOME/ray_bootstrap_config.yaml ]] \
+      && args+=(--autoscaling-config="$HOME/ray_bootstrap_config.yaml")
+    run "$venv/bin/ray" start "${args[@]}"
+    run mkdir -p "$state"
+    stop_serve
+    serve=("$venv/bin/expertmesh" serve --topology "$topology"
+      --host "${EXPERTMESH_SERVE_HOST:-$ip}" --db "$state/plans.sqlite")
+    if [[ -n ${EXPERTMESH_DRY_RUN:-} ]]; then
+      run "${serve[@]}"
+    else
+      nohup "${serve[@]}" >>"$state/serve.log" 2>&1 </dev/null &
+      echo $! >"$state/serve.pid"
+      echo "start-node.sh: expertmesh serve pid $! (log $state/serve.log)"
+    fi
+    ;;
+  worker)
+    head=${2:-${RAY_HEAD_IP:-}}
+    [[ -n $head ]] || die "usage: start-node.sh worker HEAD_IP"
+    ip=$(node_ip)
+    dc=$(which_dc "$ip") || die "cannot find this node's DC"
+    run "$venv/bin/ray" start --address="$head:6379" --node-ip-address="$ip" --labels="dc=$dc" \
+      --metrics-export-port="$metrics_port"
+    ;;
+  stop-serve)
+    stop_serve
+    ;;
+  *)
+    die "usage: start-node.sh head | worker HEAD_IP | stop-serve | which-dc"
+    ;;
+esac

@@ -1,0 +1,150 @@
+"""`ray up` cluster files pass Ray's own config validation; nodes find their DC label."""
+
+from __future__ import annotations
+
+import copy
+import ipaddress
+import os
+import shlex
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+from ray.autoscaler._private.util import prepare_config, validate_config
+
+from expertmesh.planner import Topology
+
+REPO = Path(__file__).resolve().parents[2]
+START = REPO / "deploy/scripts/start-node.sh"
+
+
+def _load(rel: str) -> dict[str, Any]:
+    return yaml.safe_load((REPO / rel).read_text())
+
+
+def _ray_validate(config: dict[str, Any]) -> dict[str, Any]:
+    """What `ray up` does to a config before it contacts any machine or cloud."""
+    prepared = prepare_config(copy.deepcopy(config))
+    validate_config(prepared)
+    return prepared
+
+
+@pytest.mark.parametrize("rel", ["deploy/cluster.yaml", "deploy/cluster-aws.yaml"])
+def test_cluster_files_pass_ray_validation(rel: str) -> None:
+    prepared = _ray_validate(_load(rel))
+    assert prepared["head_node_type"] in prepared["available_node_types"]
+
+
+def test_validation_can_fail() -> None:
+    bad = _load("deploy/cluster-aws.yaml")
+    bad["available_node_types"]["dc-us-east-1a"]["labels"] = {"dc": 1}  # labels are strings
+    with pytest.raises(jsonschema.ValidationError):
+        _ray_validate(bad)
+
+
+@pytest.mark.parametrize("rel", ["deploy/cluster.yaml", "deploy/cluster-aws.yaml"])
+def test_setup_installs_pinned_torch_before_the_project(rel: str) -> None:
+    cmds = _load(rel)["setup_commands"]
+    torch = next(i for i, c in enumerate(cmds) if '"torch==2.13.0"' in c)
+    project = next(i for i, c in enumerate(cmds) if "install --quiet -e ~/expertmesh" in c)
+    assert torch < project
+    assert not any("torch" in c and "torch==2.13.0" not in c for c in cmds)
+
+
+def _dc_map() -> list[tuple[ipaddress.IPv4Network, str]]:
+    out = []
+    for raw in (REPO / "deploy/dc-map.yaml").read_text().splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if line:
+            key, _, dc = line.rpartition(":")
+            out.append((ipaddress.ip_network(key.strip()), dc.strip()))
+    return out
+
+
+def test_local_cluster_machines_match_the_dc_map_and_topology() -> None:
+    provider = _load("deploy/cluster.yaml")["provider"]
+    topo = Topology.from_dict(_load("deploy/topologies/onprem-3dc.yaml"))
+    dc_map = _dc_map()
+    per_dc: dict[str, int] = {}
+    for ip in [provider["head_ip"], *provider["worker_ips"]]:
+        dc = next(d for net, d in dc_map if ipaddress.ip_address(ip) in net)
+        per_dc[dc] = per_dc.get(dc, 0) + 1
+    assert per_dc == {d.name: d.nodes for d in topo.dcs}
+
+
+def test_aws_node_types_are_one_zone_each_labeled_with_a_topology_dc() -> None:
+    cfg = _load("deploy/cluster-aws.yaml")
+    topo = Topology.from_dict(_load("deploy/topologies/aws-3az.yaml"))
+    zones = set(cfg["provider"]["availability_zone"].split(","))
+    workers = {k: v for k, v in cfg["available_node_types"].items() if k != cfg["head_node_type"]}
+    labels = set()
+    for nt in cfg["available_node_types"].values():
+        zone = nt["node_config"]["Placement"]["AvailabilityZone"]
+        assert zone in zones and nt["labels"] == {"dc": zone}
+    for nt in workers.values():
+        labels.add(nt["labels"]["dc"])
+    assert labels == {d.name for d in topo.dcs}
+    for dc in topo.dcs:
+        nt = workers[f"dc-{dc.name}"]
+        assert nt["min_workers"] == dc.nodes
+
+
+def _start_node(tmp_path: Path, *args: str, **env: str) -> tuple[int, list[list[str]]]:
+    log = tmp_path / "cmds"
+    log.unlink(missing_ok=True)
+    full = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(tmp_path),
+        "EXPERTMESH_STATE": str(tmp_path / "state"),
+        "EXPERTMESH_DC_FILE": str(tmp_path / "no-such-file"),
+        "EXPERTMESH_DRY_RUN": str(log),
+        **env,
+    }
+    run = subprocess.run(
+        ["bash", str(START), *args], env=full, capture_output=True, text=True, check=False
+    )
+    cmds = [shlex.split(x) for x in log.read_text().splitlines()] if log.exists() else []
+    return run.returncode, cmds
+
+
+def test_worker_starts_ray_with_its_dc_from_the_ip_map(tmp_path: Path) -> None:
+    rc, cmds = _start_node(tmp_path, "worker", "10.0.1.10", EXPERTMESH_NODE_IP="10.0.2.11")
+    assert rc == 0
+    (ray,) = cmds
+    assert ray[1:3] == ["start", "--address=10.0.1.10:6379"]
+    assert "--labels=dc=eu-west" in ray and "--node-ip-address=10.0.2.11" in ray
+    assert "stop" not in ray
+
+
+def test_head_starts_ray_then_serve(tmp_path: Path) -> None:
+    rc, cmds = _start_node(tmp_path, "head", EXPERTMESH_NODE_IP="10.0.1.10")
+    assert rc == 0
+    ray, serve = cmds[0], cmds[-1]
+    assert "--head" in ray and "--labels=dc=us-east" in ray
+    assert serve[0].endswith("/expertmesh") and serve[1] == "serve"
+    assert serve[serve.index("--host") + 1] == "10.0.1.10"
+    assert serve[serve.index("--topology") + 1].endswith("deploy/topologies/onprem-3dc.yaml")
+
+
+def test_dc_resolution_order(tmp_path: Path) -> None:
+    per_host = tmp_path / "dc"
+    per_host.write_text("from-file\n")
+    ip = {"EXPERTMESH_NODE_IP": "10.0.3.10"}
+    both = {**ip, "EXPERTMESH_DC_FILE": str(per_host)}
+    labels = {**both, "RAY_OVERRIDE_LABELS": '{"dc": "from-labels", "x": "y"}'}
+    for env, want in [
+        (ip, "ap-south"),
+        (both, "from-file"),
+        (labels, "from-labels"),
+        ({**labels, "EXPERTMESH_DC": "from-env"}, "from-env"),
+    ]:
+        rc, cmds = _start_node(tmp_path, "worker", "10.0.1.10", **env)
+        assert rc == 0 and f"--labels=dc={want}" in cmds[0], (env, cmds)
+
+
+def test_unknown_ip_fails_without_starting_ray(tmp_path: Path) -> None:
+    rc, cmds = _start_node(tmp_path, "worker", "10.0.1.10", EXPERTMESH_NODE_IP="192.168.9.9")
+    assert rc != 0 and cmds == []
