@@ -3,6 +3,7 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 OUT ?= out
+DEMO_POLICIES ?= static eplb quota hybrid fastermoe
 export RAY_AUTH_MODE ?= disabled
 export PYTHONDONTWRITEBYTECODE := 1
 
@@ -25,12 +26,15 @@ demo-planner: setup ## planner only: generate a skewed trace and plan it with ev
 	$(VENV)/bin/expertmesh trace generate --out $(OUT)/trace.npz --steps 8 --layers 2 \
 		--topology deploy/topologies/ep64.yaml --experts 256 --top-k 8 --tokens-per-rank 8192 \
 		--imbalance 2.0 --seed 0
-	@for p in static eplb quota; do \
-		$(VENV)/bin/expertmesh plan --trace $(OUT)/trace.npz --topology deploy/topologies/ep64.yaml \
-			--policy $$p --out $(OUT)/plan-$$p.npz || exit $$?; \
-	done
-	$(VENV)/bin/expertmesh plan compare --trace $(OUT)/trace.npz $(OUT)/plan-static.npz \
-		$(OUT)/plan-eplb.npz $(OUT)/plan-quota.npz
+	@avail=" $$($(VENV)/bin/expertmesh plan policies --names | tr '\n' ' ')"; plans=""; \
+	for p in $(DEMO_POLICIES); do \
+		case "$$avail" in *" $$p "*) ;; *) echo "note: policy $$p is not registered yet; skipping it"; continue;; esac; \
+		echo "expertmesh plan --policy $$p --out $(OUT)/plan-$$p.npz"; \
+		$(VENV)/bin/expertmesh plan --quiet --trace $(OUT)/trace.npz \
+			--topology deploy/topologies/ep64.yaml --policy $$p --out $(OUT)/plan-$$p.npz || exit $$?; \
+		plans="$$plans $(OUT)/plan-$$p.npz"; \
+	done; \
+	$(VENV)/bin/expertmesh plan compare --trace $(OUT)/trace.npz $$plans
 
 test: setup lint ## lint, type-check and run every test (unit + integration)
 	$(PY) -m pytest -q

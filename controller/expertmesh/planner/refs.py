@@ -11,7 +11,12 @@ import numpy as np
 from expertmesh.planner.plan import Placement
 from expertmesh.planner.topology import Topology
 
-__all__ = ["eplb_rebalance_ref", "even_route_ref"]
+__all__ = [
+    "eplb_rebalance_ref",
+    "even_route_ref",
+    "inclusion_probabilities_ref",
+    "systematic_counts_ref",
+]
 
 
 # ---------------------------------------------------------------------------
@@ -156,3 +161,50 @@ def even_route_ref(
             for q in targets:
                 rows.append((r, e, q, load[r, e] / len(targets)))
     return np.array(rows, dtype=np.float64).reshape(-1, 4)
+
+
+# ---------------------------------------------------------------------------
+# trace: inclusion probabilities and systematic top-k sampling, token by token
+# ---------------------------------------------------------------------------
+
+
+def inclusion_probabilities_ref(weights: np.ndarray, top_k: int) -> np.ndarray:
+    """[E] ``pi = min(1, c * weights)`` with ``sum(pi) == top_k``, by repeated capping:
+    scale the uncapped experts to the budget left, cap those above 1, repeat."""
+    w = [float(x) for x in weights]
+    capped = [False] * len(w)
+    while True:
+        budget = top_k - sum(capped)
+        free = sum(x for x, c in zip(w, capped, strict=True) if not c)
+        pi = [1.0 if c else budget * x / free for x, c in zip(w, capped, strict=True)]
+        over = [i for i, p in enumerate(pi) if p > 1.0 + 1e-12 and not capped[i]]
+        if not over:
+            return np.array(pi)
+        for i in over:
+            capped[i] = True
+
+
+def systematic_counts_ref(q: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """[R, K] tokens choosing each item under Madow's systematic design.
+
+    ``q``: [R, K] inclusion probabilities (each < 1) of the items in each row's order,
+    each row summing to an integer ``k``; ``u``: [R, n] one uniform in [0, 1) per token.
+    A token takes the item ``i`` with ``C[i] <= u + j < C[i + 1]`` for each ``j < k``,
+    where ``C`` is the running sum of ``q`` (``C[K] = k``).
+    """
+    num_rows, num_items = q.shape
+    out = np.zeros((num_rows, num_items), dtype=np.int64)
+    for r in range(num_rows):
+        k = round(float(q[r].sum()))
+        bounds = [0.0]
+        for x in q[r]:
+            bounds.append(bounds[-1] + float(x))
+        bounds[-1] = float(k)
+        for token_u in u[r]:
+            for j in range(k):
+                x = float(token_u) + j
+                for i in range(num_items):
+                    if bounds[i] <= x < bounds[i + 1]:
+                        out[r, i] += 1
+                        break
+    return out

@@ -9,6 +9,7 @@ copies that can stay do stay, and times the solve.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,8 +92,17 @@ def plan_layer(policy: Policy, ctx: PolicyContext, relabel_ranks: bool | None = 
     return LayerPlan(placement=placement, route=route, migration=migration, solve_seconds=solve)
 
 
-def plan_trace(load: np.ndarray, topology: Topology, model: ModelSpec, policy: Policy) -> TracePlan:
-    """Plan trace ``load`` [T, L, R, E] step by step, layer by layer."""
+def plan_trace(
+    load: np.ndarray,
+    topology: Topology,
+    model: ModelSpec,
+    policy: Policy,
+    progress: Callable[[int], None] | None = None,
+) -> TracePlan:
+    """Plan trace ``load`` [T, L, R, E] step by step, layer by layer.
+
+    ``progress``, if given, is called with the step index after each step is planned.
+    """
     load = check_trace(load)
     num_steps, num_layers, num_ranks, num_experts = load.shape
     if num_ranks != topology.num_ranks:
@@ -118,4 +128,6 @@ def plan_trace(load: np.ndarray, topology: Topology, model: ModelSpec, policy: P
             prev[layer] = plan
             row.append(plan)
         out.append(row)
+        if progress is not None:
+            progress(t)
     return TracePlan(layers=out)

@@ -1,0 +1,322 @@
+"""Synthetic gating traces calibrated to a target rank imbalance under static EP.
+
+Published balancer evaluations (UltraEP, FEPLB, EPLB studies) skew expert
+popularity with a Zipf law over a random order of experts and search the
+exponent until plain expert parallelism shows the wanted max/mean. This module
+does the same, per layer and per step:
+
+- **popularity**: the expert at popularity position ``i`` (``perm[i]``) gets
+  weight ``(i + 1) ** -s``; a token picks ``top_k`` *distinct* experts, so the
+  probability that it picks expert ``e`` is the inclusion probability
+  ``pi[e] = min(1, c * w[e])`` with ``c`` such that ``sum(pi) == top_k``.
+- **calibration**: ``s`` is found by bisection so that the expected static-EP
+  imbalance ``max_r sum_{e on r} pi[e] / mean_r(...)`` equals the target (the
+  placement of :func:`expertmesh.planner.static.static_placement`). It is
+  re-solved whenever the popularity order changes, so every step of every layer
+  has the target in expectation; sampling noise adds a small upward bias (the
+  max of noisy rank loads), about 1% at EP64 x 8192 tokens.
+- **sampling**: every source rank sends ``tokens_per_rank`` tokens, each to
+  ``top_k`` distinct experts, drawn with Madow's systematic design (one uniform
+  ``u`` per token, expert ``e`` chosen iff ``u`` falls in its arc of length
+  ``pi[e]`` on a circle where the arcs wind ``top_k`` times, in a fresh random
+  order per source rank). A token's expert set depends only on which segment
+  between arc ends its ``u`` falls in, so a multinomial over at most ``E``
+  segments gives the exact counts of ``tokens_per_rank`` independent tokens in
+  ``O(E)`` work per rank instead of ``O(tokens * top_k)``. Each token has
+  exactly ``top_k`` distinct experts: ``load[t, l, r].sum() == tokens * top_k``.
+  Every source rank shares the layer's popularity (no per-rank preference).
+- **drift** ``F``: each step about ``F * E / 2`` swaps (Poisson) of two experts
+  whose popularity positions are at most ``max(1, E // 16)`` apart: the hot set
+  moves slowly. **regime switches**: every ``regime_every`` steps the order is
+  drawn afresh.
+
+Seeded: layer ``l`` draws from its own stream of ``SeedSequence(seed)``, so a
+trace with more steps or layers starts with the same numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from expertmesh.planner.static import static_placement
+
+__all__ = [
+    "MAX_TRACE_ELEMENTS",
+    "SyntheticTrace",
+    "TraceSettings",
+    "generate_trace",
+    "static_imbalance",
+]
+
+MAX_TRACE_ELEMENTS = 1 << 30  # 8 GiB of int64: more is refused, not attempted
+_MAX_EXPONENT = 64.0
+
+
+class TraceSettings(BaseModel):
+    """What to generate. Shapes: the trace is ``[num_steps, num_layers, num_ranks, num_experts]``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    num_ranks: int = Field(ge=1, le=1 << 20, description="source (and EP) ranks, R")
+    num_experts: int = Field(ge=1, le=65536, description="logical experts per layer, E")
+    num_layers: int = Field(default=1, ge=1, le=4096, description="MoE layers, L")
+    num_steps: int = Field(default=1, ge=1, le=1_000_000, description="microbatches, T")
+    top_k: int = Field(default=8, ge=1, le=64, description="distinct experts per token")
+    tokens_per_rank: int = Field(default=8192, ge=1, le=1 << 30, description="tokens per rank")
+    imbalance: float = Field(
+        default=2.0, ge=1.0, le=1e6, description="target expected max/mean under static EP"
+    )
+    drift: float = Field(
+        default=0.0, ge=0.0, le=1.0, description="expected share of experts swapped per step"
+    )
+    regime_every: int = Field(
+        default=0, ge=0, description="new popularity order every N steps (0: never)"
+    )
+    seed: int = Field(default=0, ge=0, description="seed of numpy's SeedSequence")
+
+    @model_validator(mode="after")
+    def _fits(self) -> TraceSettings:
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k {self.top_k} exceeds the {self.num_experts} experts")
+        size = self.num_steps * self.num_layers * self.num_ranks * self.num_experts
+        if size > MAX_TRACE_ELEMENTS:
+            raise ValueError(
+                f"trace of {self.num_steps}x{self.num_layers}x{self.num_ranks}x"
+                f"{self.num_experts} = {size} counts exceeds the limit of {MAX_TRACE_ELEMENTS}"
+            )
+        return self
+
+
+@dataclass(frozen=True, eq=False)
+class SyntheticTrace:
+    """A generated trace.
+
+    - ``load``: [T, L, R, E] int64 tokens from source rank ``r`` to expert ``e``.
+    - ``exponent``: [T, L] Zipf exponent used at each step and layer.
+    - ``expected_imbalance``: [T, L] expected static-EP max/mean (the calibrated value).
+    - ``meta``: JSON-able summary (the trace file's ``meta``).
+    """
+
+    load: np.ndarray
+    exponent: np.ndarray
+    expected_imbalance: np.ndarray
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def inclusion_probabilities(weights: np.ndarray, top_k: int) -> np.ndarray:
+    """[E] probability that a token picks each expert when it picks ``top_k`` distinct ones.
+
+    ``weights``: [E] positive, sorted in non-increasing order. Returns ``pi`` [E] with
+    ``pi = min(1, c * weights)`` and ``sum(pi) == top_k`` (the ``m`` heaviest experts are
+    capped at 1 and the rest share ``top_k - m`` in proportion to their weights).
+    """
+    num_experts = weights.shape[0]
+    tail = np.cumsum(weights[::-1])[::-1]  # [E] sum of weights[m:]
+    m = np.arange(top_k)
+    ok = (top_k - m) * weights[m] <= tail[m] * (1 + 1e-12)  # uncapped from position m on
+    capped = int(np.argmax(ok)) if ok.any() else top_k
+    pi = np.ones(num_experts)
+    if capped < num_experts:
+        pi[capped:] = (top_k - capped) * weights[capped:] / tail[capped]
+    return np.minimum(pi, 1.0)
+
+
+def _expert_rank(num_ranks: int, num_experts: int) -> np.ndarray:
+    """[E] rank of each expert under static EP."""
+    masters = -(-num_experts // num_ranks)
+    return static_placement(num_ranks, masters, num_experts, masters).master_rank()
+
+
+def _popularity(perm: np.ndarray, exponent: float, top_k: int) -> np.ndarray:
+    """[E] inclusion probability of each expert; ``perm``: [E] expert at each position."""
+    weights = (np.arange(perm.shape[0]) + 1.0) ** -exponent  # [E] by position
+    pi = np.empty(perm.shape[0])
+    pi[perm] = inclusion_probabilities(weights / weights[0], top_k)
+    return pi
+
+
+def _static_imbalance(pi: np.ndarray, expert_rank: np.ndarray, num_ranks: int) -> float:
+    per_rank = np.bincount(expert_rank, weights=pi, minlength=num_ranks)
+    return float(per_rank.max() / per_rank.mean())
+
+
+def _calibrate(
+    perm: np.ndarray, expert_rank: np.ndarray, num_ranks: int, top_k: int, target: float
+) -> tuple[float, float]:
+    """Zipf exponent whose expected static-EP imbalance is ``target``; returns (s, imbalance)."""
+
+    def f(s: float) -> float:
+        return _static_imbalance(_popularity(perm, s, top_k), expert_rank, num_ranks)
+
+    lo, f_lo = 0.0, f(0.0)
+    if f_lo >= target - 1e-9:
+        if f_lo > target + 1e-6:
+            raise ValueError(
+                f"imbalance {target:g} is below {f_lo:.4g}, what uniform popularity already "
+                f"gives with {perm.shape[0]} experts on {num_ranks} ranks"
+            )
+        return 0.0, f_lo
+    hi = 1.0
+    while f(hi) < target:
+        if hi >= _MAX_EXPONENT:
+            raise ValueError(
+                f"imbalance {target:g} is out of reach: at most {f(hi):.4g} with "
+                f"{perm.shape[0]} experts on {num_ranks} ranks and top-{top_k}"
+            )
+        lo, hi = hi, hi * 2
+    while hi - lo > 1e-9 * hi:
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
+    s = 0.5 * (lo + hi)
+    return s, f(s)
+
+
+def _drift(rng: np.random.Generator, perm: np.ndarray, drift: float) -> bool:
+    """Swap a Poisson(drift * E / 2) number of nearby popularity positions in place."""
+    num_experts = perm.shape[0]
+    if drift <= 0 or num_experts < 2:
+        return False
+    swaps = int(rng.poisson(drift * num_experts / 2))
+    if swaps == 0:
+        return False
+    window = max(1, num_experts // 16)
+    pos = rng.integers(0, num_experts, size=swaps)
+    gap = rng.integers(1, window + 1, size=swaps)
+    other = np.where(pos + gap < num_experts, pos + gap, pos - gap)
+    other = np.clip(other, 0, num_experts - 1)
+    for i, j in zip(pos.tolist(), other.tolist(), strict=True):
+        perm[i], perm[j] = perm[j], perm[i]
+    return True
+
+
+def systematic_arcs(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Arcs of Madow's systematic design on the unit circle.
+
+    ``q``: [R, K] inclusion probabilities in ``[0, 1)`` of ``K`` items in each row's
+    order, each row summing to an integer ``k``. Returns ``start`` [R, K] (arc start in
+    ``[0, 1)``) and ``end`` [R, K] (the next item's start; the last item ends at 0). Item
+    ``i`` is chosen by a token with uniform ``u`` iff ``u`` lies in ``[start, end)``
+    (mod 1, wrapping when ``end < start``).
+    """
+    c = np.cumsum(q, axis=1) - q  # [R, K] exclusive cumulative sum
+    start = c - np.floor(c)
+    end = np.roll(start, -1, axis=1)
+    end[:, -1] = 0.0
+    return start, end
+
+
+def counts_from_segments(
+    start: np.ndarray, end: np.ndarray, q: np.ndarray, seg_counts: np.ndarray, n: int
+) -> np.ndarray:
+    """[R, K] tokens choosing each item, given how many tokens fall in each circle segment.
+
+    ``start``, ``end``, ``q``: [R, K] from :func:`systematic_arcs`; ``seg_counts``: [R, K]
+    tokens whose ``u`` lies in ``[b_j, b_{j+1})`` where ``b`` is ``start`` sorted per row
+    (stable) and ``b_K = 1``; ``n``: tokens per row.
+    """
+    num_rows, num_items = start.shape
+    order = np.argsort(start, axis=1, kind="stable")  # [R, K] sorted position -> item
+    pos = np.empty_like(order)
+    np.put_along_axis(pos, order, np.broadcast_to(np.arange(num_items), order.shape), axis=1)
+    pos_end = np.roll(pos, -1, axis=1)  # the item after i starts where i ends
+    cum = np.zeros((num_rows, num_items + 1), dtype=np.int64)
+    np.cumsum(seg_counts, axis=1, out=cum[:, 1:])
+    inside = np.take_along_axis(cum, pos_end, 1) - np.take_along_axis(cum, pos, 1)  # [R, K]
+    return np.where(
+        end > start,
+        inside,
+        np.where(end < start, n + inside, np.where(q >= 0.5, n, 0)),
+    )
+
+
+def _sample(rng: np.random.Generator, pi: np.ndarray, n: int, num_src: int) -> np.ndarray:
+    """[R, E] int64: ``n`` tokens per source rank, each to ``sum(pi)`` distinct experts."""
+    num_experts = pi.shape[0]
+    out = np.zeros((num_src, num_experts), dtype=np.int64)
+    full = pi >= 1.0 - 1e-12
+    out[:, full] = n  # chosen by every token
+    idx = np.flatnonzero(~full)
+    if idx.size == 0 or pi[idx].sum() < 0.5:
+        return out
+    order = rng.permuted(np.tile(idx, (num_src, 1)), axis=1)  # [R, K] fresh order per rank
+    q = pi[order]
+    start, end = systematic_arcs(q)
+    seg = np.diff(np.sort(start, axis=1), axis=1, append=1.0)  # [R, K] segment lengths
+    seg = np.maximum(seg, 0.0)
+    seg /= seg.sum(axis=1, keepdims=True)
+    seg_counts = rng.multinomial(n, seg)  # [R, K]
+    counts = counts_from_segments(start, end, q, seg_counts, n)
+    np.put_along_axis(out, order, counts, axis=1)
+    return out
+
+
+def generate_trace(settings: TraceSettings) -> SyntheticTrace:
+    """Generate the trace ``settings`` describe (see the module docstring for the model).
+
+    Returns :class:`SyntheticTrace` with ``load`` [T, L, R, E] int64.
+    """
+    s = settings
+    load = np.empty((s.num_steps, s.num_layers, s.num_ranks, s.num_experts), dtype=np.int64)
+    exponent = np.empty((s.num_steps, s.num_layers))
+    expected = np.empty((s.num_steps, s.num_layers))
+    expert_rank = _expert_rank(s.num_ranks, s.num_experts)
+    streams = np.random.SeedSequence(s.seed).spawn(s.num_layers)
+    for layer, seq in enumerate(streams):
+        rng = np.random.default_rng(seq)
+        perm = rng.permutation(s.num_experts)
+        changed = True
+        pi, exp_t, imb_t = np.empty(0), 0.0, 1.0
+        for t in range(s.num_steps):
+            if t > 0 and s.regime_every > 0 and t % s.regime_every == 0:
+                perm = rng.permutation(s.num_experts)
+                changed = True
+            elif t > 0:
+                changed = _drift(rng, perm, s.drift)
+            if changed:
+                exp_t, imb_t = _calibrate(perm, expert_rank, s.num_ranks, s.top_k, s.imbalance)
+                pi = _popularity(perm, exp_t, s.top_k)
+            exponent[t, layer], expected[t, layer] = exp_t, imb_t
+            load[t, layer] = _sample(rng, pi, s.tokens_per_rank, s.num_ranks)
+    realized = static_imbalance(load)
+    meta: dict[str, Any] = {
+        "format": "expertmesh-trace/1",
+        "num_steps": s.num_steps,
+        "num_layers": s.num_layers,
+        "num_ranks": s.num_ranks,
+        "num_experts": s.num_experts,
+        "top_k": s.top_k,
+        "tokens_per_rank": s.tokens_per_rank,
+        "generator": {
+            "name": "zipf-systematic",
+            "settings": s.model_dump(),
+            "exponent": _summary(exponent),
+            "expected_imbalance": _summary(expected),
+            "realized_imbalance": _summary(realized),
+        },
+    }
+    return SyntheticTrace(load=load, exponent=exponent, expected_imbalance=expected, meta=meta)
+
+
+def static_imbalance(load: np.ndarray) -> np.ndarray:
+    """[T, L] max/mean rank load of trace ``load`` [T, L, R, E] under static EP."""
+    num_ranks, num_experts = load.shape[2], load.shape[3]
+    per_expert = load.sum(axis=2)  # [T, L, E]
+    cum = np.zeros((*per_expert.shape[:2], num_experts + 1))
+    np.cumsum(per_expert, axis=2, out=cum[..., 1:])
+    expert_rank = _expert_rank(num_ranks, num_experts)  # sorted
+    first = np.searchsorted(expert_rank, np.arange(num_ranks + 1))  # [R + 1]
+    per_rank = cum[..., first[1:]] - cum[..., first[:-1]]  # [T, L, R]
+    mean = per_rank.mean(axis=2)
+    return np.where(mean > 0, per_rank.max(axis=2) / np.where(mean > 0, mean, 1.0), 1.0)
+
+
+def _summary(x: np.ndarray) -> dict[str, float]:
+    return {
+        "mean": round(float(x.mean()), 6),
+        "min": round(float(x.min()), 6),
+        "max": round(float(x.max()), 6),
+    }
