@@ -19,13 +19,15 @@ from typing import ClassVar, cast
 import numpy as np
 from pydantic import Field
 
-from expertmesh.planner.costmodel import CostSettings, placement_cost
+from expertmesh.planner.costmodel import CostSettings, replica_streams, step_cost
 from expertmesh.planner.plan import Placement
 from expertmesh.planner.policy import Policy, PolicyContext, PolicySettings, register
 from expertmesh.planner.routing import route_even
 from expertmesh.planner.static import static_placement
+from expertmesh.planner.topology import Topology
+from expertmesh.planner.traffic import TokenTraffic, even_traffic
 
-__all__ = ["FasterMoEPolicy", "shadow"]
+__all__ = ["FasterMoEPolicy", "shadow", "shadow_traffic"]
 
 
 def shadow(masters: Placement, experts: np.ndarray) -> Placement:
@@ -50,6 +52,38 @@ def shadow(masters: Placement, experts: np.ndarray) -> Placement:
     rows = np.repeat(np.arange(num_ranks), j)
     phy2log[rows, free_slots.ravel()] = value.ravel()
     return Placement(phy2log=phy2log, master=masters.master.copy())
+
+
+def shadow_traffic(
+    traffic: TokenTraffic, load: np.ndarray, masters: Placement, topology: Topology, expert: int
+) -> TokenTraffic:
+    """``traffic`` of ``load`` [R, E] routed to its experts' only copies (or the source's
+    own shadow), updated for one more shadowed ``expert``: every rank now computes its own
+    tokens for it. Equal to ``even_traffic(load, shadow(...), domain="rank")``, in ``O(R +
+    D^2)`` instead of ``O(R E + D^2 E)``."""
+    col = load[:, expert].astype(np.float64)  # [R]
+    m = int(masters.master_rank()[expert])
+    ranks = np.arange(topology.num_ranks)
+    shell = np.asarray(topology.link_class(ranks, np.full_like(ranks, m)))  # [R]
+    rank_tokens = traffic.rank_tokens + col
+    rank_tokens[m] -= col.sum()
+    rank_out = traffic.rank_out.copy()
+    rank_in = traffic.rank_in.copy()
+    for j in (1, 2, 3):
+        sel = shell == j
+        rank_out[sel, j - 1] -= col[sel]
+        rank_in[m, j - 1] -= col[sel].sum()
+    num_dcs = topology.num_dcs
+    dense = np.zeros((num_dcs, num_dcs))
+    dense[traffic.pair_src, traffic.pair_dst] = traffic.pair_tokens
+    per_dc = np.bincount(topology.rank_dc, weights=col, minlength=num_dcs)
+    dense[:, topology.rank_dc[m]] -= per_dc
+    np.fill_diagonal(dense, 0.0)
+    src, dst = np.nonzero(dense > 1e-9)
+    return TokenTraffic(
+        rank_tokens, np.maximum(rank_out, 0.0), np.maximum(rank_in, 0.0),
+        src.astype(np.int64), dst.astype(np.int64), dense[src, dst], traffic.dc_tokens,
+    )  # fmt: skip
 
 
 class FasterMoESettings(PolicySettings):
@@ -100,17 +134,14 @@ class FasterMoEPolicy(Policy):
         if self.cfg.max_shadows is not None:
             limit = min(limit, self.cfg.max_shadows)
         order = np.argsort(-ctx.load.sum(axis=0), kind="stable")
-
-        def cost(p: Placement) -> float:
-            return placement_cost(
-                ctx.topology, ctx.model, ctx.load, p,
-                domain="rank", remote="spread", settings=self.cfg.cost,
-            ).seconds  # fmt: skip
-
-        best, best_cost = base, cost(base)
+        topo, model, cs = ctx.topology, ctx.model, self.cfg.cost
+        traffic = even_traffic(ctx.load, base, topo, model.top_k, domain="rank")
+        best, best_cost = base, step_cost(topo, model, traffic, None, cs).seconds
         for j in range(1, limit + 1):
             cand = shadow(base, order[:j])
-            c = cost(cand)
+            traffic = shadow_traffic(traffic, ctx.load, base, topo, int(order[j - 1]))
+            streams = replica_streams(cand, topo, model, cs)
+            c = step_cost(topo, model, traffic, streams, cs).seconds
             if c >= best_cost:
                 break
             best, best_cost = cand, c

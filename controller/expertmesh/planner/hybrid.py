@@ -24,8 +24,10 @@ Every ``period`` steps, on the load of a history window, the policy:
    period) and the fastest wins, so the policy never picks a plan its model
    says is slower than not replicating at all.
 
-Tokens go to a copy in their own DC when there is one (evenly among them), else
-to the master. Parameter-efficient migration: copies come from the nearest
+Tokens go to the copies in their own DC when there are any (evenly among them),
+else evenly to every copy, so masters that many DCs send to share that work
+with the copies the plan adds for compute relief (the pair scores assume the
+master's DC, an approximation the guard's full-model check covers). Parameter-efficient migration: copies come from the nearest
 holder through relays (the migration planner), and ``encoding`` sets reduced
 precision and changed-bytes-only transfers, which the cost model and the
 simulator charge.
@@ -48,6 +50,7 @@ from expertmesh.planner.costmodel import (
     step_cost,
 )
 from expertmesh.planner.model import ModelSpec
+from expertmesh.planner.partition import DomainDemand, partition_domains
 from expertmesh.planner.plan import Placement
 from expertmesh.planner.policy import Policy, PolicyContext, PolicySettings, register
 from expertmesh.planner.routing import route_even
@@ -55,7 +58,7 @@ from expertmesh.planner.static import static_placement
 from expertmesh.planner.topology import Topology
 from expertmesh.planner.traffic import even_traffic
 
-__all__ = ["HybridPolicy", "plan_hybrid", "route_local_or_master"]
+__all__ = ["HybridPolicy", "plan_hybrid"]
 
 
 class HybridSettings(PolicySettings):
@@ -78,6 +81,11 @@ class HybridSettings(PolicySettings):
         description="coordinate-descent rounds: each DC pair re-scored against the reverse "
         "pair's choice (they share the two links)",
     )
+    fill: list[float] = Field(
+        default_factory=lambda: [0.25, 0.5, 1.0],
+        description="shares of each DC's free slots the guard also tries filling with its "
+        "heaviest remote experts (compute relief for masters many DCs send to)",
+    )
     cost: CostSettings = Field(default_factory=CostSettings, description="the cost model")
     encoding: TransferEncoding = Field(
         default_factory=TransferEncoding,
@@ -98,18 +106,6 @@ class _Inputs:
     dc_load: np.ndarray
     dc_tokens: np.ndarray
     previous: Placement | None
-
-
-def route_local_or_master(load: np.ndarray, placement: Placement, topology: Topology) -> np.ndarray:
-    """Route [N, 4]: ``load[r, e]`` evenly to the copies of ``e`` in ``r``'s DC, or all to
-    ``e``'s master when that DC holds none."""
-    num_experts = load.shape[1]
-    held = _dc_holds(placement, topology, num_experts)  # [D, E]
-    local = held[topology.rank_dc]  # [R, E]
-    near = route_even(np.where(local, load, 0), placement, topology.rank_dc)
-    src, exp = np.nonzero(~local & (load > 0))
-    far = np.stack([src, exp, placement.master_rank()[exp], load[src, exp]], axis=1)
-    return np.concatenate([near, far.astype(np.int64)])
 
 
 def _dc_holds(placement: Placement, topology: Topology, num_experts: int) -> np.ndarray:
@@ -309,49 +305,6 @@ def _choose(opts: dict[str, np.ndarray], free: np.ndarray) -> np.ndarray:
     return out.astype(np.int64)
 
 
-def _partition(
-    topology: Topology,
-    fixed: np.ndarray,
-    items: tuple[np.ndarray, np.ndarray, np.ndarray],
-    rank_weight: np.ndarray,
-) -> np.ndarray:
-    """Domain-based partition: each new copy (``items``: DC, expert, weight, each [n]) goes, heaviest first, to the
-    rank of its DC with the least weight and a free slot of ``fixed`` [R, S] (filled in
-    place). ``rank_weight`` [R]: predicted tokens already on each rank. Returns the [n]
-    ranks (-1 where the DC had no slot left)."""
-    items_dc, items_expert, items_weight = items
-    out = np.full(items_dc.size, -1, np.int64)
-    if items_dc.size == 0:
-        return out
-    free = (fixed < 0).sum(axis=1)
-    sizes = np.array([d.num_ranks for d in topology.dcs])
-    width = int(sizes.max())
-    first = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    ranks = first[:, None] + np.arange(width)[None, :]  # [D, width]
-    valid = np.arange(width)[None, :] < sizes[:, None]
-    ranks = np.where(valid, ranks, 0)
-    load = np.where(valid, rank_weight[ranks], np.inf)  # [D, width]
-    room = np.where(valid, free[ranks], 0)
-    order = np.lexsort((-items_weight, items_dc))
-    idc = items_dc[order]
-    pos = np.arange(order.size) - np.searchsorted(idc, idc, "left")  # index within DC
-    for i in range(int(pos.max()) + 1):
-        take = order[pos == i]
-        dcs = items_dc[take]
-        cand = np.where(room[dcs] > 0, load[dcs], np.inf)  # [n_i, width]
-        col = np.argmin(cand, axis=1)
-        okay = np.isfinite(cand[np.arange(dcs.size), col])
-        take, dcs, col = take[okay], dcs[okay], col[okay]
-        rank = ranks[dcs, col]
-        out[take] = rank
-        load[dcs, col] += items_weight[take]
-        room[dcs, col] -= 1
-    placed = out >= 0
-    for r, e in zip(out[placed], items_expert[placed], strict=True):
-        fixed[r, int(np.flatnonzero(fixed[r] < 0)[0])] = e
-    return out
-
-
 def plan_hybrid(
     estimate: np.ndarray,
     masters: Placement,
@@ -396,12 +349,18 @@ def plan_hybrid(
         if np.array_equal(j_new, j_cur):
             break
         j_cur = j_new
-    candidates = [_build(inp, masters, move, mdc, _replicas(pairs, jc)) for jc in _unique(choices)]
+    pair_sets = [_replicas(pairs, jc) for jc in _unique(choices)]
+    pair_plans = [_build(inp, masters, move, mdc, reps) for reps in pair_sets]
+    pair_costs = [_guard_cost(inp, c) for c in pair_plans]
+    best = pair_sets[int(np.argmin(pair_costs))]
+    candidates = pair_plans + [
+        _build(inp, masters, move, mdc, _fill(inp, mdc, best, f)) for f in cfg.fill
+    ]
     empty = np.zeros(0, np.int64)
     candidates.append(_build(inp, masters, move, mdc, (empty, empty)))
     if previous is not None:
         candidates.append(previous)
-    costs = [_guard_cost(inp, c) for c in candidates]
+    costs = pair_costs + [_guard_cost(inp, c) for c in candidates[len(pair_plans) :]]
     return candidates[int(np.argmin(costs))]
 
 
@@ -451,60 +410,60 @@ def _build(
     replicas: tuple[np.ndarray, np.ndarray],
 ) -> Placement:
     """Placement with the masters (``move`` [E] ones re-placed in DC ``mdc`` [E]) and one
-    replica per ``replicas`` (DC, expert) pair."""
-    topology, dc_load, previous = inp.topology, inp.dc_load, inp.previous
-    rep_dc, rep_e = replicas
-    mrank = masters.master_rank()
-    num_ranks, slots = topology.num_ranks, topology.slots_per_rank
+    replica per ``replicas`` (DC, expert) pair, laid out by the domain-based partition."""
+    dc_load = inp.dc_load
     num_experts = mdc.size
-    phy2log = np.full((num_ranks, slots), -1, np.int32)
-    stay = np.flatnonzero(~move)
-    flat = phy2log.reshape(-1)
-    flat[masters.master] = np.arange(num_experts)  # moved masters leave once re-placed
-    # predicted tokens per copy: a replica computes its DC's tokens; a master its own DC's
-    # plus those of every DC without a copy
-    has = np.zeros_like(dc_load, dtype=bool)
-    has[mdc, np.arange(num_experts)] = True
-    has[rep_dc, rep_e] = True
-    remote = np.where(has, 0.0, dc_load).sum(axis=0)  # [E]
-    master_w = dc_load[mdc, np.arange(num_experts)] + remote
-    rank_weight = np.bincount(mrank[stay], weights=master_w[stay], minlength=num_ranks)
-    # replicas already on a rank in the previous placement stay on that rank
-    keep_rank = np.full(rep_e.size, -1, np.int64)
-    if previous is not None and rep_e.size and previous.num_ranks:
-        r, s = np.nonzero(previous.phy2log >= 0)
-        e = previous.phy2log[r, s].astype(np.int64)
-        is_rep = (r * previous.slots_per_rank + s) != previous.master[e]
-        key = topology.rank_dc[r[is_rep]] * num_experts + e[is_rep]
-        kr = r[is_rep]
-        srt = np.argsort(key, kind="stable")
-        key, kr = key[srt], kr[srt]
-        want = rep_dc * num_experts + rep_e
-        key = np.r_[key, -1]  # sentinel: never equal to a wanted key
-        at = np.minimum(np.searchsorted(key[:-1], want), key.size - 1)
-        hit = key[at] == want
-        keep_rank[hit] = kr[at[hit]]
-        for i in np.flatnonzero(hit):
-            r0 = keep_rank[i]
-            free_slots = np.flatnonzero(phy2log[r0] < 0)
-            if free_slots.size == 0:
-                keep_rank[i] = -1
-                continue
-            phy2log[r0, free_slots[0]] = rep_e[i]
-            rank_weight[r0] += dc_load[rep_dc[i], rep_e[i]]
-    new_rep = keep_rank < 0
-    moved = np.flatnonzero(move)
-    items_dc = np.concatenate([mdc[moved], rep_dc[new_rep]])
-    items_e = np.concatenate([moved, rep_e[new_rep]])
-    items_w = np.concatenate([master_w[moved], dc_load[rep_dc[new_rep], rep_e[new_rep]]])
-    is_master_item = np.r_[np.ones(moved.size, bool), np.zeros(int(new_rep.sum()), bool)]
-    where = _partition(topology, phy2log, (items_dc, items_e, items_w), rank_weight)
-    master = masters.master.copy()
-    for rank, e in zip(where[is_master_item], items_e[is_master_item], strict=True):
-        if rank >= 0:  # the new slot takes mastership; the old slot is freed
-            flat[masters.master[e]] = -1
-            master[e] = rank * slots + int(np.flatnonzero(phy2log[rank] == e)[0])
-    return Placement(phy2log=phy2log, master=master.astype(np.int64))
+    count = np.zeros(dc_load.shape, np.int64)
+    count[mdc, np.arange(num_experts)] = 1
+    count[replicas[0], replicas[1]] = 1
+    has = count > 0
+    demand = DomainDemand(
+        count=count,
+        local=np.where(has, dc_load, 0.0),
+        remote=np.where(has, 0.0, dc_load).sum(axis=0),
+        master_dc=mdc,
+        master_slot=np.where(move, -1, masters.master),
+        gain=_split_gain(inp),
+    )
+    return partition_domains(inp.topology, demand, inp.previous)
+
+
+def _split_gain(inp: _Inputs) -> np.ndarray:
+    """[D] tokens an extra copy inside a DC must take off its expert's busiest copy to pay
+    for itself: its per-step sync (training) or its copy over one period (forward-only) on
+    a rank port, in the time those tokens take to compute."""
+    topo, model, cfg = inp.topology, inp.model, inp.cfg
+    one_node = np.array([d.nodes == 1 for d in topo.dcs])
+    bw = np.where(one_node, topo.intra_node.bytes_per_second, topo.intra_dc.bytes_per_second)
+    enc = cfg.encoding
+    if model.training:
+        per = float(cfg.cost.microbatches_per_update)
+        nbytes = max(enc.refresh_bytes(model), enc.gradient_bytes(model)) / per
+    else:
+        nbytes = enc.copy_bytes(model, master=False) / cfg.period
+    token_seconds = model.flops_per_token / cfg.cost.flops_per_second
+    return np.asarray(nbytes / bw / token_seconds)
+
+
+def _fill(
+    inp: _Inputs, mdc: np.ndarray, replicas: tuple[np.ndarray, np.ndarray], frac: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """``replicas`` plus, in every DC, copies of its heaviest experts it does not hold yet,
+    in ``frac`` of its remaining free slots (compute relief for overloaded masters)."""
+    topo, dc_load = inp.topology, inp.dc_load
+    num_dcs, num_experts = dc_load.shape
+    held = np.zeros(dc_load.shape, bool)
+    held[mdc, np.arange(num_experts)] = True
+    held[replicas[0], replicas[1]] = True
+    slots = np.bincount(topo.rank_dc, minlength=num_dcs) * topo.slots_per_rank
+    quota = np.floor(frac * (slots - held.sum(axis=1))).astype(np.int64)
+    d, e = np.nonzero(~held & (dc_load > 0))
+    rot = (e - d * num_experts // num_dcs) % num_experts  # equal loads: DCs pick different ones
+    o = np.lexsort((rot, -dc_load[d, e], d))
+    d, e = d[o], e[o]
+    pos = np.arange(d.size) - np.searchsorted(d, d, "left")
+    take = pos < quota[d]
+    return np.concatenate([replicas[0], d[take]]), np.concatenate([replicas[1], e[take]])
 
 
 def _guard_cost(inp: _Inputs, cand: Placement) -> float:
@@ -513,7 +472,7 @@ def _guard_cost(inp: _Inputs, cand: Placement) -> float:
     topology, model, cfg, estimate, previous = (
         inp.topology, inp.model, inp.cfg, inp.estimate, inp.previous
     )  # fmt: skip
-    traffic = even_traffic(estimate, cand, topology, model.top_k, domain="dc", remote="master")
+    traffic = even_traffic(estimate, cand, topology, model.top_k, domain="dc", remote="spread")
     streams = replica_streams(cand, topology, model, cfg.cost, cfg.encoding)
     if previous is not None:
         before = previous.holds()
@@ -541,8 +500,8 @@ class HybridPolicy(Policy):
     name = "hybrid"
     Settings = HybridSettings
     relabel_ranks = False
-    #: the even split its route uses (see :func:`route_local_or_master`)
-    even_split: ClassVar[tuple[str, str]] = ("dc", "master")
+    #: the even split its route uses: copies in the token's DC, else every copy
+    even_split: ClassVar[tuple[str, str]] = ("dc", "spread")
 
     @property
     def cfg(self) -> HybridSettings:
@@ -569,9 +528,15 @@ class HybridPolicy(Policy):
             )
         )
         if ctx.history.shape[0] == 0:
-            return masters  # nothing seen yet: plain EP
-        estimate = ctx.history.mean(axis=0)  # [R, E]
+            # nothing seen yet: each rank's token count (the batch size, known before the
+            # gate runs) spread evenly over the experts, as EPLB starts from uniform load
+            per_rank = ctx.load.sum(axis=1, dtype=np.float64)
+            estimate = np.repeat(
+                per_rank[:, None] / ctx.model.num_experts, ctx.model.num_experts, 1
+            )
+        else:
+            estimate = ctx.history.mean(axis=0)  # [R, E]
         return plan_hybrid(estimate, masters, t, ctx.model, self.cfg, previous=prev)
 
     def route(self, ctx: PolicyContext, placement: Placement) -> np.ndarray:
-        return route_local_or_master(ctx.load, placement, ctx.topology)
+        return route_even(ctx.load, placement, ctx.topology.rank_dc)

@@ -171,63 +171,75 @@ def even_traffic(
     if remote not in ("spread", "master"):
         raise ValueError("remote must be 'spread' or 'master'")
     level = _LEVEL[domain]
-    lf = load.astype(np.float64)
-    mult = np.zeros((num_ranks, num_experts))  # [R, E] copies of e on rank r
+    lf = load.astype(np.float64)  # [R, E]
     cr, cs = np.nonzero(placement.phy2log >= 0)
     ce = placement.phy2log[cr, cs].astype(np.int64)
-    np.add.at(mult, (cr, ce), 1.0)
-    cnt = _level_sums(mult, topology)  # copies at each level
-    total = cnt[3][0]  # [E]
+    group = [np.arange(num_ranks), topology.rank_node, topology.rank_dc]
+    sizes = [num_ranks, topology.num_nodes, topology.num_dcs]
+    # cnt[j]: [groups at level j, E] copies of each expert (rank, node, DC); total: [E]
+    cnt = [
+        np.bincount(group[j][cr] * num_experts + ce, minlength=sizes[j] * num_experts)
+        .reshape(sizes[j], num_experts)
+        .astype(np.float64)
+        for j in range(3)
+    ]
+    total = np.bincount(ce, minlength=num_experts).astype(np.float64)
     if ((lf.sum(axis=0) > 0) & (total == 0)).any():
         missing = np.flatnonzero((lf.sum(axis=0) > 0) & (total == 0))
         raise ValueError(f"experts with load but no copy: {missing[:8].tolist()}")
-    group = [np.arange(num_ranks), topology.rank_node, topology.rank_dc, np.zeros(num_ranks, int)]
-    # k[j]: [R, E] copies of e within level j of source rank r
-    k = [cnt[j][group[j]] for j in range(4)]
-    # [R, E] does r's domain hold e? ("global": no locality, everything spreads)
-    local = np.zeros_like(lf, dtype=bool) if level == 3 else k[level] > 0
-    nonlocal_load = np.where(local, 0.0, lf)  # [R, E]
     safe_total = np.where(total > 0, total, 1.0)
 
-    # ---- what each source sends, by shell ----
+    gathered: dict[int, np.ndarray] = {}
+
+    def k(j: int) -> np.ndarray:  # [R, E] copies of e within level j of each source rank
+        if j not in gathered:
+            gathered[j] = cnt[j][group[j]] if j < 3 else np.broadcast_to(total, lf.shape)
+        return gathered[j]
+
+    # [R, E] does r's domain hold e? ("global": no locality, everything spreads)
+    local = np.zeros_like(lf, dtype=bool) if level == 3 else k(level) > 0
+    nonlocal_load = np.where(local, 0.0, lf)
+    w_nl = nonlocal_load / safe_total  # per-copy share of a spread (r, e)
+
+    # ---- what each source sends, by shell: cumulative copies reached up to shell j ----
     rank_out = np.zeros((num_ranks, 3))
-    den_local = np.where(local, k[level], 1.0)
-    for j in (1, 2, 3):
-        shell_copies_loc = (k[j] - k[j - 1]) if j <= level else np.zeros_like(lf)
-        out = np.where(local, lf * shell_copies_loc / den_local, 0.0)
-        if remote == "spread":
-            out += nonlocal_load * (k[j] - k[j - 1]) / safe_total
-        rank_out[:, j - 1] = out.sum(axis=1)
+    if level < 3:
+        w_loc = np.where(local, lf / np.where(local, k(level), 1.0), 0.0)  # per local copy
+        reach = [np.einsum("re,re->r", w_loc, k(j)) for j in range(level + 1)]
+        for j in range(1, level + 1):
+            rank_out[:, j - 1] = reach[j] - reach[j - 1]
     mrank = placement.master_rank()  # [E]
-    if remote == "master":
-        # non-local load all goes to the master: shell of (r, master(e))
+    if remote == "spread":
+        reach = [np.einsum("re,re->r", w_nl, k(j)) for j in range(4)]
+        for j in range(1, 4):  # shells inside the domain: a spread source has no copy there
+            rank_out[:, j - 1] += reach[j] - reach[j - 1]
+    else:
         shell = _shell(topology, np.arange(num_ranks)[:, None], mrank[None, :])  # [R, E]
         for j in (1, 2, 3):
             rank_out[:, j - 1] += np.where(shell == j, nonlocal_load, 0.0).sum(axis=1)
 
     # ---- what each copy receives, by shell ----
-    lsum = _level_sums(np.where(local, lf, 0.0), topology)  # local load at each level
-    spread = (
-        nonlocal_load / safe_total if remote == "spread" else np.zeros_like(lf)
-    )  # per-copy weight
-    asum = _level_sums(spread, topology)
-    qg = [group[j][cr] for j in range(4)]  # levels of each copy's rank
+    qg = [group[j][cr] for j in range(3)] + [np.zeros(cr.size, np.int64)]
     in_shell = np.zeros((cr.size, 4))
-    for j in range(4):
-        if j <= level:
-            kq = cnt[level][qg[level], ce]
+    if level < 3:
+        # sources inside the copy's domain are all local: their load splits over its copies
+        lsum = _level_sums(lf, topology)
+        kq = cnt[level][qg[level], ce]
+        for j in range(level + 1):
             inner = lsum[j][qg[j], ce] - (lsum[j - 1][qg[j - 1], ce] if j else 0.0)
             in_shell[:, j] += inner / np.where(kq > 0, kq, 1.0)
-        in_shell[:, j] += asum[j][qg[j], ce] - (asum[j - 1][qg[j - 1], ce] if j else 0.0)
-    if remote == "master":
-        nsum = _level_sums(nonlocal_load, topology)
-        is_master = (cr * placement.slots_per_rank + cs) == placement.master[ce]
-        mq = cr[is_master]
-        me = ce[is_master]
+    nsum = _level_sums(nonlocal_load, topology)
+    if remote == "spread":
         for j in range(4):
-            g = group[j][mq]
-            prev = nsum[j - 1][group[j - 1][mq], me] if j else 0.0
-            in_shell[is_master, j] += nsum[j][g, me] - prev
+            inner = nsum[j][qg[j], ce] - (nsum[j - 1][qg[j - 1], ce] if j else 0.0)
+            in_shell[:, j] += inner / safe_total[ce]
+    else:
+        is_master = (cr * placement.slots_per_rank + cs) == placement.master[ce]
+        mq, me = cr[is_master], ce[is_master]
+        mg = [group[j][mq] for j in range(3)] + [np.zeros(mq.size, np.int64)]
+        for j in range(4):
+            prev = nsum[j - 1][mg[j - 1], me] if j else 0.0
+            in_shell[is_master, j] += nsum[j][mg[j], me] - prev
     rank_tokens = np.bincount(cr, weights=in_shell.sum(axis=1), minlength=num_ranks)
     rank_in = np.stack(
         [np.bincount(cr, weights=in_shell[:, j], minlength=num_ranks) for j in (1, 2, 3)],
@@ -235,14 +247,13 @@ def even_traffic(
     )
 
     # ---- DC pairs ----
-    nl_dc = _level_sums(nonlocal_load, topology)[2]  # [D, E]
+    nl_dc = nsum[2]  # [D, E] non-local assignments per source DC
     if remote == "spread":
         dense = (nl_dc / safe_total) @ cnt[2].T  # [D, D] assignments s -> copies in x
     else:
         mdc = topology.rank_dc[mrank]  # [E]
         dense = np.zeros((topology.num_dcs, topology.num_dcs))
-        for_dc = nl_dc.T  # [E, D]
-        np.add.at(dense.T, mdc, for_dc)  # dense[s, mdc[e]] += nl_dc[s, e]
+        np.add.at(dense.T, mdc, nl_dc.T)  # dense[s, mdc[e]] += nl_dc[s, e]
     ps, pd, pt = _pairs(dense)
     return TokenTraffic(
         rank_tokens, rank_out, rank_in, ps, pd, pt, _dc_tokens(load, topology, top_k)

@@ -1,0 +1,317 @@
+"""``expertmesh sim``: run policies over a trace on a topology with the cost model.
+
+``expertmesh sim --topology T.yaml --trace X.npz --policies static,hybrid --out DIR``
+writes ``DIR/steps.csv`` (one row per policy and step), ``DIR/summary.md`` and
+``DIR/step_times.png``. Without ``--topology`` a uniform topology is generated
+(``--dcs 1000 --ranks-per-dc 8 ...``); without ``--trace`` a seeded synthetic trace
+is generated step by step.
+
+``expertmesh sim sweep --config sweep.yaml --out DIR`` runs the bandwidth and
+DC-count sweeps and writes ``DIR/sweep.csv``, ``DIR/sweep.md`` and the speedup
+plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from expertmesh.cli.main import UsageError
+from expertmesh.planner.costmodel import CostSettings
+from expertmesh.planner.model import ModelSpec
+from expertmesh.planner.plan import check_trace
+from expertmesh.planner.topology import Topology
+from expertmesh.sim.engine import LoadSource, SimResult, dense_source, simulate
+from expertmesh.sim.report import (
+    plot_speedup,
+    plot_step_times,
+    summary_rows,
+    summary_table,
+    write_steps_csv,
+)
+from expertmesh.sim.sweep import DEFAULT_POLICIES, SweepPoint, load_sweep_config, points, run_sweep
+from expertmesh.sim.workload import SyntheticSource
+
+__all__ = ["add_parser"]
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "sim",
+        help="simulate policies over a trace with the cost model (and sweeps)",
+        description="Run placement policies over a trace on a topology and model every step "
+        "with the stream-based cost model (docs/cost-model.md). Writes a per-step CSV, a "
+        "markdown summary and a plot of step time per policy. `expertmesh sim sweep` runs "
+        "the bandwidth and DC-count sweeps.",
+    )
+    _run_args(p)
+    p.set_defaults(func=run)
+    sp = p.add_subparsers(dest="sim_command", metavar="{sweep}")
+    s = sp.add_parser(
+        "sweep",
+        help="speedup over static against inter-DC bandwidth and number of DCs",
+        description="Run the sweeps of a config (see expertmesh.sim.sweep for the keys).",
+    )
+    s.add_argument("--config", type=Path, help="sweep YAML (default: the built-in sweep)")
+    s.add_argument("--out", type=Path, required=True, help="output directory")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    s.set_defaults(func=run_sweep_cmd)
+
+
+def _run_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("topology (a file, or generated)")
+    g.add_argument("--topology", type=Path, help="topology YAML")
+    g.add_argument("--dcs", type=int, help="generate: number of DCs")
+    g.add_argument("--ranks-per-dc", type=int, default=8, help="generate: ranks per DC (8)")
+    g.add_argument("--nodes-per-dc", type=int, default=1, help="generate: nodes per DC (1)")
+    g.add_argument("--masters", type=int, default=4, help="generate: master slots per rank (4)")
+    g.add_argument("--spare", type=int, default=2, help="generate: spare slots per rank (2)")
+    g.add_argument("--inter-dc-gbps", type=float, help="inter-DC bandwidth (overrides the file)")
+    g.add_argument("--inter-dc-latency-ms", type=float, help="inter-DC latency (default 20)")
+    t = p.add_argument_group("trace (a file, or generated)")
+    t.add_argument("--trace", type=Path, help="trace .npz with load [T, L, R, E]")
+    t.add_argument("--steps", type=int, default=20, help="generate: steps (20)")
+    t.add_argument("--layers", type=int, default=1, help="generate: MoE layers (1)")
+    t.add_argument("--tokens-per-rank", type=int, default=8192, help="generate: tokens (8192)")
+    t.add_argument("--zipf", type=float, default=1.0, help="generate: popularity skew (1.0)")
+    t.add_argument("--drift", type=float, default=0.05, help="generate: hot-set drift/step")
+    t.add_argument("--seed", type=int, default=0, help="generate: seed (0)")
+    m = p.add_argument_group("model and cost model")
+    m.add_argument("--experts", type=int, help="experts per layer (default: the trace's, or 256)")
+    m.add_argument("--top-k", type=int, help="experts per token (default: trace meta, or 8)")
+    m.add_argument("--hidden", type=int, help="model width (default: trace meta, or 7168)")
+    m.add_argument("--ffn-hidden", type=int, default=2048, help="expert FFN width (2048)")
+    m.add_argument("--forward-only", action="store_true", help="no backward pass (inference)")
+    m.add_argument("--flops-per-second", type=float, help="expert FLOP/s per rank (4e14)")
+    m.add_argument("--pipeline-chunks", type=int, help="overlap chunks (1: none)")
+    m.add_argument("--microbatches-per-update", type=int, help="steps per optimizer update (1)")
+    p.add_argument(
+        "--policies",
+        default=",".join(DEFAULT_POLICIES),
+        help="comma-separated policies (default: " + ",".join(DEFAULT_POLICIES) + ")",
+    )
+    p.add_argument("--policy-settings", type=Path, help="YAML: {policy: {setting: value}}")
+    p.add_argument("--out", type=Path, help="output directory")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+# ---- inputs ----
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise UsageError(f"{path}: not valid YAML ({' '.join(str(err).split())[:120]})") from None
+
+
+def _topology(args: argparse.Namespace) -> Topology:
+    if args.topology is not None and args.dcs is not None:
+        raise UsageError("give --topology or --dcs, not both")
+    if args.topology is not None:
+        topo = Topology.from_dict(_read_yaml(args.topology))
+    elif args.dcs is not None:
+        topo = Topology.generate(
+            args.dcs,
+            args.ranks_per_dc,
+            nodes_per_dc=args.nodes_per_dc,
+            masters=args.masters,
+            spare=args.spare,
+        )
+    else:
+        raise UsageError("give --topology FILE or --dcs N (with --ranks-per-dc ...)")
+    if args.inter_dc_gbps is not None or args.inter_dc_latency_ms is not None:
+        if args.inter_dc_gbps is not None and args.inter_dc_gbps <= 0:
+            raise UsageError("--inter-dc-gbps must be > 0")
+        gbps = topo.inter_dc.gbps if args.inter_dc_gbps is None else args.inter_dc_gbps
+        topo = topo.with_inter_dc(gbps, args.inter_dc_latency_ms)
+    return topo
+
+
+def _read_trace(path: Path) -> tuple[np.ndarray, dict[str, Any]]:
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            if "load" not in z:
+                raise UsageError(f"{path}: no 'load' array (a trace holds load [T, L, R, E])")
+            load = z["load"]
+            meta_raw = str(z["meta"]) if "meta" in z else "{}"
+    except (OSError, ValueError) as err:
+        if isinstance(err, FileNotFoundError):
+            raise
+        raise UsageError(f"{path}: not a trace .npz ({' '.join(str(err).split())[:120]})") from None
+    try:
+        meta = json.loads(meta_raw)
+    except json.JSONDecodeError:
+        raise UsageError(f"{path}: meta is not JSON") from None
+    return check_trace(load), meta if isinstance(meta, dict) else {}
+
+
+def _model(args: argparse.Namespace, layers: int, experts: int, meta: dict[str, Any]) -> ModelSpec:
+    if args.experts is not None and args.experts != experts:
+        raise UsageError(f"--experts {args.experts} but the trace has {experts} experts")
+    return ModelSpec(
+        num_layers=layers,
+        num_experts=experts,
+        top_k=args.top_k or int(meta.get("top_k", 8)),
+        hidden=args.hidden or int(meta.get("hidden", 7168)),
+        ffn_hidden=args.ffn_hidden,
+        training=not args.forward_only,
+    )
+
+
+def _cost(args: argparse.Namespace) -> CostSettings:
+    over: dict[str, Any] = {}
+    for key in ("flops_per_second", "pipeline_chunks", "microbatches_per_update"):
+        if getattr(args, key) is not None:
+            over[key] = getattr(args, key)
+    return CostSettings.model_validate(over)
+
+
+def _policies(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise UsageError("--policies is empty")
+    if len(set(names)) != len(names):
+        raise UsageError("--policies names a policy twice")
+    return names
+
+
+def _progress(total: int, disable: bool, desc: str) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, disable=disable, desc=desc, unit="step", leave=False, file=sys.stderr)
+
+
+# ---- expertmesh sim ----
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.out is None:
+        raise UsageError("--out DIR is required")
+    topo = _topology(args)
+    policies = _policies(args.policies)
+    settings: dict[str, dict[str, Any]] = {}
+    if args.policy_settings is not None:
+        raw = _read_yaml(args.policy_settings) or {}
+        if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
+            raise UsageError(f"{args.policy_settings}: expected {{policy: {{setting: value}}}}")
+        settings = raw
+    source: LoadSource
+    if args.trace is not None:
+        load, meta = _read_trace(args.trace)
+        if load.shape[2] != topo.num_ranks:
+            raise UsageError(f"trace has {load.shape[2]} ranks, the topology {topo.num_ranks}")
+        model = _model(args, load.shape[1], load.shape[3], meta)
+        source = dense_source(load)
+    else:
+        if args.steps < 1 or args.layers < 1 or args.tokens_per_rank < 0:
+            raise UsageError("--steps and --layers must be >= 1, --tokens-per-rank >= 0")
+        model = _model(args, args.layers, args.experts or 256, {})
+        source = SyntheticSource(
+            args.steps, args.layers, topo.num_ranks, model.num_experts, model.top_k,
+            args.tokens_per_rank, args.zipf, args.drift, args.seed,
+        )  # fmt: skip
+    cost = _cost(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    bar = _progress(source.num_steps * len(policies), args.no_progress, "sim")
+    try:
+        result = simulate(
+            source, topo, model, policies, policy_settings=settings, cost=cost, progress=bar.update
+        )
+    finally:
+        bar.close()
+    _write_run(result, args.out, topo, model)
+    print(summary_table(result))
+    print(f"wrote {args.out}/steps.csv, summary.md, step_times.png ({result.wall_seconds:.1f} s)")
+    return 0
+
+
+def _write_run(result: SimResult, out: Path, topo: Topology, model: ModelSpec) -> None:
+    write_steps_csv(result, out / "steps.csv")
+    title = (
+        f"{topo.num_dcs} DCs x {topo.num_ranks // topo.num_dcs} ranks, {model.num_experts} experts"
+    )
+    (out / "summary.md").write_text(
+        f"# expertmesh sim: {title}\n\n{_describe(topo, model)}\n\n{summary_table(result)}\n"
+    )
+    plot_step_times(result, out / "step_times.png", title)
+
+
+def _describe(topo: Topology, model: ModelSpec) -> str:
+    return (
+        f"Inter-DC {topo.inter_dc.gbps:g} Gbit/s, {topo.inter_dc.latency_ms:g} ms; "
+        f"{topo.masters_per_rank}+{topo.spare_per_rank} slots per rank; top-{model.top_k}, "
+        f"hidden {model.hidden}, FFN {model.ffn_hidden}, "
+        f"{'training' if model.training else 'forward only'}."
+    )
+
+
+# ---- expertmesh sim sweep ----
+
+
+def run_sweep_cmd(args: argparse.Namespace) -> int:
+    config = load_sweep_config(_read_yaml(args.config) if args.config is not None else {})
+    args.out.mkdir(parents=True, exist_ok=True)
+    total = sum(steps for *_, steps in points(config)) * len(config.policies)
+    bar = _progress(total, args.no_progress, "sweep")
+    t0 = time.perf_counter()
+    try:
+        pts = run_sweep(config, progress=bar.update)
+    finally:
+        bar.close()
+    write_sweep(pts, args.out, config.policies)
+    print((args.out / "sweep.md").read_text())
+    print(f"wrote {args.out}/sweep.csv, sweep.md and plots ({time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+SWEEP_COLUMNS = (
+    "kind", "x", "policy", "mean_seconds", "median_seconds", "speedup", "mean_imbalance",
+    "cross_dc_token_bytes", "cross_dc_weight_bytes", "migration_bytes", "solve_seconds",
+    "skipped",
+)  # fmt: skip
+
+
+def write_sweep(pts: list[SweepPoint], out: Path, policies: list[str]) -> None:
+    """``sweep.csv`` (one row per point and policy), ``sweep.md`` and the speedup plots."""
+    with (out / "sweep.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(SWEEP_COLUMNS)
+        for p in pts:
+            for r in summary_rows(p.result):
+                w.writerow([p.kind, f"{p.x:g}"] + [_cell(r.get(c, "")) for c in SWEEP_COLUMNS[2:]])
+    md = ["# expertmesh sim sweep", ""]
+    for kind, xlabel, fname in (
+        ("bandwidth", "inter-DC bandwidth (Gbit/s)", "speedup_vs_bandwidth.png"),
+        ("dcs", "number of DCs", "speedup_vs_dcs.png"),
+    ):
+        sel = [p for p in pts if p.kind == kind]
+        if not sel:
+            continue
+        xs = [p.x for p in sel]
+        ran = [n for n in policies if any(p.result.run(n) for p in sel)]
+        speedups = {n: [p.result.speedup(n) for p in sel] for n in ran}
+        plot_speedup(xs, speedups, out / fname, xlabel=xlabel, title=f"speedup vs {kind}")
+        md += [f"## Speedup over static vs {xlabel}", "", f"![]({fname})", ""]
+        md += ["| " + xlabel + " | " + " | ".join(ran) + " |", "|---:|" + "---:|" * len(ran)]
+        for p in sel:
+            cells = [f"{p.result.speedup(n):.2f}x" for n in ran]
+            md.append(f"| {p.x:g} | " + " | ".join(cells) + " |")
+        skipped = {r.name: r.skipped for p in sel for r in p.result.runs if r.skipped}
+        md += [""] + [f"- `{n}` skipped: {why}" for n, why in skipped.items()] + [""]
+    (out / "sweep.md").write_text("\n".join(md))
+
+
+def _cell(v: object) -> object:
+    if isinstance(v, float):
+        return "" if math.isnan(v) else f"{v:.6g}"
+    return v

@@ -1,0 +1,384 @@
+"""The simulator's core: run policies over a trace and cost every step with the cost model.
+
+For every step ``t`` and layer, each policy runs exactly what the planner runs
+(``place``, then ``align_placement`` to the previous placement, then its route,
+then ``plan_migration``), and :func:`~expertmesh.planner.costmodel.step_cost`
+models the step: token streams of the route, replica sync of the placement,
+and the migration into it streamed in the background over the steps the
+previous placement ran (``1 / gap`` of its bytes charged at the commit step;
+``gap`` = steps since the previous change).
+
+Fast path: a policy whose route is an even split (``static``, ``eplb``,
+``fastermoe``, ``hybrid``) is costed with
+:func:`~expertmesh.planner.traffic.even_traffic` instead of building route rows;
+others (``quota``) are costed from their route rows. No ``[R, R]`` array.
+
+Steps run outer and policies inner, so one step's load is in memory at a time
+and the history windows are shared by policies that ask for the same window.
+No file I/O, no printing: the caller passes a ``progress`` callback.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from expertmesh.planner.costmodel import (
+    CostSettings,
+    ExpertStreams,
+    TransferEncoding,
+    migration_streams,
+    replica_streams,
+    step_cost,
+)
+from expertmesh.planner.migration import align_placement, plan_migration
+from expertmesh.planner.model import ModelSpec
+from expertmesh.planner.plan import LayerPlan, Migration, Placement, TransferKind
+from expertmesh.planner.policy import Policy, PolicyContext, make_policy
+from expertmesh.planner.topology import Topology
+from expertmesh.planner.traffic import even_traffic, traffic_from_route
+
+__all__ = ["COLUMNS", "LoadSource", "PolicyRun", "SimResult", "StepRow", "dense_source", "simulate"]
+
+log = logging.getLogger(__name__)
+
+#: the even split of policies that do not say so themselves (checked by tests)
+EVEN_SPLITS: dict[str, tuple[str, str]] = {"static": ("global", "spread"), "eplb": ("dc", "spread")}
+
+COLUMNS = (
+    "policy", "step", "seconds", "imbalance", "cross_dc_token_bytes", "cross_dc_weight_bytes",
+    "migration_bytes", "replicas", "solve_seconds", "bottleneck",
+)  # fmt: skip
+
+
+class LoadSource(Protocol):
+    """Per-step loads: ``num_steps``, ``num_layers``, ``num_ranks``, ``num_experts`` and
+    ``step(t)`` -> [L, R, E] int64 (deterministic: the same ``t`` gives the same array)."""
+
+    @property
+    def num_steps(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_ranks(self) -> int: ...
+    @property
+    def num_experts(self) -> int: ...
+    def step(self, t: int) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One policy at one step, summed (seconds, bytes) or averaged (imbalance) over layers."""
+
+    policy: str
+    step: int
+    seconds: float
+    imbalance: float
+    cross_dc_token_bytes: float
+    cross_dc_weight_bytes: float
+    migration_bytes: float
+    replicas: int
+    solve_seconds: float
+    bottleneck: str
+
+    def values(self) -> tuple[object, ...]:
+        return tuple(getattr(self, c) for c in COLUMNS)
+
+
+@dataclass
+class PolicyRun:
+    """Rows of one policy, or why it did not run (``skipped``)."""
+
+    name: str
+    rows: list[StepRow] = field(default_factory=list)
+    skipped: str | None = None
+
+    def total(self, column: str) -> float:
+        return float(sum(getattr(r, column) for r in self.rows))
+
+    @property
+    def mean_seconds(self) -> float:
+        return self.total("seconds") / len(self.rows) if self.rows else float("nan")
+
+    @property
+    def median_seconds(self) -> float:
+        return float(np.median([r.seconds for r in self.rows])) if self.rows else float("nan")
+
+
+@dataclass
+class SimResult:
+    runs: list[PolicyRun]
+    wall_seconds: float = 0.0
+
+    def run(self, name: str) -> PolicyRun | None:
+        return next((r for r in self.runs if r.name == name and r.skipped is None), None)
+
+    def speedup(self, name: str, baseline: str = "static") -> float:
+        """Mean step time of ``baseline`` / mean step time of ``name`` (nan if missing)."""
+        a, b = self.run(baseline), self.run(name)
+        if a is None or b is None:
+            return float("nan")
+        return a.mean_seconds / b.mean_seconds
+
+
+class _History:
+    """Last ``w`` loads of one layer, oldest first, as a contiguous view (double buffer)."""
+
+    def __init__(self, w: int) -> None:
+        self.w, self.n, self.pos = w, 0, 0
+        self.buf: np.ndarray | None = None
+
+    def push(self, load: np.ndarray) -> None:
+        if self.w == 0:
+            return
+        if self.buf is None:
+            self.buf = np.zeros((2 * self.w, *load.shape), dtype=load.dtype)
+        buf = self.buf
+        buf[self.pos] = load
+        buf[self.pos + self.w] = load
+        self.pos = (self.pos + 1) % self.w
+        self.n = min(self.n + 1, self.w)
+
+    def view(self, shape: tuple[int, ...]) -> np.ndarray:
+        if self.buf is None or self.n == 0:
+            return np.zeros((0, *shape), dtype=np.int64)
+        end = self.pos + self.w
+        return self.buf[end - self.n : end]
+
+
+@dataclass(frozen=True)
+class _World:
+    """What every policy shares: topology, model, cost model, history windows."""
+
+    topology: Topology
+    model: ModelSpec
+    cost: CostSettings
+    hist: dict[tuple[int, int], _History]
+    shape: tuple[int, int]
+
+
+class _PolicyState:
+    """One policy's running state: previous plans, receivers' last copies, cached streams."""
+
+    def __init__(self, name: str, policy: Policy, num_layers: int) -> None:
+        self.name, self.policy = name, policy
+        self.prev: list[LayerPlan | None] = [None] * num_layers
+        self.changed_at = [0] * num_layers
+        self.last_held: list[np.ndarray | None] = [None] * num_layers
+        self.streams: list[tuple[Placement, ExpertStreams] | None] = [None] * num_layers
+        split = getattr(policy, "even_split", None) or EVEN_SPLITS.get(name)
+        self.split = tuple(split) if split is not None else None
+        enc = getattr(policy, "transfer_encoding", None)
+        self.encoding = enc if isinstance(enc, TransferEncoding) else TransferEncoding()
+        self.run = PolicyRun(name)
+
+
+def _make(
+    names: list[str], settings: dict[str, dict[str, object]], cost: CostSettings
+) -> Iterator[tuple[str, Policy | str]]:
+    """Each policy, or the reason it cannot run. A policy with a ``cost`` setting gets the
+    simulator's cost model unless its settings name one."""
+    for name in names:
+        try:
+            pol = make_policy(name, settings.get(name))
+            own = settings.get(name, {})
+            if "cost" in pol.Settings.model_fields and "cost" not in own:
+                pol = make_policy(name, {**own, "cost": cost.model_dump()})
+            yield name, pol
+        except ValueError as err:
+            yield name, str(err)
+
+
+def simulate(
+    loads: LoadSource,
+    topology: Topology,
+    model: ModelSpec,
+    policies: list[str],
+    *,
+    policy_settings: dict[str, dict[str, object]] | None = None,
+    cost: CostSettings | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> SimResult:
+    """Run ``policies`` over ``loads`` on ``topology``; one :class:`StepRow` per policy and step.
+
+    A policy that is not registered or whose settings are refused is reported as
+    skipped; one that raises ``ValueError`` while planning is stopped and reported with
+    the message. ``policy_settings`` maps a policy name to its settings; policies with a
+    ``cost`` setting get ``cost`` unless they set it themselves. ``progress(n)`` is
+    called after each step with the number of policy-steps done.
+    """
+    if loads.num_ranks != topology.num_ranks:
+        raise ValueError(f"trace has {loads.num_ranks} ranks, the topology {topology.num_ranks}")
+    if loads.num_experts != model.num_experts:
+        raise ValueError(f"trace has {loads.num_experts} experts, the model {model.num_experts}")
+    cost = cost or CostSettings()
+    settings = {k: dict(v) for k, v in (policy_settings or {}).items()}
+    t_start = time.perf_counter()
+    states: list[_PolicyState] = []
+    runs: list[PolicyRun] = []
+    for name, pol in _make(policies, settings, cost):
+        if isinstance(pol, str):
+            runs.append(PolicyRun(name, skipped=pol))
+            continue
+        st = _PolicyState(name, pol, loads.num_layers)
+        states.append(st)
+        runs.append(st.run)
+    shape = (loads.num_ranks, loads.num_experts)
+    hist: dict[tuple[int, int], _History] = {}
+    for st in states:
+        for layer in range(loads.num_layers):
+            w = st.policy.history_window()
+            hist.setdefault((w, layer), _History(w))
+    world = _World(topology, model, cost, hist, shape)
+    for t in range(loads.num_steps):
+        step_load = loads.step(t)  # [L, R, E]
+        for st in states:
+            if st.run.skipped is not None:
+                continue
+            try:
+                st.run.rows.append(_step(st, world, t, step_load))
+            except ValueError as err:
+                st.run.skipped = f"failed at step {t}: {err}"
+                log.warning("policy %s stopped at step %d: %s", st.name, t, err)
+        for (_, layer), h in hist.items():
+            h.push(step_load[layer])
+        if progress is not None:
+            progress(len(states))
+    return SimResult(runs, time.perf_counter() - t_start)
+
+
+def _step(st: _PolicyState, world: _World, t: int, step_load: np.ndarray) -> StepRow:
+    """Plan and cost every layer of one step for one policy."""
+    topology, model, cost = world.topology, world.model, world.cost
+    seconds = imb = tok_bytes = w_bytes = mig_bytes = solve = 0.0
+    replicas = 0
+    bottleneck = ""
+    num_layers = step_load.shape[0]
+    w = st.policy.history_window()
+    for layer in range(num_layers):
+        load = step_load[layer]
+        prev = st.prev[layer]
+        ctx = PolicyContext(
+            topology=topology,
+            model=model,
+            step=t,
+            layer=layer,
+            load=load,
+            history=world.hist[(w, layer)].view(world.shape),
+            previous=prev,
+        )
+        t0 = time.perf_counter()
+        placement = st.policy.place(ctx)
+        if prev is not None and placement is not prev.placement:
+            relabel = bool(getattr(st.policy, "relabel_ranks", False))
+            placement = align_placement(prev.placement, placement, topology, relabel)
+        if st.split is not None:
+            route = np.zeros((0, 4), np.int64)
+            traffic = even_traffic(
+                load,
+                placement,
+                topology,
+                model.top_k,
+                domain=st.split[0],
+                remote=st.split[1],
+            )
+        else:
+            route = st.policy.route(ctx, placement)
+            traffic = traffic_from_route(route, load, topology, model.top_k)
+        solve += time.perf_counter() - t0
+        changed = prev is not None and not np.array_equal(prev.placement.phy2log, placement.phy2log)
+        streams = _sync_streams(st, world, layer, placement)
+        migration = Migration()
+        if changed and prev is not None:
+            migration = plan_migration(prev.placement, placement, topology, model)
+            gap = max(1, t - st.changed_at[layer])
+            st.changed_at[layer] = t
+            nbytes, src, dst = _migration_bytes(st, world, (layer, t), migration, prev.placement)
+            mig_bytes += float(nbytes.sum())
+            streams = streams + migration_streams(src, dst, nbytes, topology, scale=1.0 / gap)
+        c = step_cost(topology, model, traffic, streams, cost)
+        st.prev[layer] = LayerPlan(placement=placement, route=route, migration=migration)
+        seconds += c.seconds
+        imb += c.imbalance / num_layers
+        tok_bytes += c.cross_dc_token_bytes
+        w_bytes += c.cross_dc_weight_bytes
+        replicas += int((placement.phy2log >= 0).sum()) - model.num_experts
+        if layer == 0:
+            bottleneck = c.bottleneck
+    return StepRow(
+        st.name, t, seconds, imb, tok_bytes, w_bytes, mig_bytes, replicas, solve, bottleneck
+    )
+
+
+def _sync_streams(
+    st: _PolicyState, world: _World, layer: int, placement: Placement
+) -> ExpertStreams:
+    cached = st.streams[layer]
+    if cached is not None and cached[0] is placement:
+        return cached[1]
+    streams = replica_streams(placement, world.topology, world.model, world.cost, st.encoding)
+    st.streams[layer] = (placement, streams)
+    return streams
+
+
+def _migration_bytes(
+    st: _PolicyState, world: _World, at: tuple[int, int], migration: Migration, old: Placement
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Bytes of each transfer under the policy's encoding: a replica sends only what changed
+    since its receiver's last copy (``changed_fraction`` per step since), a master moves
+    with its optimizer state. ``at``: (layer, step). Returns ``(nbytes, src_rank, dst_rank)``,
+    each [M]."""
+    layer, t = at
+    model = world.model
+    last = st.last_held[layer]
+    if last is None:
+        last = np.full((old.num_ranks, old.master.size), -1, np.int64)
+        st.last_held[layer] = last
+    last[old.holds()] = t - 1  # everything held until now was current one step ago
+    n = len(migration.transfers)
+    src = np.fromiter((x.src_rank for x in migration.transfers), np.int64, n)
+    dst = np.fromiter((x.dst_rank for x in migration.transfers), np.int64, n)
+    exp = np.fromiter((x.expert for x in migration.transfers), np.int64, n)
+    master = np.fromiter((x.kind == TransferKind.MASTER for x in migration.transfers), bool, n)
+    enc = st.encoding
+    seen = last[dst, exp]
+    f = enc.changed_fraction
+    changed = np.where(seen >= 0, 1.0 - (1.0 - f) ** np.maximum(t - seen, 1), 1.0)
+    wb = model.weight_bytes if enc.weight_bytes is None else enc.weight_bytes
+    replica = model.expert_params * np.where(changed >= 1.0, wb, changed * wb + 1.0 / 8.0)
+    nbytes = np.where(master, enc.copy_bytes(model, master=True), replica)
+    return nbytes.astype(np.float64), src, dst
+
+
+def dense_source(load: np.ndarray) -> LoadSource:
+    """A :class:`LoadSource` over a [T, L, R, E] array."""
+    return _ArraySource(load)
+
+
+@dataclass(frozen=True)
+class _ArraySource:
+    load: np.ndarray
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.load.shape[0])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.load.shape[1])
+
+    @property
+    def num_ranks(self) -> int:
+        return int(self.load.shape[2])
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.load.shape[3])
+
+    def step(self, t: int) -> np.ndarray:
+        return self.load[t]
