@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError
 
 from expertmesh.planner.costmodel import CostSettings
 from expertmesh.planner.model import ModelSpec
@@ -77,12 +77,12 @@ class TraceSpec(_Strict):
 
 class BandwidthSweep(_Strict):
     topology: TopologySpec = TopologySpec(dcs=2, ranks_per_dc=64, nodes_per_dc=8)
-    gbps: list[float] = Field(default=[400, 100, 25, 10, 1], min_length=1)
+    gbps: list[PositiveFloat] = Field(default=[400, 100, 25, 10, 1], min_length=1)
 
 
 class DCSweep(_Strict):
     topology: TopologySpec = TopologySpec()
-    counts: list[int] = Field(default=[8, 32, 125, 250, 500, 1000], min_length=1)
+    counts: list[PositiveInt] = Field(default=[8, 32, 125, 250, 500, 1000], min_length=1)
     steps: int | None = Field(default=None, ge=1, description="override trace.steps here")
 
 

@@ -1,0 +1,218 @@
+"""The simulator: totals are the sum of per-step rows, fast path == route path, skipped policies,
+reports and the `expertmesh sim` CLI (including bad input: one line, exit 2)."""
+
+import csv
+import json
+
+import numpy as np
+import pytest
+
+from expertmesh.cli.main import main
+from expertmesh.planner import ModelSpec, Topology, make_policy
+from expertmesh.planner.costmodel import CostSettings
+from expertmesh.planner.traffic import even_traffic, traffic_from_route
+from expertmesh.sim import SyntheticSource, dense_source, simulate
+from expertmesh.sim.engine import COLUMNS, EVEN_SPLITS
+from expertmesh.sim.report import summary_rows, write_steps_csv
+from expertmesh.sim.sweep import load_sweep_config, run_sweep
+
+TOPO = Topology.generate(3, 2, masters=2, spare=2, inter_dc_gbps=1.0)
+MODEL = ModelSpec(num_layers=2, num_experts=8, top_k=2, hidden=256, ffn_hidden=64)
+
+
+def _source(steps=4):
+    return SyntheticSource(steps, 2, TOPO.num_ranks, 8, top_k=2, tokens_per_rank=256, seed=1)
+
+
+def test_totals_equal_the_sum_of_per_step_rows(tmp_path):
+    res = simulate(_source(), TOPO, MODEL, ["static", "fastermoe", "hybrid", "eplb"])
+    write_steps_csv(res, tmp_path / "steps.csv")
+    with (tmp_path / "steps.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == list(COLUMNS)
+    for s in summary_rows(res):
+        mine = [r for r in rows if r["policy"] == s["policy"]]
+        assert len(mine) == s["steps"] == 4
+        for col in ("seconds", "cross_dc_token_bytes", "cross_dc_weight_bytes", "migration_bytes"):
+            key = "total_seconds" if col == "seconds" else col
+            assert sum(float(r[col]) for r in mine) == pytest.approx(s[key], rel=1e-6)
+        assert s["mean_seconds"] == pytest.approx(s["total_seconds"] / 4)
+    assert res.speedup("static") == pytest.approx(1.0)
+
+
+def test_every_step_is_modeled_and_positive():
+    res = simulate(_source(), TOPO, MODEL, ["static", "hybrid"])
+    for run in res.runs:
+        assert [r.step for r in run.rows] == [0, 1, 2, 3]
+        assert all(r.seconds > 0 and r.imbalance >= 1.0 for r in run.rows)
+
+
+def test_unregistered_policies_are_skipped_not_crashed():
+    res = simulate(_source(2), TOPO, MODEL, ["static", "nope"])
+    assert res.run("static") is not None
+    nope = next(r for r in res.runs if r.name == "nope")
+    assert nope.skipped and "unknown policy" in nope.skipped and not nope.rows
+
+
+def test_same_trace_from_an_array_or_a_source():
+    src = _source(3)
+    arr = np.stack([src.step(t) for t in range(3)])
+    a = simulate(src, TOPO, MODEL, ["static", "hybrid"])
+    b = simulate(dense_source(arr), TOPO, MODEL, ["static", "hybrid"])
+    for ra, rb in zip(a.runs, b.runs, strict=True):
+        assert [r.seconds for r in ra.rows] == [r.seconds for r in rb.rows]
+
+
+@pytest.mark.parametrize("name", ["static", "eplb", "fastermoe", "hybrid"])
+def test_fast_path_split_matches_the_policys_route(name):
+    from expertmesh.planner import plan_trace
+
+    pol = make_policy(name)
+    split = getattr(pol, "even_split", None) or EVEN_SPLITS[name]
+    load = _source(2).step(1)[:1][None]  # [1, 1, R, E]
+    model = MODEL.model_copy(update={"num_layers": 1})
+    lp = plan_trace(load, TOPO, model, pol).layers[0][0]
+    exact = traffic_from_route(lp.route, load[0, 0], TOPO, 2)
+    fast = even_traffic(load[0, 0], lp.placement, TOPO, 2, domain=split[0], remote=split[1])
+    assert np.abs(exact.rank_tokens - fast.rank_tokens).max() <= np.count_nonzero(load)
+    assert exact.pair_tokens.sum() == pytest.approx(fast.pair_tokens.sum(), abs=64)
+
+
+def test_sweep_runs_both_kinds():
+    cfg = load_sweep_config(
+        {
+            "policies": ["static", "hybrid"],
+            "model": {"num_experts": 8, "top_k": 2, "hidden": 256, "ffn_hidden": 64},
+            "trace": {"steps": 2, "tokens_per_rank": 128},
+            "bandwidth": {"topology": {"dcs": 2, "ranks_per_dc": 2}, "gbps": [10, 1]},
+            "dcs": {"topology": {"ranks_per_dc": 2}, "counts": [2, 4]},
+        }
+    )
+    pts = run_sweep(cfg)
+    assert [(p.kind, p.x) for p in pts] == [
+        ("bandwidth", 10), ("bandwidth", 1), ("dcs", 2), ("dcs", 4)
+    ]  # fmt: skip
+    assert pts[3].topology.num_dcs == 4 and pts[1].topology.inter_dc.gbps == 1
+
+
+def test_sweep_config_rejects_unknown_keys():
+    with pytest.raises(ValueError, match="colour"):
+        load_sweep_config({"colour": 1})
+    with pytest.raises(ValueError, match="counts"):
+        load_sweep_config({"dcs": {"counts": []}})
+
+
+def test_cost_settings_reach_policies_with_a_cost_model():
+    cs = CostSettings(flops_per_second=1e12, pipeline_chunks=2)
+    res = simulate(_source(2), TOPO, MODEL, ["hybrid"], cost=cs)
+    assert res.run("hybrid") is not None
+
+
+# ---- CLI ----
+
+
+def _run(args, capsys):
+    code = main(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_generated_topology_and_trace(tmp_path, capsys):
+    code, out, err = _run(
+        ["sim", "--dcs", "3", "--ranks-per-dc", "2", "--masters", "2", "--experts", "8",
+         "--top-k", "2", "--hidden", "256", "--ffn-hidden", "64", "--steps", "3",
+         "--tokens-per-rank", "128", "--policies", "static,hybrid,nope", "--out",
+         str(tmp_path), "--no-progress"],
+        capsys,
+    )  # fmt: skip
+    assert code == 0, err
+    assert "skipped" in out
+    for f in ("steps.csv", "summary.md", "step_times.png"):
+        assert (tmp_path / f).stat().st_size > 0
+    rows = list(csv.DictReader((tmp_path / "steps.csv").open()))
+    assert {r["policy"] for r in rows} == {"static", "hybrid"} and len(rows) == 6
+
+
+def test_cli_trace_file(tmp_path, capsys, repo):
+    load = _source(2).step(0)[None]  # [1, 2, R, E]
+    np.savez(tmp_path / "t.npz", load=load, meta=json.dumps({"top_k": 2, "hidden": 256}))
+    topo = tmp_path / "topo.yaml"
+    import yaml
+
+    topo.write_text(yaml.safe_dump(TOPO.to_dict()))
+    code, out, err = _run(
+        ["sim", "--topology", str(topo), "--trace", str(tmp_path / "t.npz"), "--policies",
+         "static,fastermoe", "--ffn-hidden", "64", "--out", str(tmp_path / "o"), "--no-progress"],
+        capsys,
+    )  # fmt: skip
+    assert code == 0, err
+    assert len(list(csv.DictReader((tmp_path / "o" / "steps.csv").open()))) == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--out", "X"], "--topology FILE or --dcs"),
+        (["--dcs", "2", "--topology", "t.yaml", "--out", "X"], "not both"),
+        (["--dcs", "2"], "--out"),
+        (["--topology", "missing.yaml", "--out", "X"], "missing.yaml"),
+        (["--dcs", "2", "--trace", "missing.npz", "--out", "X"], "missing.npz"),
+        (["--dcs", "2", "--inter-dc-gbps", "-1", "--out", "X"], "inter-dc-gbps"),
+        (["--dcs", "2", "--policies", ",", "--out", "X"], "empty"),
+        (["--dcs", "2", "--policies", "static,static", "--out", "X"], "twice"),
+        (["--dcs", "2", "--pipeline-chunks", "0", "--out", "X"], "pipeline_chunks"),
+        (["--dcs", "0", "--out", "X"], "dcs"),
+    ],
+)
+def test_cli_bad_input_is_one_line_and_exit_2(args, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _run(["sim", *args], capsys)
+    assert code == 2
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_cli_bad_trace_files(tmp_path, capsys):
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    np.savez(tmp_path / "noload.npz", other=np.zeros(3))
+    np.savez(tmp_path / "neg.npz", load=-np.ones((1, 1, 4, 8), np.int64))
+    np.savez(tmp_path / "ranks.npz", load=np.ones((1, 1, 5, 8), np.int64))
+    for name, message in [
+        ("junk.npz", "not a trace"),
+        ("noload.npz", "no 'load'"),
+        ("neg.npz", "negative"),
+        ("ranks.npz", "5 ranks"),
+    ]:
+        code, _, err = _run(
+            ["sim", "--dcs", "2", "--ranks-per-dc", "2", "--trace", str(tmp_path / name),
+             "--out", str(tmp_path / "o")],
+            capsys,
+        )  # fmt: skip
+        assert code == 2 and message in err and err.count("\n") == 1, (name, err)
+
+
+def test_cli_sweep_bad_config(tmp_path, capsys):
+    (tmp_path / "s.yaml").write_text("bandwidth: {gbps: [0]}\n")
+    code, _, err = _run(["sim", "sweep", "--config", str(tmp_path / "s.yaml"), "--out",
+                         str(tmp_path / "o")], capsys)  # fmt: skip
+    assert code == 2 and "gbps" in err
+    (tmp_path / "b.yaml").write_text("[: not yaml")
+    code, _, err = _run(["sim", "sweep", "--config", str(tmp_path / "b.yaml"), "--out",
+                         str(tmp_path / "o")], capsys)  # fmt: skip
+    assert code == 2 and "YAML" in err
+
+
+def test_cli_sweep_writes_tables_and_plots(tmp_path, capsys):
+    (tmp_path / "s.yaml").write_text(
+        "policies: [static, hybrid]\n"
+        "model: {num_experts: 8, top_k: 2, hidden: 256, ffn_hidden: 64}\n"
+        "trace: {steps: 2, tokens_per_rank: 64}\n"
+        "bandwidth: {topology: {dcs: 2, ranks_per_dc: 2}, gbps: [10, 1]}\n"
+        "dcs: {topology: {ranks_per_dc: 2}, counts: [2, 3]}\n"
+    )
+    code, out, err = _run(["sim", "sweep", "--config", str(tmp_path / "s.yaml"), "--out",
+                           str(tmp_path / "o"), "--no-progress"], capsys)  # fmt: skip
+    assert code == 0, err
+    for f in ("sweep.csv", "sweep.md", "speedup_vs_bandwidth.png", "speedup_vs_dcs.png"):
+        assert (tmp_path / "o" / f).stat().st_size > 0
+    rows = list(csv.DictReader((tmp_path / "o" / "sweep.csv").open()))
+    assert len(rows) == 8 and {r["kind"] for r in rows} == {"bandwidth", "dcs"}
