@@ -140,7 +140,7 @@ def test_cli_trace_file(tmp_path, capsys, repo):
     import yaml
 
     topo.write_text(yaml.safe_dump(TOPO.to_dict()))
-    code, out, err = _run(
+    code, _out, err = _run(
         ["sim", "--topology", str(topo), "--trace", str(tmp_path / "t.npz"), "--policies",
          "static,fastermoe", "--ffn-hidden", "64", "--out", str(tmp_path / "o"), "--no-progress"],
         capsys,
@@ -209,7 +209,7 @@ def test_cli_sweep_writes_tables_and_plots(tmp_path, capsys):
         "bandwidth: {topology: {dcs: 2, ranks_per_dc: 2}, gbps: [10, 1]}\n"
         "dcs: {topology: {ranks_per_dc: 2}, counts: [2, 3]}\n"
     )
-    code, out, err = _run(["sim", "sweep", "--config", str(tmp_path / "s.yaml"), "--out",
+    code, _out, err = _run(["sim", "sweep", "--config", str(tmp_path / "s.yaml"), "--out",
                            str(tmp_path / "o"), "--no-progress"], capsys)  # fmt: skip
     assert code == 0, err
     for f in ("sweep.csv", "sweep.md", "speedup_vs_bandwidth.png", "speedup_vs_dcs.png"):
