@@ -469,13 +469,15 @@ def validate_plan(plan: PlanFile, load: np.ndarray, plan_name: str, trace_name: 
             f"{plan_name} sends tokens of expert {exp[i]} to rank {dst[i]}, which does not "
             f"hold it (step {step[i]}, layer {layer[i]})"
         )
-    routed = np.zeros(load.shape, dtype=np.int64)
-    np.add.at(routed, (step, layer, src, exp), tok)
-    diff = routed != load
+    cell = np.ravel_multi_index((step, layer, src, exp), load.shape)  # [N]
+    if float(tok.sum(dtype=np.float64)) >= 2.0**53:  # the float bincount below is exact
+        raise ValueError(f"{plan_name} routes more than 2**53 tokens in all")
+    routed = np.bincount(cell, weights=tok, minlength=load.size)  # exact below 2**53
+    diff = routed.reshape(load.shape) != load
     if diff.any():
         t0, l0, r0, e0 = (int(x) for x in np.unravel_index(int(np.argmax(diff)), load.shape))
         raise ValueError(
             f"{plan_name} does not route {trace_name}: step {t0}, layer {l0}, rank {r0}, "
             f"expert {e0} sends {load[t0, l0, r0, e0]} tokens in the trace, "
-            f"{routed[t0, l0, r0, e0]} in the plan"
+            f"{int(routed.reshape(load.shape)[t0, l0, r0, e0])} in the plan"
         )

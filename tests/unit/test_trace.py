@@ -150,3 +150,29 @@ def test_bad_settings_are_value_errors():
         generate_trace(small(num_ranks=1, num_experts=8))
     with pytest.raises(ValueError, match="below"):
         generate_trace(small(num_ranks=3, num_experts=4, top_k=1, imbalance=1.2))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    ranks=st.integers(1, 12),
+    per_rank=st.integers(1, 6),
+    k=st.integers(1, 8),
+    n=st.integers(1, 300),
+    target=st.floats(1.0, 4.0),
+    drift=st.sampled_from([0.0, 0.3]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_generator_invariants(ranks, per_rank, k, n, target, drift, seed):
+    experts = ranks * per_rank
+    k = min(k, experts)
+    s = TraceSettings(num_ranks=ranks, num_experts=experts, num_steps=3, num_layers=2, top_k=k,
+                      tokens_per_rank=n, imbalance=target, drift=drift, seed=seed)  # fmt: skip
+    try:
+        tr = generate_trace(s)
+    except ValueError as err:  # only an unreachable target may be refused
+        assert "out of reach" in str(err)
+        return
+    assert tr.load.shape == (3, 2, ranks, experts) and tr.load.dtype == np.int64
+    assert (tr.load.sum(axis=-1) == n * k).all()
+    assert tr.load.min() >= 0 and tr.load.max() <= n
+    np.testing.assert_allclose(tr.expected_imbalance, target, rtol=1e-6)

@@ -95,8 +95,9 @@ def summarize_plan(
     num_experts = load.shape[3]
     cells = num_steps * num_layers
     key = route[:, 0] * num_layers + route[:, 1]  # [N] cell of each row
-    order = np.argsort(key, kind="stable")
-    route, key = route[order], key[order]
+    if key.size and (np.diff(key) < 0).any():  # plan_trace writes rows in cell order
+        order = np.argsort(key, kind="stable")
+        route, key = route[order], key[order]
     bounds = np.searchsorted(key, np.arange(cells + 1))  # [T*L + 1]
 
     rank_tokens = np.bincount(
@@ -108,8 +109,9 @@ def summarize_plan(
 
     mig = np.asarray(arrays.get("migration", np.zeros((0, 9), np.int64)), dtype=np.int64)
     mkey = mig[:, 0] * num_layers + mig[:, 1]
-    morder = np.argsort(mkey, kind="stable")
-    mig, mkey = mig[morder], mkey[morder]
+    if mkey.size and (np.diff(mkey) < 0).any():
+        morder = np.argsort(mkey, kind="stable")
+        mig, mkey = mig[morder], mkey[morder]
     mbounds = np.searchsorted(mkey, np.arange(cells + 1))
     copies = np.bincount(mkey, minlength=cells).reshape(num_steps, num_layers)
     moved = np.bincount(mkey, weights=mig[:, 6], minlength=cells).reshape(num_steps, num_layers)
