@@ -9,7 +9,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 
 .DEFAULT_GOAL := help
 .PHONY: help setup demo demo-planner test test-unit test-integration lint fmt typecheck bench \
-	bench-planner clean serve proto emulate-up emulate-down emulate-status
+	bench-planner clean serve proto emulate-up emulate-down emulate-status ci-deps
 
 help: ## list the verbs
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -36,8 +36,11 @@ demo-planner: setup ## planner only: generate a skewed trace and plan it with ev
 	done; \
 	$(VENV)/bin/expertmesh plan compare --trace $(OUT)/trace.npz $$plans
 
-test: setup lint ## lint, type-check and run every test (unit + integration)
+test: setup lint ci-deps ## lint, type-check and run every test (unit + integration)
 	$(PY) -m pytest -q
+
+ci-deps: ## system tools some tests use: promtool (Debian prometheus), ip/tc (iproute2); root: apt-get
+	@scripts/ci-deps.sh
 
 test-unit: setup ## unit tests only (no Ray, no network)
 	$(PY) -m pytest -q -m unit
