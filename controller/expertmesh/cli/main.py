@@ -12,6 +12,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 __all__ = ["UsageError", "main"]
 
@@ -24,8 +25,16 @@ class UsageError(Exception):
     """Bad input from the user: printed as one line, exit code 2."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (and exit code 2), like every other
+    bad input; ``--help`` still prints the full usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="expertmesh",
         description="Expert placement, replication and migration for MoE across data centers.",
     )
