@@ -10,8 +10,9 @@ import pytest
 from expertmesh.cli.main import main
 from expertmesh.planner import ModelSpec, Topology, make_policy
 from expertmesh.planner.costmodel import CostSettings
+from expertmesh.planner.trace import TraceSettings, generate_trace
 from expertmesh.planner.traffic import even_traffic, traffic_from_route
-from expertmesh.sim import SyntheticSource, dense_source, simulate
+from expertmesh.sim import dense_source, simulate
 from expertmesh.sim.engine import COLUMNS, EVEN_SPLITS
 from expertmesh.sim.report import summary_rows, write_steps_csv
 from expertmesh.sim.sweep import load_sweep_config, run_sweep
@@ -20,8 +21,14 @@ TOPO = Topology.generate(3, 2, masters=2, spare=2, inter_dc_gbps=1.0)
 MODEL = ModelSpec(num_layers=2, num_experts=8, top_k=2, hidden=256, ffn_hidden=64)
 
 
+def _trace(steps=4):
+    s = TraceSettings(num_ranks=TOPO.num_ranks, num_experts=8, num_layers=2, num_steps=steps,
+                      top_k=2, tokens_per_rank=256, imbalance=1.5, drift=0.1, seed=1)  # fmt: skip
+    return generate_trace(s).load
+
+
 def _source(steps=4):
-    return SyntheticSource(steps, 2, TOPO.num_ranks, 8, top_k=2, tokens_per_rank=256, seed=1)
+    return dense_source(_trace(steps))
 
 
 def test_totals_equal_the_sum_of_per_step_rows(tmp_path):
@@ -54,11 +61,9 @@ def test_unregistered_policies_are_skipped_not_crashed():
     assert nope.skipped and "unknown policy" in nope.skipped and not nope.rows
 
 
-def test_same_trace_from_an_array_or_a_source():
-    src = _source(3)
-    arr = np.stack([src.step(t) for t in range(3)])
-    a = simulate(src, TOPO, MODEL, ["static", "hybrid"])
-    b = simulate(dense_source(arr), TOPO, MODEL, ["static", "hybrid"])
+def test_the_simulation_is_deterministic():
+    a = simulate(_source(3), TOPO, MODEL, ["static", "hybrid", "fastermoe"])
+    b = simulate(_source(3), TOPO, MODEL, ["static", "hybrid", "fastermoe"])
     for ra, rb in zip(a.runs, b.runs, strict=True):
         assert [r.seconds for r in ra.rows] == [r.seconds for r in rb.rows]
 
@@ -69,7 +74,7 @@ def test_fast_path_split_matches_the_policys_route(name):
 
     pol = make_policy(name)
     split = getattr(pol, "even_split", None) or EVEN_SPLITS[name]
-    load = _source(2).step(1)[:1][None]  # [1, 1, R, E]
+    load = _trace(2)[1:2, :1]  # [1, 1, R, E]
     model = MODEL.model_copy(update={"num_layers": 1})
     lp = plan_trace(load, TOPO, model, pol).layers[0][0]
     exact = traffic_from_route(lp.route, load[0, 0], TOPO, 2)
@@ -83,7 +88,7 @@ def test_sweep_runs_both_kinds():
         {
             "policies": ["static", "hybrid"],
             "model": {"num_experts": 8, "top_k": 2, "hidden": 256, "ffn_hidden": 64},
-            "trace": {"steps": 2, "tokens_per_rank": 128},
+            "trace": {"steps": 2, "tokens_per_rank": 128, "imbalance": 1.2},
             "bandwidth": {"topology": {"dcs": 2, "ranks_per_dc": 2}, "gbps": [10, 1]},
             "dcs": {"topology": {"ranks_per_dc": 2}, "counts": [2, 4]},
         }
@@ -134,7 +139,7 @@ def test_cli_generated_topology_and_trace(tmp_path, capsys):
 
 
 def test_cli_trace_file(tmp_path, capsys, repo):
-    load = _source(2).step(0)[None]  # [1, 2, R, E]
+    load = _trace(1)  # [1, 2, R, E]
     np.savez(tmp_path / "t.npz", load=load, meta=json.dumps({"top_k": 2, "hidden": 256}))
     topo = tmp_path / "topo.yaml"
     import yaml
@@ -160,8 +165,12 @@ def test_cli_trace_file(tmp_path, capsys, repo):
         (["--dcs", "2", "--inter-dc-gbps", "-1", "--out", "X"], "inter-dc-gbps"),
         (["--dcs", "2", "--policies", ",", "--out", "X"], "empty"),
         (["--dcs", "2", "--policies", "static,static", "--out", "X"], "twice"),
-        (["--dcs", "2", "--pipeline-chunks", "0", "--out", "X"], "pipeline_chunks"),
+        (["--dcs", "2", "--pipeline-chunks", "0", "--out", "X"], "pipeline-chunks"),
         (["--dcs", "0", "--out", "X"], "dcs"),
+        (["--dcs", "2", "--imbalance", "0.5", "--out", "X"], "imbalance"),
+        (["--dcs", "2", "--layers", "0", "--out", "X"], "num-layers"),
+        (["--dcs", "2", "--top-k", "300", "--out", "X"], "top-k"),
+        (["--dcs", "2", "--top-k", "9", "--experts", "8", "--out", "X"], "top_k 9"),
     ],
 )
 def test_cli_bad_input_is_one_line_and_exit_2(args, message, tmp_path, capsys, monkeypatch):
@@ -177,8 +186,8 @@ def test_cli_bad_trace_files(tmp_path, capsys):
     np.savez(tmp_path / "neg.npz", load=-np.ones((1, 1, 4, 8), np.int64))
     np.savez(tmp_path / "ranks.npz", load=np.ones((1, 1, 5, 8), np.int64))
     for name, message in [
-        ("junk.npz", "not a trace"),
-        ("noload.npz", "no 'load'"),
+        ("junk.npz", "junk.npz"),
+        ("noload.npz", "load"),
         ("neg.npz", "negative"),
         ("ranks.npz", "5 ranks"),
     ]:
@@ -205,7 +214,7 @@ def test_cli_sweep_writes_tables_and_plots(tmp_path, capsys):
     (tmp_path / "s.yaml").write_text(
         "policies: [static, hybrid]\n"
         "model: {num_experts: 8, top_k: 2, hidden: 256, ffn_hidden: 64}\n"
-        "trace: {steps: 2, tokens_per_rank: 64}\n"
+        "trace: {steps: 2, tokens_per_rank: 64, imbalance: 1.2}\n"
         "bandwidth: {topology: {dcs: 2, ranks_per_dc: 2}, gbps: [10, 1]}\n"
         "dcs: {topology: {ranks_per_dc: 2}, counts: [2, 3]}\n"
     )

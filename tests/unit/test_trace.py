@@ -176,3 +176,14 @@ def test_generator_invariants(ranks, per_rank, k, n, target, drift, seed):
     assert (tr.load.sum(axis=-1) == n * k).all()
     assert tr.load.min() >= 0 and tr.load.max() <= n
     np.testing.assert_allclose(tr.expected_imbalance, target, rtol=1e-6)
+
+
+def test_reference_ranks_keep_the_skew_at_any_scale():
+    # one rank per expert as the reference: the same exponent for 64 or 4,000 ranks, and a
+    # target that plain calibration on 4,000 ranks could not reach (uniform already gives 62.5)
+    few = generate_trace(small(num_ranks=64, reference_ranks=64, num_steps=2))
+    many = generate_trace(small(num_ranks=4000, reference_ranks=64, num_steps=2))
+    assert np.allclose(few.exponent, many.exponent)
+    assert np.allclose(few.expected_imbalance, 2.0)
+    with pytest.raises(ValueError, match="below"):
+        generate_trace(small(num_ranks=4000, num_steps=2))

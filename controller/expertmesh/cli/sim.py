@@ -15,21 +15,21 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import math
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import yaml
+from pydantic import ValidationError
 
 from expertmesh.cli.main import UsageError
+from expertmesh.formats import read_topology, read_trace
 from expertmesh.planner.costmodel import CostSettings
 from expertmesh.planner.model import ModelSpec
-from expertmesh.planner.plan import check_trace
 from expertmesh.planner.topology import Topology
+from expertmesh.planner.trace import generate_trace
 from expertmesh.sim.engine import LoadSource, SimResult, dense_source, simulate
 from expertmesh.sim.report import (
     plot_speedup,
@@ -38,8 +38,14 @@ from expertmesh.sim.report import (
     summary_table,
     write_steps_csv,
 )
-from expertmesh.sim.sweep import DEFAULT_POLICIES, SweepPoint, load_sweep_config, points, run_sweep
-from expertmesh.sim.workload import SyntheticSource
+from expertmesh.sim.sweep import (
+    DEFAULT_POLICIES,
+    SweepPoint,
+    TraceSpec,
+    load_sweep_config,
+    points,
+    run_sweep,
+)
 
 __all__ = ["add_parser"]
 
@@ -82,8 +88,13 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--steps", type=int, default=20, help="generate: steps (20)")
     t.add_argument("--layers", type=int, default=1, help="generate: MoE layers (1)")
     t.add_argument("--tokens-per-rank", type=int, default=8192, help="generate: tokens (8192)")
-    t.add_argument("--zipf", type=float, default=1.0, help="generate: popularity skew (1.0)")
-    t.add_argument("--drift", type=float, default=0.05, help="generate: hot-set drift/step")
+    t.add_argument(
+        "--imbalance",
+        type=float,
+        default=2.0,
+        help="generate: static-EP max/mean on one rank per expert (2.0; the skew)",
+    )
+    t.add_argument("--drift", type=float, default=0.02, help="generate: hot-set drift (0.02)")
     t.add_argument("--seed", type=int, default=0, help="generate: seed (0)")
     m = p.add_argument_group("model and cost model")
     m.add_argument("--experts", type=int, help="experts per layer (default: the trace's, or 256)")
@@ -118,7 +129,7 @@ def _topology(args: argparse.Namespace) -> Topology:
     if args.topology is not None and args.dcs is not None:
         raise UsageError("give --topology or --dcs, not both")
     if args.topology is not None:
-        topo = Topology.from_dict(_read_yaml(args.topology))
+        topo = read_topology(args.topology)
     elif args.dcs is not None:
         topo = Topology.generate(
             args.dcs,
@@ -137,35 +148,30 @@ def _topology(args: argparse.Namespace) -> Topology:
     return topo
 
 
-def _read_trace(path: Path) -> tuple[np.ndarray, dict[str, Any]]:
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            if "load" not in z:
-                raise UsageError(f"{path}: no 'load' array (a trace holds load [T, L, R, E])")
-            load = z["load"]
-            meta_raw = str(z["meta"]) if "meta" in z else "{}"
-    except (OSError, ValueError) as err:
-        if isinstance(err, FileNotFoundError):
-            raise
-        raise UsageError(f"{path}: not a trace .npz ({' '.join(str(err).split())[:120]})") from None
-    try:
-        meta = json.loads(meta_raw)
-    except json.JSONDecodeError:
-        raise UsageError(f"{path}: meta is not JSON") from None
-    return check_trace(load), meta if isinstance(meta, dict) else {}
-
-
 def _model(args: argparse.Namespace, layers: int, experts: int, meta: dict[str, Any]) -> ModelSpec:
     if args.experts is not None and args.experts != experts:
         raise UsageError(f"--experts {args.experts} but the trace has {experts} experts")
-    return ModelSpec(
-        num_layers=layers,
-        num_experts=experts,
-        top_k=args.top_k or int(meta.get("top_k", 8)),
-        hidden=args.hidden or int(meta.get("hidden", 7168)),
-        ffn_hidden=args.ffn_hidden,
-        training=not args.forward_only,
+    return _validated(
+        ModelSpec,
+        {
+            "num_layers": layers,
+            "num_experts": experts,
+            "top_k": args.top_k or int(meta.get("top_k", 8)),
+            "hidden": args.hidden or int(meta.get("hidden", 7168)),
+            "ffn_hidden": args.ffn_hidden,
+            "training": not args.forward_only,
+        },
     )
+
+
+def _validated(cls: Any, values: dict[str, Any]) -> Any:
+    """``cls.model_validate(values)`` with the first error as a one-line usage error."""
+    try:
+        return cls.model_validate(values)
+    except ValidationError as err:
+        e = err.errors()[0]
+        where = ".".join(str(p) for p in e["loc"])
+        raise UsageError(f"{where.replace('_', '-')}: {e['msg']}") from None
 
 
 def _cost(args: argparse.Namespace) -> CostSettings:
@@ -173,7 +179,8 @@ def _cost(args: argparse.Namespace) -> CostSettings:
     for key in ("flops_per_second", "pipeline_chunks", "microbatches_per_update"):
         if getattr(args, key) is not None:
             over[key] = getattr(args, key)
-    return CostSettings.model_validate(over)
+    cost: CostSettings = _validated(CostSettings, over)
+    return cost
 
 
 def _policies(text: str) -> list[str]:
@@ -207,19 +214,29 @@ def run(args: argparse.Namespace) -> int:
         settings = raw
     source: LoadSource
     if args.trace is not None:
-        load, meta = _read_trace(args.trace)
+        trace = read_trace(args.trace)
+        load, meta = trace.load, trace.meta
         if load.shape[2] != topo.num_ranks:
             raise UsageError(f"trace has {load.shape[2]} ranks, the topology {topo.num_ranks}")
         model = _model(args, load.shape[1], load.shape[3], meta)
         source = dense_source(load)
     else:
-        if args.steps < 1 or args.layers < 1 or args.tokens_per_rank < 0:
-            raise UsageError("--steps and --layers must be >= 1, --tokens-per-rank >= 0")
         model = _model(args, args.layers, args.experts or 256, {})
-        source = SyntheticSource(
-            args.steps, args.layers, topo.num_ranks, model.num_experts, model.top_k,
-            args.tokens_per_rank, args.zipf, args.drift, args.seed,
-        )  # fmt: skip
+        spec: TraceSpec = _validated(
+            TraceSpec,
+            {
+                "steps": args.steps,
+                "tokens_per_rank": args.tokens_per_rank,
+                "imbalance": args.imbalance,
+                "drift": args.drift,
+                "seed": args.seed,
+            },
+        )
+        try:
+            settings_ = spec.settings(topo.num_ranks, model)
+        except ValidationError as err:
+            raise UsageError(f"trace: {err.errors()[0]['msg']}") from None
+        source = dense_source(generate_trace(settings_).load)
     cost = _cost(args)
     args.out.mkdir(parents=True, exist_ok=True)
     bar = _progress(source.num_steps * len(policies), args.no_progress, "sim")

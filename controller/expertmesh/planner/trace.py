@@ -77,6 +77,13 @@ class TraceSettings(BaseModel):
         default=0, ge=0, description="new popularity order every N steps (0: never)"
     )
     seed: int = Field(default=0, ge=0, description="seed of numpy's SeedSequence")
+    reference_ranks: int | None = Field(
+        default=None,
+        ge=1,
+        le=1 << 20,
+        description="ranks of the static EP that `imbalance` is calibrated on (default: "
+        "num_ranks); num_experts keeps the same skew whatever the number of ranks",
+    )
 
     @model_validator(mode="after")
     def _fits(self) -> TraceSettings:
@@ -263,7 +270,8 @@ def generate_trace(settings: TraceSettings) -> SyntheticTrace:
     load = np.empty((s.num_steps, s.num_layers, s.num_ranks, s.num_experts), dtype=np.int64)
     exponent = np.empty((s.num_steps, s.num_layers))
     expected = np.empty((s.num_steps, s.num_layers))
-    expert_rank = _expert_rank(s.num_ranks, s.num_experts)
+    ref_ranks = s.reference_ranks or s.num_ranks
+    expert_rank = _expert_rank(ref_ranks, s.num_experts)
     streams = np.random.SeedSequence(s.seed).spawn(s.num_layers)
     for layer, seq in enumerate(streams):
         rng = np.random.default_rng(seq)
@@ -277,7 +285,7 @@ def generate_trace(settings: TraceSettings) -> SyntheticTrace:
             elif t > 0:
                 changed = _drift(rng, perm, s.drift)
             if changed:
-                exp_t, imb_t = _calibrate(perm, expert_rank, s.num_ranks, s.top_k, s.imbalance)
+                exp_t, imb_t = _calibrate(perm, expert_rank, ref_ranks, s.top_k, s.imbalance)
                 pi = _popularity(perm, exp_t, s.top_k)
             exponent[t, layer], expected[t, layer] = exp_t, imb_t
             load[t, layer] = _sample(rng, pi, s.tokens_per_rank, s.num_ranks)

@@ -5,14 +5,12 @@ Entry points: :func:`simulate` (policies over per-step loads), :func:`run_sweep`
 """
 
 from expertmesh.sim.engine import COLUMNS, PolicyRun, SimResult, StepRow, dense_source, simulate
-from expertmesh.sim.workload import SyntheticSource
 
 __all__ = [
     "COLUMNS",
     "PolicyRun",
     "SimResult",
     "StepRow",
-    "SyntheticSource",
     "dense_source",
     "simulate",
 ]

@@ -6,7 +6,7 @@ A sweep is a validated config (YAML for ``expertmesh sim sweep --config``):
 policies: [static, eplb, fastermoe, quota, hybrid]
 model: {num_experts: 256, top_k: 8, hidden: 7168, ffn_hidden: 2048}
 cost: {flops_per_second: 4.0e14}
-trace: {steps: 20, tokens_per_rank: 8192, zipf: 1.0, drift: 0.05, seed: 0}
+trace: {steps: 20, tokens_per_rank: 8192, imbalance: 2.0, drift: 0.02, seed: 0}
 bandwidth:                      # one topology, every inter-DC bandwidth
   topology: {dcs: 2, ranks_per_dc: 64, nodes_per_dc: 8}
   gbps: [400, 100, 25, 10, 1]
@@ -29,8 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, V
 from expertmesh.planner.costmodel import CostSettings
 from expertmesh.planner.model import ModelSpec
 from expertmesh.planner.topology import Topology
-from expertmesh.sim.engine import SimResult, simulate
-from expertmesh.sim.workload import SyntheticSource
+from expertmesh.planner.trace import TraceSettings, generate_trace
+from expertmesh.sim.engine import SimResult, dense_source, simulate
 
 __all__ = ["SweepConfig", "SweepPoint", "load_sweep_config", "run_sweep"]
 
@@ -66,13 +66,33 @@ class TopologySpec(_Strict):
 
 
 class TraceSpec(_Strict):
-    """The generated trace of every point (:class:`~expertmesh.sim.workload.SyntheticSource`)."""
+    """The generated trace of every point (:mod:`expertmesh.planner.trace`): Zipf popularity
+    calibrated so that static EP on ``reference_ranks`` ranks (default: one per expert, the
+    same skew at any scale) shows ``imbalance`` max/mean, drifting by ``drift`` a step."""
 
     steps: int = Field(default=20, ge=1, le=1_000_000)
-    tokens_per_rank: int = Field(default=8192, ge=0)
-    zipf: float = Field(default=1.0, ge=0)
-    drift: float = Field(default=0.05, ge=0)
-    seed: int = 0
+    tokens_per_rank: int = Field(default=8192, ge=1)
+    imbalance: float = Field(default=2.0, ge=1.0)
+    drift: float = Field(default=0.02, ge=0.0, le=1.0)
+    regime_every: int = Field(default=0, ge=0)
+    reference_ranks: int | None = Field(default=None, ge=1)
+    seed: int = Field(default=0, ge=0)
+
+    def settings(self, num_ranks: int, model: ModelSpec, steps: int | None = None) -> TraceSettings:
+        """The :class:`TraceSettings` for ``num_ranks`` ranks of ``model``."""
+        return TraceSettings(
+            num_ranks=num_ranks,
+            num_experts=model.num_experts,
+            num_layers=model.num_layers,
+            num_steps=steps or self.steps,
+            top_k=model.top_k,
+            tokens_per_rank=self.tokens_per_rank,
+            imbalance=self.imbalance,
+            drift=self.drift,
+            regime_every=self.regime_every,
+            seed=self.seed,
+            reference_ranks=self.reference_ranks or model.num_experts,
+        )
 
 
 class BandwidthSweep(_Strict):
@@ -143,18 +163,8 @@ def run_sweep(
     model = config.model
     out: list[SweepPoint] = []
     for kind, x, topo, steps in points(config):
-        tr = config.trace
-        source = SyntheticSource(
-            num_steps=steps,
-            num_layers=model.num_layers,
-            num_ranks=topo.num_ranks,
-            num_experts=model.num_experts,
-            top_k=model.top_k,
-            tokens_per_rank=tr.tokens_per_rank,
-            zipf=tr.zipf,
-            drift=tr.drift,
-            seed=tr.seed,
-        )
+        trace = generate_trace(config.trace.settings(topo.num_ranks, model, steps))
+        source = dense_source(trace.load)
         result = simulate(
             source,
             topo,
