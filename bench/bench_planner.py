@@ -12,7 +12,8 @@ per rank), 256 experts, top-8, 8192 tokens per rank, one domain.
    ``rebalance_experts`` from ``../shared/tools/peer-eplb`` plus the same route);
    "placement only" times ``rebalance`` against the peer's ``rebalance_experts``
    on the same weight.
-2. Drift: 100 steps of slowly drifting load; bytes migrated per step by ``eplb``
+2. Drift: 100 steps of slowly drifting load (the generator's ``drift``: a share of
+   experts swaps with a near popularity position each step); bytes migrated per step by ``eplb``
    through ``plan_trace`` (aligned placement, planned migration) vs re-running the
    peer every ``period`` steps and replacing slot by slot (every slot whose expert
    changes is one expert copy sent).
@@ -64,10 +65,12 @@ from expertmesh.planner import (  # noqa: E402 (after the source roots are on sy
 )
 from expertmesh.planner.eplb import EplbPolicy, rebalance  # noqa: E402
 from expertmesh.planner.routing import route_even  # noqa: E402
+from expertmesh.planner.trace import TraceSettings, generate_trace  # noqa: E402
 
 TOP_K = 8
 TOKENS_PER_RANK = 8192
 NUM_EXPERTS = 256
+NUM_RANKS = 64
 IMBALANCES = (1.5, 2.0, 3.0)
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 # glibc: keep freed blocks in the heap instead of returning each large array to the OS
@@ -79,51 +82,25 @@ console = Console()
 
 
 # ---------------------------------------------------------------------------
-# Load: seeded Zipf-skewed experts calibrated to a static-EP max/mean
+# Load: the project's trace generator (expertmesh trace generate)
 # ---------------------------------------------------------------------------
 
 
-def _static_imbalance(p: np.ndarray, num_ranks: int) -> float:
-    """Expected max/mean of static EP (contiguous expert blocks per rank) under probs ``p``."""
-    per_rank = p.reshape(num_ranks, -1).sum(1)
-    return float(per_rank.max() / per_rank.mean())
-
-
-def calibrated_probs(target: float, num_ranks: int, seed: int) -> np.ndarray:
-    """[E] expert probabilities: Zipf over a seeded random order, exponent found by
-    bisection so that static EP's expected max/mean equals ``target``."""
-    order = np.random.default_rng(seed).permutation(NUM_EXPERTS)
-
-    def probs(s: float) -> np.ndarray:
-        p = np.empty(NUM_EXPERTS)
-        p[order] = (np.arange(NUM_EXPERTS) + 1.0) ** -s
-        return p / p.sum()
-
-    lo, hi = 0.0, 4.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if _static_imbalance(probs(mid), num_ranks) < target else (lo, mid)
-    return probs((lo + hi) / 2)
-
-
-def sample_load(p: np.ndarray, num_ranks: int, rng: np.random.Generator) -> np.ndarray:
-    """[R, E] int64: each rank sends ``TOKENS_PER_RANK * TOP_K`` assignments drawn from ``p``."""
-    return rng.multinomial(TOKENS_PER_RANK * TOP_K, p, size=num_ranks).astype(np.int64)
-
-
-def drift_trace(steps: int, num_ranks: int, seed: int, sigma: float) -> np.ndarray:
-    """[T, 1, R, E] slowly drifting load: start at static max/mean 2.0, then every step
-    each expert's log-popularity takes a Gaussian step of ``sigma`` (pulled back 2%
-    towards its start so the skew stays similar): the hot set moves slowly."""
-    rng = np.random.default_rng(seed)
-    logp0 = np.log(calibrated_probs(2.0, num_ranks, seed))
-    logp = logp0.copy()
-    out = np.empty((steps, 1, num_ranks, NUM_EXPERTS), dtype=np.int64)
-    for t in range(steps):
-        p = np.exp(logp - logp.max())
-        out[t, 0] = sample_load(p / p.sum(), num_ranks, rng)
-        logp += sigma * rng.standard_normal(NUM_EXPERTS) - 0.02 * (logp - logp0)
-    return out
+def make_trace(steps: int, target: float, seed: int, drift: float = 0.0) -> np.ndarray:
+    """[T, R, E] one layer of a generated trace: Zipf-skewed experts calibrated so that
+    static EP's expected max/mean is ``target``; ``drift`` = expected share of experts
+    swapped (with a near popularity position) per step."""
+    settings = TraceSettings(
+        num_ranks=NUM_RANKS,
+        num_experts=NUM_EXPERTS,
+        num_steps=steps,
+        top_k=TOP_K,
+        tokens_per_rank=TOKENS_PER_RANK,
+        imbalance=target,
+        drift=drift,
+        seed=seed,
+    )
+    return generate_trace(settings).load[:, 0]
 
 
 # ---------------------------------------------------------------------------
@@ -250,7 +227,6 @@ def balance_rows(
     """Per imbalance and contender: median max/mean on the final microbatch, median
     solve and placement-only seconds."""
     window = make_policy("eplb").history_window()
-    num_ranks = topo.num_ranks
     who = contenders(topo, model, peer)
     rows = []
     for target in IMBALANCES:
@@ -258,9 +234,7 @@ def balance_rows(
         solve: dict[str, list[float]] = {c: [] for c in who}
         place: dict[str, list[float]] = {c: [] for c in who}
         for seed in range(seeds):
-            rng = np.random.default_rng(1000 * seed + int(target * 10))
-            p = calibrated_probs(target, num_ranks, seed)
-            trace = np.stack([sample_load(p, num_ranks, rng) for _ in range(window + 1)])
+            trace = make_trace(window + 1, target, seed)
             load, history = trace[-1], trace[:-1]  # [R, E], [W, R, E]
             weight = history.sum((0, 1)).astype(np.float64)
             for name, (plan, placement_only) in who.items():
@@ -282,7 +256,12 @@ def balance_rows(
 
 
 def drift_rows(
-    topo: Topology, model: ModelSpec, peer: ModuleType | None, steps: int, seeds: int
+    topo: Topology,
+    model: ModelSpec,
+    peer: ModuleType | None,
+    steps: int,
+    seeds: int,
+    drift: float,
 ) -> list[dict[str, Any]]:
     """Migration per step under slow drift, measured over ``steps`` steps after a warm-up
     of one period (the switch from the cold-start placement to the first plan on real
@@ -302,7 +281,7 @@ def drift_rows(
     balance: dict[str, list[float]] = {n: [] for n in names}
     measured = range(period + 1, period + 1 + steps)
     for seed in range(seeds):
-        trace = drift_trace(period + 1 + steps, num_ranks, seed=100 + seed, sigma=0.03)
+        trace = make_trace(period + 1 + steps, 2.0, 100 + seed, drift)[:, None]  # [T, 1, R, E]
         for name, policy in ours.items():
             plan = plan_trace(trace, topo, model, policy)
             moved = [plan.layers[t][0].migration for t in measured]
@@ -349,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=3, help="traces per imbalance (median)")
     ap.add_argument("--repeats", type=int, default=20, help="timed solves per trace (median)")
     ap.add_argument("--steps", type=int, default=100, help="drift steps")
+    ap.add_argument(
+        "--drift", type=float, default=0.01, help="share of experts swapped per drift step"
+    )
     ap.add_argument("--quick", action="store_true", help="1 seed, 5 repeats, 30 drift steps")
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--markdown", type=Path, help="also write the tables here as markdown")
@@ -378,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     bal = balance_rows(topo, model, peer, args.seeds, args.repeats)
-    drift = drift_rows(topo, model, peer, args.steps, args.seeds)
+    drift = drift_rows(topo, model, peer, args.steps, args.seeds, args.drift)
     tables = [balance_table(bal), drift_table(drift, args.steps)]
     verdicts = targets(bal, drift)
     for title, head, body in tables:
