@@ -15,9 +15,10 @@
 # This node's IP: $EXPERTMESH_NODE_IP, else the first address of `hostname -I`.
 # Other knobs (environment): EXPERTMESH_HOME (the checkout, default: this script's repo),
 # EXPERTMESH_VENV (default ~/expertmesh-venv), EXPERTMESH_TOPOLOGY (default
-# deploy/topologies/onprem-3dc.yaml), EXPERTMESH_STATE (default ~/.expertmesh: serve's pid, log
-# and SQLite plan store), EXPERTMESH_SERVE_HOST (default this node's IP), EXPERTMESH_TOKEN
-# (bearer token for serve's writes), RAY_METRICS_PORT (default 8080).
+# deploy/topologies/onprem-3dc.yaml), EXPERTMESH_STATE (default ~/.expertmesh: serve's pid, log,
+# SQLite plan store and bearer token), EXPERTMESH_SERVE_HOST (default this node's IP),
+# EXPERTMESH_TOKEN (bearer token for serve's writes; default: made once into
+# $EXPERTMESH_STATE/token), RAY_METRICS_PORT (default 8080).
 # EXPERTMESH_DRY_RUN=FILE appends the commands to FILE instead of running them (tests).
 set -euo pipefail
 
@@ -122,10 +123,18 @@ case $role in
     stop_serve
     serve=("$venv/bin/expertmesh" serve --topology "$topology"
       --host "${EXPERTMESH_SERVE_HOST:-$ip}" --db "$state/plans.sqlite")
+    # serve refuses a non-loopback address without a bearer token for writes: keep one in
+    # $state/token (made once, mode 600) unless EXPERTMESH_TOKEN is given.
+    if [[ -z ${EXPERTMESH_TOKEN:-} && -z ${EXPERTMESH_DRY_RUN:-} ]]; then
+      if [[ ! -s $state/token ]]; then
+        (umask 077 && "$py" -c 'import secrets; print(secrets.token_urlsafe(32))' >"$state/token")
+      fi
+      EXPERTMESH_TOKEN=$(<"$state/token")
+    fi
     if [[ -n ${EXPERTMESH_DRY_RUN:-} ]]; then
       run "${serve[@]}"
     else
-      nohup "${serve[@]}" >>"$state/serve.log" 2>&1 </dev/null &
+      EXPERTMESH_TOKEN=$EXPERTMESH_TOKEN nohup "${serve[@]}" >>"$state/serve.log" 2>&1 </dev/null &
       echo $! >"$state/serve.pid"
       echo "start-node.sh: expertmesh serve pid $! (log $state/serve.log)"
     fi

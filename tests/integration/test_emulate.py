@@ -117,3 +117,64 @@ def test_down_leaves_nothing_behind() -> None:
     assert em.bridge_netns in removed
     assert not _leftovers(name)
     assert netemu.down(name) == []  # idempotent
+
+
+def test_start_node_script_brings_up_labeled_nodes_and_serve(tmp_path: Path) -> None:
+    """deploy/scripts/start-node.sh, as `ray up` runs it, on the emulated machines.
+
+    Each namespace plays one machine: the DC comes from an IP-to-DC map, the head starts
+    Ray and `expertmesh serve` on its own address, the others join the head.
+    """
+    name = f"sn{os.getpid() % 100000}"
+    em = netemu.plan_emulation(yaml.safe_load(TOPOLOGY.read_text()), name=name)
+    netemu.up(em, ray=False)
+    try:
+        dc_map = tmp_path / "dc-map.yaml"
+        dc_map.write_text("".join(f"{n.ip}/32: {n.dc}\n" for n in em.nodes))
+        env = netemu.env_for_namespace(em)
+        env.pop("RAY_ADDRESS")
+        env.update(
+            EXPERTMESH_VENV=str(Path(sys.executable).parent.parent),
+            EXPERTMESH_DC_MAP=str(dc_map),
+            EXPERTMESH_DC_FILE=str(tmp_path / "none"),
+            EXPERTMESH_TOPOLOGY=str(TOPOLOGY),
+            HOME=str(tmp_path),
+        )
+        script = str(REPO / "deploy/scripts/start-node.sh")
+        for n in em.nodes:
+            args = ["head"] if n.index == 0 else ["worker", em.head.ip]
+            node_env = {**env, "EXPERTMESH_NODE_IP": n.ip, "EXPERTMESH_STATE": str(tmp_path / n.dc)}
+            run = subprocess.run(
+                ["ip", "netns", "exec", n.netns, "bash", script, *args],
+                env=node_env,
+                capture_output=True,
+                text=True,
+                timeout=180,
+                check=False,
+            )
+            assert run.returncode == 0, run.stderr[-2000:]
+        netemu.wait_nodes(em, timeout=60)  # one alive node per DC, labeled with its DC
+        token = (tmp_path / em.head.dc / "token").read_text().strip()
+        assert len(token) >= 32
+        probe = (
+            "import httpx, sys, time\n"
+            "for _ in range(120):\n"
+            "    try:\n"
+            "        r = httpx.get(sys.argv[1] + '/api/v1/health', timeout=2)\n"
+            "        sys.exit(0 if r.status_code == 200 else 1)\n"
+            "    except httpx.TransportError:\n"
+            "        time.sleep(0.5)\n"
+            "sys.exit(2)\n"
+        )
+        url = f"http://{em.head.ip}:8700"
+        for n in (em.nodes[0], em.nodes[2]):  # from the head and from another DC
+            got = subprocess.run(
+                ["ip", "netns", "exec", n.netns, sys.executable, "-c", probe, url],
+                env=env,
+                timeout=120,
+                check=False,
+            )
+            assert got.returncode == 0, f"serve not healthy at {url} from {n.dc}"
+    finally:
+        netemu.down(name)
+    assert not _leftovers(name)

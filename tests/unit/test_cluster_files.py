@@ -49,7 +49,9 @@ def test_validation_can_fail() -> None:
 def test_setup_installs_pinned_torch_before_the_project(rel: str) -> None:
     cmds = _load(rel)["setup_commands"]
     torch = next(i for i, c in enumerate(cmds) if '"torch==2.13.0"' in c)
-    project = next(i for i, c in enumerate(cmds) if "install --quiet -e ~/expertmesh" in c)
+    project = next(
+        i for i, c in enumerate(cmds) if 'install --quiet -e "$HOME/expertmesh[cluster]"' in c
+    )
     assert torch < project
     assert not any("torch" in c and "torch==2.13.0" not in c for c in cmds)
 
