@@ -294,7 +294,7 @@ def drift_rows(
             continue
         changed, cur, ratios = 0, np.zeros((num_ranks, slots), np.int64), []
         for t in range(period + 1 + steps):
-            if t % period == 0:
+            if eplb.replans_at(t):  # the same schedule as ours
                 hist = trace[max(0, t - window) : t, 0].sum((0, 1)).astype(np.float64)
                 new = peer_phy2log(peer, hist if hist.any() else np.ones(NUM_EXPERTS), args, hier)
                 new = new.reshape(num_ranks, slots)

@@ -18,7 +18,7 @@ from expertmesh.planner import (
     make_policy,
     plan_trace,
 )
-from expertmesh.planner.eplb import _assign, _relabel, rebalance
+from expertmesh.planner.eplb import EplbPolicy, _assign, _relabel, rebalance
 
 
 def _skewed_trace(rng: np.random.Generator, shape: tuple[int, ...], hot: float) -> np.ndarray:
@@ -56,8 +56,9 @@ def cases(draw: st.DrawFn) -> tuple[Topology, ModelSpec, np.ndarray, dict]:
 @given(cases())
 def test_every_plan_is_valid_and_stable_between_replans(case):
     topo, model, load, cfg = case
-    plan = plan_trace(load, topo, model, make_policy("eplb", cfg))
-    period = cfg["period"]
+    policy = make_policy("eplb", cfg)
+    assert isinstance(policy, EplbPolicy)
+    plan = plan_trace(load, topo, model, policy)
     for t, row in enumerate(plan.layers):
         for layer, lp in enumerate(row):
             # every token routed once, only to holders; slots; one master per expert
@@ -66,7 +67,7 @@ def test_every_plan_is_valid_and_stable_between_replans(case):
             if t == 0:
                 continue
             prev = plan.layers[t - 1][layer].placement
-            if t % period:
+            if not policy.replans_at(t):
                 assert lp.placement is prev and lp.migration.copies == 0
                 continue
             # a master stays on its rank when that rank still holds the expert
@@ -108,6 +109,12 @@ def test_global_by_default_hierarchical_when_groups_fit_the_nodes():
         make_policy("eplb", {"hierarchical": True, "num_groups": 3}).resolve(mixed, 12)
     with pytest.raises(ValueError, match="do not split into 3 groups"):
         make_policy("eplb", {"num_groups": 3}).resolve(topo, 16)
+
+
+def test_replans_at_steps_0_1_and_every_period():
+    policy = make_policy("eplb", {"period": 4})
+    assert isinstance(policy, EplbPolicy)
+    assert [t for t in range(13) if policy.replans_at(t)] == [0, 1, 4, 8, 12]
 
 
 def test_settings_are_validated():
@@ -156,10 +163,12 @@ def test_drift_moves_fewer_copies_than_replacing_slot_by_slot():
     )
     load = drift[:, None]
     cfg = {"period": 3, "window": 3, "hierarchical": False}
-    plan = plan_trace(load, topo, model, make_policy("eplb", cfg))
+    policy = make_policy("eplb", cfg)
+    assert isinstance(policy, EplbPolicy)
+    plan = plan_trace(load, topo, model, policy)
     ours = sum(plan.layers[t][0].migration.copies for t in range(steps))
     naive, prev = 0, None
-    for t in range(0, steps, 3):
+    for t in filter(policy.replans_at, range(steps)):  # the same re-plans, slot by slot
         hist = load[max(0, t - 3) : t, 0].sum((0, 1)) if t else np.ones(32)
         cur = rebalance(hist[None], 48, 1, 4, 16, hierarchical=False)[0][0]
         naive += 0 if prev is None else int((cur != prev).sum())

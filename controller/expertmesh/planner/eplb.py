@@ -296,7 +296,8 @@ class EplbSettings(PolicySettings):
         default=10,
         ge=1,
         le=10_000_000,
-        description="re-plan every `period` steps (step 0, period, 2*period, ...); "
+        description="re-plan at steps 0, 1, period, 2*period, ... (step 0 has no history "
+        "and places blindly; step 1 replaces that as soon as one microbatch is known); "
         "deployments run EPLB every ~1000-3000 iterations, short traces need less",
     )
     window: int = Field(
@@ -372,9 +373,18 @@ class EplbPolicy(Policy):
             )
         return groups, bool(s.hierarchical)
 
+    def replans_at(self, step: int) -> bool:
+        """Whether :meth:`place` re-plans at ``step``: steps 0 and 1, then every ``period``.
+
+        Step 0 has no history and spreads copies blindly; deployments start from
+        recorded statistics instead (SGLang's ``--init-expert-location``), which the
+        re-plan at step 1, on the first microbatch seen, stands in for.
+        """
+        return step == 1 or step % self.cfg.period == 0
+
     def place(self, ctx: PolicyContext) -> Placement:
         prev = ctx.previous
-        if prev is not None and ctx.step % self.cfg.period:
+        if prev is not None and not self.replans_at(ctx.step):
             return prev.placement
         topo = ctx.topology
         num_experts = ctx.model.num_experts
