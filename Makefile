@@ -57,7 +57,7 @@ fmt: setup ## apply ruff's formatting and safe fixes
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-bench: bench-planner ## every benchmark
+bench: bench-planner bench-api ## every benchmark
 
 serve: setup ## controller + REST/dashboard (127.0.0.1:8700) + gRPC (127.0.0.1:8701), no Ray workers
 	$(VENV)/bin/expertmesh serve --topology deploy/topologies/two-dc.yaml
@@ -67,6 +67,9 @@ screenshots: setup ## re-take docs/dashboard.png (headless Chromium against a li
 
 proto: setup ## regenerate proto/expertmesh/v1/*_pb2*.py from the .proto (committed; a test checks)
 	PYTHON=$(PY) PATH=$(VENV)/bin:$$PATH scripts/gen_proto.sh
+
+bench-api: setup ## control plane: gRPC reports/s from 1,000 ranks, REST latest-plan p50/p99 at 500 req/s
+	$(PY) bench/bench_api.py
 
 bench-planner: setup ## planner: quota/eplb vs DeepSeek EPLB at EP64 (table + ratios)
 	$(PY) bench/bench_planner.py

@@ -42,6 +42,7 @@ from expertmesh.planner import (
 )
 
 __all__ = [
+    "BatchReportError",
     "ControllerCore",
     "ControllerSettings",
     "LayerStats",
@@ -145,6 +146,14 @@ class PlanStore(Protocol):
     def save(self, plan: PlanVersion) -> None: ...
 
 
+class BatchReportError(ValueError):
+    """A bad report in a batch: ``applied`` reports before it stayed applied."""
+
+    def __init__(self, applied: int, completed: int, message: str) -> None:
+        super().__init__(message)
+        self.applied, self.completed = applied, completed
+
+
 class StaleReportError(ValueError):
     """A report for a step older than what the controller already completed."""
 
@@ -224,23 +233,98 @@ class ControllerCore:
             except ValueError:
                 self.reports_rejected += 1
                 raise
-            key = (step, layer)
-            if key not in self._pending:
-                num_ranks, num_experts = self.topology.num_ranks, self.model.num_experts
-                self._pending[key] = (
-                    np.zeros((num_ranks, num_experts), np.int64),
-                    np.zeros(num_ranks, bool),
+            return self._apply_row(step, layer, rank, row)
+
+    def _apply_row(self, step: int, layer: int, rank: int, row: np.ndarray) -> bool:
+        # caller holds the lock and has checked the report
+        key = (step, layer)
+        pending = self._pending.get(key)
+        if pending is None:
+            num_ranks, num_experts = self.topology.num_ranks, self.model.num_experts
+            pending = self._pending[key] = (
+                np.zeros((num_ranks, num_experts), np.int64),
+                np.zeros(num_ranks, bool),
+            )
+        acc, seen = pending
+        acc[rank], seen[rank] = row, True
+        if not seen.all():
+            return False
+        del self._pending[key]
+        self._windows[layer].append((step, acc))
+        # drop partial loads older than this one: their ranks moved on
+        for k in [k for k in self._pending if k[1] == layer and k[0] < step]:
+            del self._pending[k]
+        return True
+
+    def report_batch(
+        self, steps: np.ndarray, layers: np.ndarray, ranks: np.ndarray, loads: np.ndarray
+    ) -> tuple[int, int]:
+        """Record ``K`` reports in order, as :meth:`report_load` would one by one, with the
+        value checks vectorized (the fast path of the gRPC stream).
+
+        ``steps``, ``layers``, ``ranks``: [K] ints; ``loads``: [K, E] integer counts.
+        Returns (applied, completed steps). On the first bad report the ones before it stay
+        applied, it and every later one are counted as rejected, and :class:`BatchReportError`
+        (a ``ValueError``) names it.
+        """
+        steps, layers, ranks = (np.asarray(a).reshape(-1) for a in (steps, layers, ranks))
+        loads = np.asarray(loads)
+        num = int(steps.shape[0])
+        with self._lock:
+            self.reports_received += num
+            first_bad = num
+            if (
+                layers.shape[0] != num
+                or ranks.shape[0] != num
+                or (
+                    num
+                    and (
+                        loads.ndim != 2
+                        or loads.shape != (num, self.model.num_experts)
+                        or loads.dtype.kind not in "iu"
+                    )
                 )
-            acc, seen = self._pending[key]
-            acc[rank], seen[rank] = row, True
-            if not seen.all():
-                return False
-            del self._pending[key]
-            self._windows[layer].append((step, acc))
-            # drop partial loads older than this one: their ranks moved on
-            for k in [k for k in self._pending if k[1] == layer and k[0] < step]:
-                del self._pending[k]
-            return True
+            ):
+                first_bad = 0
+            elif num:
+                bad = (
+                    (steps < 0)
+                    | (layers < 0)
+                    | (layers >= self.model.num_layers)
+                    | (ranks < 0)
+                    | (ranks >= self.topology.num_ranks)
+                    | (loads.min(axis=1) < 0)
+                    | (loads.max(axis=1) > 2**40)
+                )
+                if bad.any():
+                    first_bad = int(np.argmax(bad))
+            applied = completed = 0
+            try:
+                for i in range(first_bad):
+                    step, layer, rank = int(steps[i]), int(layers[i]), int(ranks[i])
+                    self._check_step(step, layer)
+                    pending = self._pending.get((step, layer))
+                    if pending is not None and pending[1][rank]:
+                        raise ValueError(f"rank {rank} already reported layer {layer} step {step}")
+                    completed += self._apply_row(step, layer, rank, loads[i].astype(np.int64))
+                    applied += 1
+                if first_bad < num:
+                    if loads.ndim == 2 and loads.shape[0] == num and layers.shape[0] == num:
+                        self._check_report(
+                            int(steps[first_bad]),
+                            int(layers[first_bad]),
+                            int(ranks[first_bad]),
+                            loads[first_bad],
+                        )
+                    raise ValueError(
+                        f"a batch needs [K] steps, layers, ranks and [K, {self.model.num_experts}]"
+                        f" integer loads; got {steps.shape}, {layers.shape}, {ranks.shape}, "
+                        f"{loads.shape} {loads.dtype}"
+                    )
+            except ValueError as err:
+                self.reports_rejected += num - applied
+                raise BatchReportError(applied, completed, str(err)) from None
+            return applied, completed
 
     def report_layer(self, step: int, layer: int, load: np.ndarray) -> None:
         """Record a whole [R, E] load at once (a trainer that gathers counts itself)."""

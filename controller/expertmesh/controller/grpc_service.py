@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from expertmesh.controller.core import ControllerCore, PlanVersion
+from expertmesh.controller.core import BatchReportError, ControllerCore, PlanVersion
 from expertmesh.controller.settings import SurfaceSettings
 from expertmesh.controller.store import SqlitePlanStore
 from expertmesh.v1 import convert
@@ -101,20 +101,34 @@ class ExpertMeshService(pb_grpc.ExpertMeshServiceServicer):
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"a message may hold at most {MAX_REPORTS_PER_MESSAGE} reports, got {n}",
                 )
+            batch = convert.report_batch_from_msg(req, core.model.num_experts)
+            if batch is not None:  # the fast path: one lock, vectorized checks
+                try:
+                    applied, done = core.report_batch(*batch)
+                except BatchReportError as err:
+                    i = err.applied
+                    r = req.reports[i]
+                    text = f"report {i} (step {r.step}, layer {r.layer}, rank {r.rank}): {err}"
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, text)
+                accepted += applied
+                completed += done
+                continue
             for i, msg in enumerate(req.reports):
                 try:
-                    r = convert.report_from_msg(msg)
+                    rep = convert.report_from_msg(msg)
                 except ValueError as err:
                     core.reject_report(n - i)  # this one and the rest of the message
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
                 try:
-                    done = core.report_load(r.step, r.layer, r.rank, r.load)
+                    one = core.report_load(rep.step, rep.layer, rep.rank, rep.load)
                 except ValueError as err:  # the core counted this one
                     core.reject_report(n - i - 1)  # and the rest of the message is refused too
-                    text = f"report (step {r.step}, layer {r.layer}, rank {r.rank}): {err}"
+                    text = (
+                        f"report {i} (step {rep.step}, layer {rep.layer}, rank {rep.rank}): {err}"
+                    )
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, text)
                 accepted += 1
-                completed += int(done)
+                completed += int(one)
         return pb.ReportLoadResponse(accepted=accepted, completed=completed)
 
     async def WatchPlans(

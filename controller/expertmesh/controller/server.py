@@ -107,6 +107,9 @@ class Surfaces:
         host, port = self.settings.host, self.settings.rest_port
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # Accepted sockets inherit TCP_NODELAY: without it a response written as headers +
+        # body waits for the client's delayed ACK (~40 ms per request on keep-alive).
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind((host, port))  # bind here so port 0 resolves and errors surface now
         self.rest_port = int(sock.getsockname()[1])
         config = uvicorn.Config(

@@ -27,6 +27,7 @@ __all__ = [
     "layer_plan_to_msg",
     "plan_from_msg",
     "plan_to_msg",
+    "report_batch_from_msg",
     "report_from_msg",
     "report_to_msg",
     "reports_from_msg",
@@ -122,6 +123,32 @@ def report_from_msg(r: pb.LoadReport) -> Report:
             f"report (step {r.step}, layer {r.layer}, rank {r.rank}): counts must be in [0, 2**40]"
         )
     return Report(step=int(r.step), layer=int(r.layer), rank=int(r.rank), load=load)
+
+
+def report_batch_from_msg(
+    msg: pb.ReportLoadRequest, num_experts: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """The message's reports as arrays: steps, layers, ranks [K] int64 and loads [K, E] int64
+    (values unchecked: the core checks them). None when some report is not [E] long (decode
+    those one by one to find which)."""
+    reports = msg.reports
+    if any(len(r.load) != num_experts for r in reports):
+        return None
+    num = len(reports)
+    steps = np.fromiter((r.step for r in reports), np.uint64, num)
+    if num and int(steps.max()) >= 2**62:
+        return None
+    loads = (
+        np.concatenate([np.array(r.load, np.int64) for r in reports]).reshape(num, num_experts)
+        if num
+        else np.zeros((0, num_experts), np.int64)
+    )
+    return (
+        steps.astype(np.int64),
+        np.fromiter((r.layer for r in reports), np.int64, num),
+        np.fromiter((r.rank for r in reports), np.int64, num),
+        loads,
+    )
 
 
 def reports_from_msg(msg: pb.ReportLoadRequest, max_reports: int = 4096) -> list[Report]:

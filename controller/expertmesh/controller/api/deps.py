@@ -45,7 +45,7 @@ class AppState:
         return pv
 
 
-def get_state(request: Request) -> AppState:
+async def get_state(request: Request) -> AppState:  # async: no threadpool hop per request
     state: AppState = request.app.state.expertmesh
     return state
 

@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 
 
 @router.get("/health", response_model=s.HealthOut, summary="The process serves requests")
-def health() -> s.HealthOut:
+async def health() -> s.HealthOut:
     return s.HealthOut(status="ok")
 
 

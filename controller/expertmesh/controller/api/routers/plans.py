@@ -49,7 +49,7 @@ def list_plans(
 
 
 @router.get("/latest", response_model=s.PlanOut, summary="The committed plan")
-def latest_plan(state: StateDep, route: WithRoute = False) -> Response:
+async def latest_plan(state: StateDep, route: WithRoute = False) -> Response:
     pv = state.core.committed
     if pv is None:
         raise HTTPException(404, "no plan has been committed yet")
