@@ -235,6 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--conns", type=int, default=32, help="REST keep-alive connections")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
+    import os
+
+    load1, load5, _ = os.getloadavg()
+    print(f"machine: {os.cpu_count()} CPUs, load average {load1:.1f} (1 min) {load5:.1f} (5 min) "
+          "at start; other work on the machine shares these cores")  # fmt: skip
 
     direct = statistics.median(
         bench_direct(args.ranks, args.steps, args.layers, args.experts) for _ in range(args.repeats)
