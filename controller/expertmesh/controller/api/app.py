@@ -26,6 +26,7 @@ from expertmesh.controller.api.routers import (
     solve,
     topology,
 )
+from expertmesh.controller.api.schemas import ErrorOut
 from expertmesh.controller.core import ControllerCore
 from expertmesh.controller.settings import SurfaceSettings
 from expertmesh.controller.store import SqlitePlanStore
@@ -104,7 +105,9 @@ def create_app(
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, on_refused=_refused)
     app.add_middleware(_SecurityHeaders)
 
-    api = APIRouter(prefix="/api/v1")
+    # Any operation may answer these (unknown layer/version, malformed or oversized bodies).
+    err = {"model": ErrorOut}
+    api = APIRouter(prefix="/api/v1", responses={400: err, 404: err, 413: err, 422: err})
     for mod in (topology, layers, plans, solve, policy, reports, health, dashboard):
         api.include_router(mod.router)
     app.include_router(api)
