@@ -192,3 +192,13 @@ def test_label_sets_are_bounded():
         if k[0] == "expertmesh_cross_dc_bytes_total"
     }
     assert len(pairs) == 3 and pairs[("other", "other")] == 10  # 12 off-diagonal pairs
+
+
+def test_close_stops_following_plan_events():
+    core = _core()
+    tel = Telemetry(core)
+    tel.close()
+    tel.close()
+    _fill(core, 0)
+    core.plan(0)
+    assert tel.plan_events() == [] and core.listeners == []

@@ -67,6 +67,7 @@ class Surfaces:
             pv = self.store.recover(core)
             if pv is not None:
                 log.info("recovered plan %d from %s", pv.version, self.settings.db_path)
+        self._own_telemetry = telemetry is None
         self.telemetry = telemetry or Telemetry(core)
         self.grpc = GrpcServer(core, self.store, self.settings)
         self.app = create_app(
@@ -140,6 +141,8 @@ class Surfaces:
             self._rest_thread.join(10)
         self._uvicorn = self._rest_thread = None
         self.grpc.stop()
+        if self._own_telemetry:
+            self.telemetry.close()
         if self._own_store:
             self.store.close()
 

@@ -184,6 +184,11 @@ class Telemetry:
         if core.committed is not None:
             self.plan_version.set(core.committed.version)
 
+    def close(self) -> None:
+        """Stop following the core's plan events (idempotent)."""
+        if self._on_plan in self.core.listeners:
+            self.core.listeners.remove(self._on_plan)
+
     # ---- inputs from the runtime ----
 
     def record_step(
