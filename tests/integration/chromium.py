@@ -61,17 +61,22 @@ class Chromium:
                 self.close()
                 raise RuntimeError("chromium did not start")
             time.sleep(0.05)
-        port = int(port_file.read_text().split()[0])
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10) as r:
-            pages = [t for t in json.load(r) if t["type"] == "page"]
-        self.ws = websocket.create_connection(
-            pages[0]["webSocketDebuggerUrl"], timeout=30, suppress_origin=True
-        )
+        self.ws: Any = None
         self._ids = itertools.count(1)
         self.console: list[str] = []
-        self.call("Runtime.enable")
-        self.call("Page.enable")
-        self.call("Log.enable")
+        try:  # never leave a browser behind if connecting fails
+            port = int(port_file.read_text().split()[0])
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10) as r:
+                pages = [t for t in json.load(r) if t["type"] == "page"]
+            self.ws = websocket.create_connection(
+                pages[0]["webSocketDebuggerUrl"], timeout=30, suppress_origin=True
+            )
+            self.call("Runtime.enable")
+            self.call("Page.enable")
+            self.call("Log.enable")
+        except BaseException:
+            self.close()
+            raise
 
     def call(self, method: str, **params: Any) -> dict[str, Any]:
         msg_id = next(self._ids)
