@@ -1,13 +1,37 @@
 """Migration: turn an old placement into a new one with the least traffic.
 
-FIRST CUT (to be replaced by the full algorithm): slots are aligned inside each
-rank so copies that stay keep their slot, and each new copy is sent from the
-nearest holder of the old placement, one transfer per round.
+Two steps, as the brief's problem 3 asks (docs/migration.md has the equations):
+
+1. :func:`align_placement` (assignment): lay the new placement over the old one
+   so that every copy that can stay in its slot does, optionally relabeling
+   ranks inside a DC (whole nodes, then ranks inside a node) by solving an
+   assignment problem, and keep every master on its old rank when the new
+   placement still has a copy there.
+2. :func:`plan_migration` (transfers, then rounds): each slot whose content
+   changes becomes one frozen :class:`Transfer`; a scheduler batches them into
+   rounds in which every copy comes from the *nearest* rank holding the expert
+   at that round (old holders, plus ranks that received it in an earlier round,
+   which act as relays), so an expert copied to many ranks fans out through a
+   doubling tree in ``O(log n)`` rounds.
+
+Round invariant (checked by ``refs.check_migration``): inside one round each
+rank sends at most one transfer and receives at most one transfer, and each
+ordered pair of DCs ``(a, b)``, ``a != b``, carries at most one transfer (the
+WAN link of a DC pair is one shared link per direction; we do not model
+several transfers sharing it). Copies inside one rank (a second copy of an
+expert the rank already has) use no link and are exempt.
+
+Two-phase apply: incoming weights are staged and the slots switch at commit,
+so every old copy stays readable as a source during all rounds.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+from scipy.optimize import linear_sum_assignment
+from scipy.sparse import csr_matrix
 
 from expertmesh.planner.model import ModelSpec
 from expertmesh.planner.plan import Migration, Placement, Transfer, TransferKind
@@ -15,54 +39,611 @@ from expertmesh.planner.topology import Topology
 
 __all__ = ["align_placement", "plan_migration"]
 
+# DCs with more nodes than this are relabeled rank-within-node only: the exact
+# whole-node relabel solves nodes^2 small assignment problems.
+NODE_RELABEL_MAX_NODES = 64
+# Upper bound on matching passes inside one round (each pass accepts >= 1 transfer;
+# what is left waits for the next round, which keeps every invariant).
+MAX_PASSES = 64
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _check_pair(old: Placement, new: Placement, topology: Topology) -> tuple[int, int, int]:
+    """Validate two placements of the same shape on ``topology``; returns ``(R, S, E)``."""
+    if old.phy2log.ndim != 2 or old.phy2log.shape != new.phy2log.shape:
+        raise ValueError(
+            f"old and new phy2log must both be [R, S], got {old.phy2log.shape} and "
+            f"{new.phy2log.shape}"
+        )
+    num_ranks, num_slots = new.phy2log.shape
+    if num_ranks != topology.num_ranks:
+        raise ValueError(
+            f"placements have {num_ranks} ranks, the topology has {topology.num_ranks}"
+        )
+    if old.master.shape != new.master.shape or old.master.ndim != 1:
+        raise ValueError(f"old and new master must both be [E], got {old.master.shape} and "
+                         f"{new.master.shape}")  # fmt: skip
+    num_experts = int(new.master.shape[0])
+    for name, p in (("old", old), ("new", new)):
+        if p.phy2log.size and (p.phy2log.min() < -1 or p.phy2log.max() >= num_experts):
+            raise ValueError(f"{name} phy2log holds an expert id outside [-1, {num_experts})")
+        m = p.master
+        if m.size and (m.min() < 0 or m.max() >= num_ranks * num_slots):
+            raise ValueError(f"{name} master slot index out of range")
+        if not np.array_equal(p.phy2log.ravel()[m], np.arange(num_experts)):
+            raise ValueError(f"{name}: a master slot does not hold its expert")
+    return num_ranks, num_slots, num_experts
+
+
+# ---------------------------------------------------------------- alignment
+
+
+def _occurrence(phy2log: np.ndarray, first: np.ndarray | None = None) -> np.ndarray:
+    """[R, S] int64: for each slot, how many slots of the same rank holding the same
+    expert come before it. Order inside a rank: slots flagged in ``first`` [R, S]
+    bool, then slot index. Gives every copy a key ``(rank, expert, occurrence)``
+    that is unique even when a rank holds several copies of one expert."""
+    num_ranks, num_slots = phy2log.shape
+    n = num_ranks * num_slots
+    rows = np.repeat(np.arange(num_ranks), num_slots)
+    vals = phy2log.ravel()
+    later = np.zeros(n, dtype=bool) if first is None else ~first.ravel()
+    order = np.lexsort((np.tile(np.arange(num_slots), num_ranks), later, vals, rows))
+    sv, sr = vals[order], rows[order]
+    new_run = np.ones(n, dtype=bool)
+    new_run[1:] = (sv[1:] != sv[:-1]) | (sr[1:] != sr[:-1])
+    run_start = np.maximum.accumulate(np.where(new_run, np.arange(n), 0))
+    occ = np.empty(n, dtype=np.int64)
+    occ[order] = np.arange(n) - run_start
+    return occ.reshape(num_ranks, num_slots)
+
+
+def _master_mask(p: Placement) -> np.ndarray:
+    """[R, S] bool: the slot is its expert's master."""
+    mask = np.zeros(p.phy2log.size, dtype=bool)
+    mask[p.master] = True
+    return mask.reshape(p.phy2log.shape)
+
+
+def _align_slots(
+    old_p2l: np.ndarray, old_first: np.ndarray, new_p2l: np.ndarray, num_experts: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Permute the slots of each rank of ``new_p2l`` [R, S] so every copy also in
+    ``old_p2l`` [R, S] (same rank, counted with multiplicity) stays in its old slot.
+
+    Returns ``aligned`` [R, S] and ``dest`` [R, S]: new slot ``(r, s)`` moved to
+    ``(r, dest[r, s])``. Copies that stay: for each rank and expert,
+    ``min(old count, new count)``, which is the most any slot permutation keeps.
+    """
+    num_ranks, num_slots = new_p2l.shape
+    rows = np.arange(num_ranks)[:, None]
+    occ_old = _occurrence(old_p2l, old_first)
+    occ_new = _occurrence(new_p2l)
+    kold = np.where(old_p2l >= 0, ((rows * num_experts + old_p2l) * num_slots + occ_old), -1)
+    knew = np.where(new_p2l >= 0, ((rows * num_experts + new_p2l) * num_slots + occ_new), -2)
+    flat_old, flat_new = kold.ravel(), knew.ravel()
+    order = np.argsort(flat_old, kind="stable")
+    pos = np.searchsorted(flat_old[order], flat_new).clip(max=flat_old.size - 1)
+    hit = flat_old[order][pos] == flat_new  # [R*S] new copy already in old, same rank
+    dest_flat = np.empty(flat_new.size, dtype=np.int64)
+    dest_flat[hit] = order[pos[hit]]
+    taken = np.zeros(flat_old.size, dtype=bool)
+    taken[dest_flat[hit]] = True
+    # the rest fill the free slots of their rank in slot order (same count per rank)
+    dest_flat[~hit] = np.flatnonzero(~taken)
+    aligned = np.empty(flat_new.size, dtype=new_p2l.dtype)
+    aligned[dest_flat] = new_p2l.ravel()
+    return aligned.reshape(new_p2l.shape), (dest_flat % num_slots).reshape(new_p2l.shape)
+
+
+def _relabel_groups(topology: Topology) -> list[tuple[int, int, np.ndarray]]:
+    """Blocks of ranks inside which :func:`_relabel` may permute: ``(nodes, ranks_per_node,
+    first_ranks [B])`` for batches of ``B`` same-shaped contiguous blocks. A block is a DC
+    (whole nodes may swap, ranks inside a node may swap) or, in DCs with more than
+    :data:`NODE_RELABEL_MAX_NODES` nodes, a single node."""
+    shapes: dict[tuple[int, int], list[int]] = {}
+    start = 0
+    for dc in topology.dcs:
+        if dc.nodes <= NODE_RELABEL_MAX_NODES:
+            shapes.setdefault((dc.nodes, dc.ranks_per_node), []).append(start)
+        else:
+            shapes.setdefault((1, dc.ranks_per_node), []).extend(
+                range(start, start + dc.num_ranks, dc.ranks_per_node)
+            )
+        start += dc.num_ranks
+    return [(n, p, np.array(firsts)) for (n, p), firsts in shapes.items() if n * p > 1]
+
+
+def _relabel(
+    old_p2l: np.ndarray, old_first: np.ndarray, new_p2l: np.ndarray, topology: Topology,
+    num_experts: int,
+) -> np.ndarray:  # fmt: skip
+    """[R] ``perm``: the content of new rank ``i`` goes to rank ``perm[i]``.
+
+    Minimizes, inside each relabel block, ``cost[i, j] = W * (copies of new rank i not
+    on old rank j) - (old masters of rank j that new rank i holds)``: copies first,
+    master stays as the tie-break (``W`` exceeds any count of master stays). Whole
+    nodes are matched with an assignment whose costs are themselves the optimal
+    rank-inside-node assignments, so the two-level relabel is exact.
+    """
+    num_ranks, num_slots = new_p2l.shape
+    perm = np.arange(num_ranks)
+    groups = _relabel_groups(topology)
+    if not groups:
+        return perm
+    # block id of every rank, so keys only match inside a block
+    block = np.full(num_ranks, -1, dtype=np.int64)
+    bid = 0
+    for n, p, firsts in groups:
+        for f in firsts:
+            block[f : f + n * p] = bid
+            bid += 1
+    occ_old = _occurrence(old_p2l, old_first)
+    occ_new = _occurrence(new_p2l)
+    rows = np.repeat(np.arange(num_ranks), num_slots)
+
+    def keys(p2l: np.ndarray, occ: np.ndarray) -> np.ndarray:
+        b = block[rows]
+        k = (b * num_experts + p2l.ravel()) * num_slots + occ.ravel()
+        return np.where((p2l.ravel() >= 0) & (b >= 0), k, -1)
+
+    kold, knew = keys(old_p2l, occ_old), keys(new_p2l, occ_new)
+    uniq, inv = np.unique(np.concatenate([kold, knew]), return_inverse=True)
+    ko, kn = inv[: kold.size], inv[kold.size :]
+    valid_o, valid_n = kold >= 0, knew >= 0
+    ncols = uniq.size
+    shape = (num_ranks, ncols)
+    a_new = csr_matrix((np.ones(valid_n.sum()), (rows[valid_n], kn[valid_n])), shape=shape)
+    a_old = csr_matrix((np.ones(valid_o.sum()), (rows[valid_o], ko[valid_o])), shape=shape)
+    is_m = valid_o & old_first.ravel()
+    a_mst = csr_matrix((np.ones(is_m.sum()), (rows[is_m], ko[is_m])), shape=shape)
+    inter = (a_new @ a_old.T).tocoo()  # [R, R] copies of new rank i on old rank j
+    stays = (a_new @ a_mst.T).tocoo()  # [R, R] old masters of j that new rank i holds
+    weight = float(num_ranks * num_slots + 1)
+    nonempty = (new_p2l >= 0).sum(axis=1).astype(np.float64)  # [R]
+
+    for n, p, firsts in groups:
+        size = n * p
+        base = np.repeat(firsts, size) + np.tile(np.arange(size), firsts.size)  # [B*size]
+        local = np.full(num_ranks, -1, dtype=np.int64)
+        local[base] = np.arange(base.size)
+        cost = np.repeat(weight * nonempty[base].reshape(-1, size, 1), size, axis=2)  # [B,i,j]
+        for mat, w in ((inter, weight), (stays, 1.0)):
+            sel = (local[mat.row] >= 0) & (block[mat.row] == block[mat.col])
+            li, lj = local[mat.row[sel]], local[mat.col[sel]]
+            cost[li // size, li % size, lj % size] -= w * mat.data[sel]
+        cost = cost.reshape(-1, n, p, n, p).transpose(0, 1, 3, 2, 4)  # [B, a, c, i, j]
+        for b in range(firsts.size):
+            rank_perm = np.empty((n, n, p), dtype=np.int64)
+            node_cost = np.empty((n, n))
+            for a in range(n):
+                for c in range(n):
+                    ri, cj = linear_sum_assignment(cost[b, a, c])
+                    rank_perm[a, c, ri] = cj
+                    node_cost[a, c] = cost[b, a, c][ri, cj].sum()
+            na, nc = linear_sum_assignment(node_cost)
+            for a, c in zip(na, nc, strict=True):
+                src = firsts[b] + a * p + np.arange(p)
+                perm[src] = firsts[b] + c * p + rank_perm[a, c]
+    return perm
+
+
+def _choose_masters(
+    aligned: np.ndarray, old: Placement, policy_master: np.ndarray, masters_per_rank: int
+) -> np.ndarray:
+    """[E] flat master slot of each expert on the aligned placement.
+
+    Start from the policy's masters (``policy_master`` [E], flat slots of ``aligned``),
+    then move a master back to its old rank whenever ``aligned`` holds the expert there
+    and that rank has room: at most ``max(masters_per_rank, policy's masters there)``
+    masters per rank (the optimizer-state budget). Moves repeat until none is possible.
+    On its rank, a master prefers its old slot, then a slot whose copy stayed.
+    """
+    num_ranks, num_slots = aligned.shape
+    num_experts = policy_master.size
+    experts = np.arange(num_experts)
+    old_rank = old.master // num_slots
+    cur = policy_master // num_slots
+    wants = (aligned[old_rank] == experts[:, None]).any(axis=1) & (cur != old_rank)
+    cap = np.maximum(masters_per_rank, np.bincount(cur, minlength=num_ranks))
+    count = np.bincount(cur, minlength=num_ranks)
+    for _ in range(num_experts):
+        cand = np.flatnonzero(wants & (cur != old_rank))
+        if cand.size == 0:
+            break
+        tgt = old_rank[cand]
+        order = np.lexsort((cand, tgt))
+        cand, tgt = cand[order], tgt[order]
+        first = np.searchsorted(tgt, tgt)
+        ok = (np.arange(cand.size) - first) < (cap - count)[tgt]
+        if not ok.any():
+            break
+        moved = cand[ok]
+        count -= np.bincount(cur[moved], minlength=num_ranks)
+        count += np.bincount(old_rank[moved], minlength=num_ranks)
+        cur[moved] = old_rank[moved]
+    rows = aligned[cur]  # [E, S]
+    holds = rows == experts[:, None]
+    slot = np.arange(num_slots)
+    old_slot = (cur == old_rank)[:, None] & (slot == (old.master % num_slots)[:, None])
+    stayed = old.phy2log[cur] == experts[:, None]
+    policy_slot = (cur == policy_master // num_slots)[:, None] & (
+        slot == (policy_master % num_slots)[:, None]
+    )
+    score = 4 * old_slot + 2 * stayed + policy_slot  # [E, S]
+    best = np.argmax(np.where(holds, score, -1), axis=1)
+    return cur * num_slots + best
+
 
 def align_placement(
     old: Placement, new: Placement, topology: Topology, relabel_ranks: bool = False
 ) -> Placement:
-    """Permute slots of each rank of ``new`` so copies already in ``old`` keep their slot."""
-    del topology, relabel_ranks
-    num_ranks, num_slots = new.phy2log.shape
-    out = np.full_like(new.phy2log, -1)
-    for r in range(num_ranks):
-        want = list(new.phy2log[r])
-        placed = [False] * num_slots
-        for s in range(num_slots):
-            e = old.phy2log[r, s]
-            if e >= 0 and e in want:
-                want.remove(e)
-                out[r, s] = e
-                placed[s] = True
-        free = [s for s in range(num_slots) if not placed[s]]
-        rest = sorted((e for e in want if e >= 0), reverse=True) + [-1] * sum(
-            1 for e in want if e < 0
+    """Lay ``new`` over ``old`` so every copy that can stay in its slot stays.
+
+    - ``old``, ``new``: placements on ``topology``; ``phy2log`` [R, S], ``master`` [E].
+    - ``relabel_ranks``: the policy's balance does not depend on which rank of a DC
+      gets which of its ranks' contents (its ``relabel_ranks`` class attribute). Then
+      whole nodes of a DC may trade contents, and ranks inside a node may, whichever
+      keeps most copies (an assignment problem; masters staying break ties). Ranks
+      never trade across DCs, and nodes only with nodes of the same DC, so per-rank,
+      per-node and per-DC contents, everything a policy balances, are unchanged.
+
+    Returns a placement with, on every rank, the same multiset of experts as ``new``
+    (or as the ``new`` rank relabeled onto it), slots permuted so that each rank keeps
+    ``min(old count, new count)`` copies of every expert in their old slots, and masters
+    chosen by :func:`_choose_masters` (old rank when it still holds the expert and has
+    room in its ``masters_per_rank`` budget, else the policy's rank).
+    """
+    _, num_slots, num_experts = _check_pair(old, new, topology)
+    old_first = _master_mask(old)
+    new_p2l, master = new.phy2log, new.master.astype(np.int64)
+    if relabel_ranks:
+        perm = _relabel(old.phy2log, old_first, new_p2l, topology, num_experts)
+        moved = np.empty_like(new_p2l)
+        moved[perm] = new_p2l
+        new_p2l = moved
+        master = perm[master // num_slots] * num_slots + master % num_slots
+    aligned, dest = _align_slots(old.phy2log, old_first, new_p2l, num_experts)
+    policy_master = (master // num_slots) * num_slots + dest.ravel()[master]
+    master = _choose_masters(aligned, old, policy_master, topology.masters_per_rank)
+    return Placement(phy2log=aligned, master=master)
+
+
+# ---------------------------------------------------------------- transfers
+
+
+@dataclass(frozen=True, eq=False)
+class _Jobs:
+    """Transfers over links, arrays [J]; the scheduler gives each a source and a round.
+
+    ``fixed_src`` is the old master rank for a master move (only it has the optimizer
+    state) and ``-1`` for a replica, whose source is the nearest holder of its round.
+    """
+
+    expert: np.ndarray
+    dst: np.ndarray
+    slot: np.ndarray
+    fixed_src: np.ndarray
+    nbytes: np.ndarray
+    master: np.ndarray  # bool
+
+
+def _first_in_group(key: np.ndarray) -> np.ndarray:
+    """[N] bool: the element is the first with its key (keys in priority order)."""
+    first = np.zeros(key.size, dtype=bool)
+    first[np.unique(key, return_index=True)[1]] = True
+    return first
+
+
+def _rank_in_group(key: np.ndarray) -> np.ndarray:
+    """[N] int64, ``key`` sorted: position of each element inside its run of equal keys."""
+    return np.arange(key.size) - np.searchsorted(key, key)
+
+
+def _pair_by_index(
+    dkey: np.ndarray, dprio: np.ndarray, hkey: np.ndarray, hrank: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Inside each group, pair the q-th job (by ``dprio``) with the q-th holder (by
+    rank). ``dkey`` [N], ``hkey`` [H] non-negative group ids. Returns index arrays
+    ``(job [P], holder [P])``."""
+    if dkey.size == 0 or hkey.size == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    do = np.lexsort((dprio, dkey))
+    ho = np.lexsort((hrank, hkey))
+    span = max(dkey.size, hkey.size) + 1
+    dcode = dkey[do] * span + _rank_in_group(dkey[do])
+    hcode = hkey[ho] * span + _rank_in_group(hkey[ho])
+    pos = np.searchsorted(hcode, dcode).clip(max=hcode.size - 1)
+    hit = hcode[pos] == dcode
+    return do[hit], ho[pos[hit]]
+
+
+class _Round:
+    """What one round has used so far: ports of ranks, node and DC entries, DC pairs."""
+
+    def __init__(self, num_ranks: int) -> None:
+        self.busy_src = np.zeros(num_ranks, dtype=bool)
+        self.busy_dst = np.zeros(num_ranks, dtype=bool)
+        self.node_entries = np.zeros(0, dtype=np.int64)  # keys expert * nodes + node
+        self.dc_entries = np.zeros(0, dtype=np.int64)  # keys expert * DCs + DC
+        self.pairs = np.zeros(0, dtype=np.int64)  # keys src DC * DCs + dst DC
+
+
+class _Scheduler:
+    """Rounds for :class:`_Jobs` (see :func:`plan_migration` and docs/migration.md).
+
+    A replica job's *level* in a round is where its nearest holders are: 0 in its
+    node, 1 elsewhere in its DC, 2 in other DCs (then the DCs at the least
+    distance). It copies only from free holders of its level, so it may wait a round
+    for a nearer relay. At most one transfer of an expert enters a node (a DC) from
+    outside per round: the rest of that node (DC) copies from the newcomer next round,
+    which gives each expert a doubling tree. Inside a round, jobs propose sources in
+    passes; a proposal is accepted when it is the first, in priority order, of every
+    group it belongs to (source rank, destination rank, node entry, DC entry, ordered
+    DC pair), so the accepted set never breaks the round invariant.
+    Priority: level 2 first, then masters, experts with more copies to make, expert,
+    destination rank.
+    """
+
+    def __init__(self, jobs: _Jobs, topology: Topology, num_experts: int) -> None:
+        self.topo = topology
+        self.node, self.dc = topology.rank_node, topology.rank_dc
+        self.num_nodes, self.num_dcs = topology.num_nodes, topology.num_dcs
+        self.e, self.dst, self.fixed = jobs.expert, jobs.dst, jobs.fixed_src
+        self.dnode, self.ddc = self.node[self.dst], self.dc[self.dst]
+        self.nkey = self.e * self.num_nodes + self.dnode  # node entry of each job
+        self.dkey = self.e * self.num_dcs + self.ddc  # DC entry of each job
+        n = self.e.size
+        fanout = np.bincount(self.e, minlength=num_experts)
+        self.prio = np.empty(n, dtype=np.int64)
+        self.prio[np.lexsort((self.dst, self.e, -fanout[self.e], ~jobs.master))] = np.arange(n)
+        self.is_fixed = self.fixed >= 0
+        fsrc = np.where(self.is_fixed, self.fixed, 0)
+        self.fixed_level = np.where(
+            self.dc[fsrc] != self.ddc, 2, np.where(self.node[fsrc] != self.dnode, 1, 0)
         )
-        for s, e in zip(free, rest, strict=True):
-            out[r, s] = e
-    flat_old_master_rank = new.master // num_slots
-    master = np.empty_like(new.master)
-    for e, r in enumerate(flat_old_master_rank):
-        master[e] = r * num_slots + int(np.flatnonzero(out[r] == e)[0])
-    return Placement(phy2log=out, master=master)
+
+    def run(self, hold_e: np.ndarray, hold_r: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``hold_e``, ``hold_r`` [H]: old copies. Returns ``(src [J], round [J])``."""
+        n = self.e.size
+        src = np.full(n, -1, dtype=np.int64)
+        rnd = np.full(n, -1, dtype=np.int64)
+        hold_e, hold_r = hold_e.astype(np.int64), hold_r.astype(np.int64)
+        k = 0
+        while (rnd < 0).any():
+            level = self._levels(hold_e, hold_r)
+            order_key = (2 - level) * n + self.prio  # smaller goes first
+            o = np.lexsort((hold_r, hold_e))
+            he, hr = hold_e[o], hold_r[o]
+            state = _Round(self.topo.num_ranks)
+            for _ in range(MAX_PASSES):
+                pj, ps = self._propose(rnd < 0, level, he, hr, state)
+                if pj.size == 0:
+                    break
+                pj, ps = self._accept(pj, ps, order_key, state)
+                if pj.size == 0:
+                    break
+                src[pj], rnd[pj] = ps, k
+            if not (rnd == k).any():  # cannot happen: a round's first proposal always fits
+                raise RuntimeError("migration scheduler made no progress")
+            hold_e = np.concatenate([hold_e, self.e[rnd == k]])
+            hold_r = np.concatenate([hold_r, self.dst[rnd == k]])
+            k += 1
+        return src, rnd
+
+    def _levels(self, hold_e: np.ndarray, hold_r: np.ndarray) -> np.ndarray:
+        """[J] 0, 1 or 2: where the nearest holders of each job's expert are."""
+        in_node = np.isin(self.nkey, hold_e * self.num_nodes + self.node[hold_r])
+        in_dc = np.isin(self.dkey, hold_e * self.num_dcs + self.dc[hold_r])
+        level = np.where(in_node, 0, np.where(in_dc, 1, 2))
+        return np.where(self.is_fixed, self.fixed_level, level)
+
+    def _propose(
+        self, pending: np.ndarray, level: np.ndarray, he: np.ndarray, hr: np.ndarray,
+        state: _Round,
+    ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+        """One pass of proposals ``(job [P], src [P])``; ``he``, ``hr`` holders by expert."""
+        open_job = pending & ~state.busy_dst[self.dst]
+        free = ~state.busy_src[hr]
+        fe, fr = he[free], hr[free]
+        jobs, srcs = [], []
+        # masters: their fixed source
+        j = np.flatnonzero(open_job & self.is_fixed & ~state.busy_src[np.maximum(self.fixed, 0)])
+        jobs.append(j)
+        srcs.append(self.fixed[j])
+        replica = open_job & ~self.is_fixed
+        # level 0: a free holder in the job's node
+        j = np.flatnonzero(replica & (level == 0))
+        a, b = _pair_by_index(self.nkey[j], self.prio[j], fe * self.num_nodes + self.node[fr], fr)
+        jobs.append(j[a])
+        srcs.append(fr[b])
+        # level 1: one job per (expert, node) this round, a free holder in the job's DC
+        j = np.flatnonzero(replica & (level == 1) & ~np.isin(self.nkey, state.node_entries))
+        j = self._best_per(j, self.nkey)
+        a, b = _pair_by_index(self.dkey[j], self.prio[j], fe * self.num_dcs + self.dc[fr], fr)
+        jobs.append(j[a])
+        srcs.append(fr[b])
+        # level 2: one job per (expert, DC) this round, a free holder in a nearest DC
+        j = np.flatnonzero(replica & (level == 2) & ~np.isin(self.dkey, state.dc_entries))
+        j = self._best_per(j, self.dkey)
+        if not self.topo.pairs:  # every other DC is equally near
+            a, b = _pair_by_index(self.e[j], self.prio[j], fe, fr)
+            jobs.append(j[a])
+            srcs.append(fr[b])
+        else:
+            jj, ss = self._nearest_dcs(j, he, hr, free, state)
+            jobs.append(jj)
+            srcs.append(ss)
+        return np.concatenate(jobs), np.concatenate(srcs)
+
+    def _best_per(self, j: np.ndarray, key: np.ndarray) -> np.ndarray:
+        """The highest-priority job of ``j`` for each value of ``key[j]``."""
+        j = j[np.lexsort((self.prio[j], key[j]))]
+        return j[_first_in_group(key[j])]
+
+    def _nearest_dcs(
+        self, j: np.ndarray, he: np.ndarray, hr: np.ndarray, free: np.ndarray, state: _Round
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Level-2 proposals when DC pairs differ: job ``j[i]`` picks among free holders
+        in the DCs nearest to its DC (nearest over all holders, free or not) whose DC
+        pair is unused this round; the q-th job of an expert takes the (q mod n)-th."""
+        if j.size == 0:
+            return j, j
+        start = np.searchsorted(he, self.e[j])
+        count = np.searchsorted(he, self.e[j], side="right") - start
+        rows = np.repeat(np.arange(j.size), count)  # one row per (job, holder of its expert)
+        h = np.repeat(start - np.cumsum(count) + count, count) + np.arange(rows.size)
+        hdc, jdc = self.dc[hr[h]], self.ddc[j][rows]
+        dist = self.topo.dc_latency_ms[hdc, jdc] / 1e3 + 8e-3 / self.topo.dc_gbps[hdc, jdc]
+        best = np.full(j.size, np.inf)
+        np.minimum.at(best, rows, dist)
+        pair = hdc * self.num_dcs + jdc
+        cand = (dist <= best[rows] * (1 + 1e-12)) & free[h] & ~np.isin(pair, state.pairs)
+        rows, h = rows[cand], h[cand]
+        n_cand = np.bincount(rows, minlength=j.size)
+        ej = self.e[j]
+        order = np.lexsort((self.prio[j], ej))
+        q = np.empty(j.size, dtype=np.int64)
+        q[order] = _rank_in_group(ej[order])
+        has = n_cand > 0
+        pick = (np.cumsum(n_cand) - n_cand)[has] + q[has] % n_cand[has]
+        return j[has], hr[h[pick]]
+
+    def _accept(
+        self, pj: np.ndarray, ps: np.ndarray, order_key: np.ndarray, state: _Round
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The proposals ``(job, src)`` first in every group they belong to; marks them used."""
+        cross_node = self.node[ps] != self.dnode[pj]
+        cross_dc = self.dc[ps] != self.ddc[pj]
+        pair = self.dc[ps] * self.num_dcs + self.ddc[pj]
+        ok = ~(cross_node & np.isin(self.nkey[pj], state.node_entries))
+        ok &= ~(cross_dc & (np.isin(self.dkey[pj], state.dc_entries) | np.isin(pair, state.pairs)))
+        o = np.flatnonzero(ok)[np.argsort(order_key[pj[ok]], kind="stable")]
+        pj, ps, cross_node, cross_dc, pair = pj[o], ps[o], cross_node[o], cross_dc[o], pair[o]
+        solo = -1 - np.arange(pj.size)  # a key no other proposal shares
+        acc = _first_in_group(ps) & _first_in_group(self.dst[pj])
+        acc &= _first_in_group(np.where(cross_node, self.nkey[pj], solo))
+        acc &= _first_in_group(np.where(cross_dc, self.dkey[pj], solo))
+        acc &= _first_in_group(np.where(cross_dc, pair, solo))
+        pj, ps = pj[acc], ps[acc]
+        state.busy_src[ps] = True
+        state.busy_dst[self.dst[pj]] = True
+        cn, cd = cross_node[acc], cross_dc[acc]
+        state.node_entries = np.concatenate([state.node_entries, self.nkey[pj][cn]])
+        state.dc_entries = np.concatenate([state.dc_entries, self.dkey[pj][cd]])
+        state.pairs = np.concatenate([state.pairs, pair[acc][cd]])
+        return pj, ps
+
+
+def _jobs_and_local_copies(
+    old: Placement, new: Placement, model: ModelSpec
+) -> tuple[_Jobs, np.ndarray, np.ndarray]:
+    """Split the slots that change into link transfers and local copies.
+
+    Returns ``(jobs, local [M, 3], after [M] bool)``: ``local`` rows ``(expert, rank,
+    slot)`` are copies inside a rank, from a copy it had in ``old`` (``after`` False,
+    round 0) or from the one its job brings (``after`` True, the round after).
+    """
+    num_slots = new.phy2log.shape[1]
+    num_experts = new.master.shape[0]
+    old_p2l, new_p2l = old.phy2log.astype(np.int64), new.phy2log.astype(np.int64)
+    r, s = np.nonzero(old_p2l >= 0)
+    old_keys = np.unique(r * num_experts + old_p2l[r, s])  # sorted rank * E + expert
+
+    def had(rank: np.ndarray, expert: np.ndarray) -> np.ndarray:
+        key = rank * num_experts + expert
+        return old_keys[np.searchsorted(old_keys, key).clip(max=old_keys.size - 1)] == key
+
+    old_mr, new_mr = old.master // num_slots, new.master // num_slots
+    mexp = np.flatnonzero(old_mr != new_mr)  # experts whose master changes rank
+    m_dst = new_mr[mexp]
+    m_had = had(m_dst, mexp)
+    m_bytes = np.where(m_had, model.master_bytes - model.expert_bytes, model.master_bytes)
+
+    moving = np.zeros(num_experts, dtype=bool)
+    moving[mexp] = True
+    need = (new_p2l >= 0) & (new_p2l != old_p2l)
+    need &= ~(_master_mask(new) & moving[np.maximum(new_p2l, 0)])  # the master move writes it
+    dr, ds = np.nonzero(need)
+    de = new_p2l[dr, ds]
+    local0 = had(dr, de)  # the rank already holds the expert
+    key = dr * num_experts + de
+    order = np.lexsort((ds, key))
+    first = np.zeros(dr.size, dtype=bool)
+    first[order] = _first_in_group(key[order])
+    net = ~local0 & first & ~np.isin(key, (m_dst * num_experts + mexp)[~m_had])
+    nn = int(net.sum())
+    jobs = _Jobs(
+        expert=np.concatenate([mexp, de[net]]),
+        dst=np.concatenate([m_dst, dr[net]]),
+        slot=np.concatenate([new.master[mexp] % num_slots, ds[net]]),
+        fixed_src=np.concatenate([old_mr[mexp], np.full(nn, -1)]),
+        nbytes=np.concatenate([m_bytes, np.full(nn, model.expert_bytes)]).astype(np.int64),
+        master=np.concatenate([np.ones(mexp.size, dtype=bool), np.zeros(nn, dtype=bool)]),
+    )
+    loc = ~net
+    return jobs, np.stack([de[loc], dr[loc], ds[loc]], axis=1), ~local0[loc]
 
 
 def plan_migration(
     old: Placement, new: Placement, topology: Topology, model: ModelSpec
 ) -> Migration:
-    """Transfers that make ``new`` from ``old``: each new copy from the nearest old holder."""
-    moved = (new.phy2log >= 0) & (new.phy2log != old.phy2log)
-    kept = int(((new.phy2log >= 0) & ~moved).sum())
-    holders = old.holds()
-    transfers: list[Transfer] = []
-    seconds: list[float] = []
-    for r, s in zip(*np.nonzero(moved), strict=True):
-        e = int(new.phy2log[r, s])
-        src = np.flatnonzero(holders[:, e])
-        src_rank = int(src[np.argmin(topology.distance(src, np.full_like(src, r)))])
-        nbytes = model.expert_bytes
-        transfers.append(
-            Transfer(e, src_rank, int(r), int(s), nbytes, len(seconds), TransferKind.REPLICA)
+    """The transfers that turn ``old`` into ``new``, scheduled in rounds.
+
+    - ``old``, ``new``: placements on ``topology`` (``new`` usually from
+      :func:`align_placement`); ``phy2log`` [R, S], ``master`` [E].
+
+    Every slot of ``new`` whose content changes (and is not empty) gets one
+    :class:`Transfer`; kept slots get none, except an optimizer-state-only master
+    move onto a kept copy. Kinds and bytes:
+
+    - ``MASTER`` when an expert's master changes rank: from the old master rank,
+      ``model.master_bytes`` (weights + optimizer state), or ``master_bytes -
+      expert_bytes`` when the new master rank already had a copy;
+    - ``REPLICA`` otherwise: ``model.expert_bytes`` from a nearest holder of its
+      round (old copies and relays, see :class:`_Scheduler`); a second copy on a rank
+      that has, or has just received, the expert is a local copy: ``src_rank ==
+      dst_rank``, 0 bytes, no link, in round 0 or the round after the arrival.
+
+    Round invariant: each rank sends <= 1 and receives <= 1 transfer over a link, and
+    each ordered DC pair carries <= 1. ``round_seconds[k]`` is the max over round
+    ``k``'s link transfers of ``latency + nbytes / bandwidth`` (0 if it has none).
+    ``kept`` counts slots whose copy stays.
+    """
+    _, _, num_experts = _check_pair(old, new, topology)
+    jobs, local, after = _jobs_and_local_copies(old, new, model)
+    r, s = np.nonzero(old.phy2log >= 0)
+    src, rnd = _Scheduler(jobs, topology, num_experts).run(old.phy2log[r, s], r)
+    # local copies: round 0, or the round after the job that brings the expert
+    local_round = np.zeros(len(local), dtype=np.int64)
+    if after.any():
+        arrival = jobs.dst * num_experts + jobs.expert
+        o = np.argsort(arrival)
+        at = np.searchsorted(arrival[o], local[after, 1] * num_experts + local[after, 0])
+        local_round[after] = rnd[o[at]] + 1
+
+    t_e = np.concatenate([jobs.expert, local[:, 0]])
+    t_src = np.concatenate([src, local[:, 1]])
+    t_dst = np.concatenate([jobs.dst, local[:, 1]])
+    t_slot = np.concatenate([jobs.slot, local[:, 2]])
+    t_bytes = np.concatenate([jobs.nbytes, np.zeros(len(local), dtype=np.int64)])
+    t_round = np.concatenate([rnd, local_round])
+    t_master = np.concatenate([jobs.master, np.zeros(len(local), dtype=bool)])
+    seconds = np.zeros(int(t_round.max()) + 1 if t_round.size else 0)
+    if src.size:
+        lat, bw = topology.latency_s(src, jobs.dst), topology.bandwidth_Bps(src, jobs.dst)
+        np.maximum.at(seconds, rnd, lat + jobs.nbytes / bw)
+    order = np.lexsort((t_slot, t_dst, t_round))
+    kinds = (TransferKind.REPLICA, TransferKind.MASTER)
+    transfers = tuple(
+        Transfer(e, a, b, c, nb, k, kinds[m])
+        for e, a, b, c, nb, k, m in zip(
+            t_e[order].tolist(), t_src[order].tolist(), t_dst[order].tolist(),
+            t_slot[order].tolist(), t_bytes[order].tolist(), t_round[order].tolist(),
+            t_master[order].tolist(), strict=True,
         )
-        bw = float(topology.bandwidth_Bps(np.array([src_rank]), np.array([r]))[0])
-        lat = float(topology.latency_s(np.array([src_rank]), np.array([r]))[0])
-        seconds.append(lat + nbytes / bw)
-    return Migration(transfers=tuple(transfers), round_seconds=tuple(seconds), kept=kept)
+    )  # fmt: skip
+    kept = int(((new.phy2log == old.phy2log) & (new.phy2log >= 0)).sum())
+    return Migration(transfers=transfers, round_seconds=tuple(seconds.tolist()), kept=kept)

@@ -6,15 +6,23 @@ Python loops over lists, written to be read, not to be fast.
 
 from __future__ import annotations
 
+import itertools
+from collections import Counter
+
 import numpy as np
 
-from expertmesh.planner.plan import Placement
+from expertmesh.planner.model import ModelSpec
+from expertmesh.planner.plan import Migration, Placement, Transfer, TransferKind
 from expertmesh.planner.topology import Topology
 
 __all__ = [
+    "best_kept_ref",
+    "check_migration",
     "eplb_rebalance_ref",
     "even_route_ref",
     "inclusion_probabilities_ref",
+    "kept_after_relabel_ref",
+    "plan_migration_ref",
     "systematic_counts_ref",
 ]
 
@@ -208,3 +216,269 @@ def systematic_counts_ref(q: np.ndarray, u: np.ndarray) -> np.ndarray:
                         out[r, i] += 1
                         break
     return out
+
+
+# ---------------------------------------------------------------------------
+# migration: what plan_migration promises (check_migration), brute-force alignment,
+# and the scheduler's rules one transfer at a time
+# ---------------------------------------------------------------------------
+
+
+def _holders(p2l: np.ndarray) -> dict[int, set[int]]:
+    out: dict[int, set[int]] = {}
+    for r, row in enumerate(p2l.tolist()):
+        for e in row:
+            if e >= 0:
+                out.setdefault(e, set()).add(r)
+    return out
+
+
+def check_migration(
+    old: Placement, new: Placement, migration: Migration, topology: Topology, model: ModelSpec
+) -> None:
+    """Raise ``ValueError`` unless ``migration`` turns ``old`` into ``new`` correctly:
+
+    - applying it (each transfer writes its expert into ``(dst_rank, dst_slot)``, a MASTER
+      transfer makes ``dst_rank`` the expert's master rank, slots empty in ``new`` are
+      freed) yields ``new.phy2log`` and ``new``'s master ranks, one master per expert;
+    - a slot gets at most one transfer and a kept slot none, except a MASTER;
+    - ``kept`` counts slots with the same non-empty content in old and new;
+    - every transfer's source holds the expert in ``old`` or received it in an earlier
+      round; a MASTER comes from the old master rank;
+    - per round: each rank sends <= 1 and receives <= 1 transfer over a link, each
+      ordered DC pair carries <= 1 (local copies, ``src == dst``, are exempt);
+    - bytes: REPLICA over a link ``expert_bytes``, local 0; MASTER ``master_bytes``,
+      or ``master_bytes - expert_bytes`` if ``dst_rank`` already had a copy in ``old``;
+    - ``round_seconds[k]`` is the max over round ``k`` of latency + nbytes / bandwidth;
+    - a REPLICA over a link comes from a nearest holder of that round.
+    """
+    num_slots = new.phy2log.shape[1]
+    p2l = old.phy2log.copy()
+    master_rank = (old.master // num_slots).tolist()
+    written: set[tuple[int, int]] = set()
+    masters_moved: set[int] = set()
+    old_holders = _holders(old.phy2log)
+    for t in migration.transfers:
+        if (t.dst_rank, t.dst_slot) in written:
+            raise ValueError(f"two transfers write slot ({t.dst_rank}, {t.dst_slot})")
+        written.add((t.dst_rank, t.dst_slot))
+        kept = old.phy2log[t.dst_rank, t.dst_slot] == new.phy2log[t.dst_rank, t.dst_slot]
+        if kept and t.kind != TransferKind.MASTER:
+            raise ValueError(f"a replica transfer writes the kept slot {(t.dst_rank, t.dst_slot)}")
+        p2l[t.dst_rank, t.dst_slot] = t.expert
+        if t.kind == TransferKind.MASTER:
+            if t.expert in masters_moved:
+                raise ValueError(f"expert {t.expert}: two master transfers")
+            if t.src_rank != old.master[t.expert] // num_slots:
+                raise ValueError(f"expert {t.expert}: master not sent from its old master rank")
+            masters_moved.add(t.expert)
+            master_rank[t.expert] = t.dst_rank
+    p2l[new.phy2log < 0] = -1
+    if not np.array_equal(p2l, new.phy2log):
+        raise ValueError("applying the transfers to old does not give new.phy2log")
+    if master_rank != (new.master // num_slots).tolist():
+        raise ValueError("applying the transfers to old does not give new's master ranks")
+    kept = int(((old.phy2log == new.phy2log) & (new.phy2log >= 0)).sum())
+    if migration.kept != kept:
+        raise ValueError(f"kept is {migration.kept}, expected {kept}")
+
+    by_round: dict[int, list[Transfer]] = {}
+    for t in migration.transfers:
+        by_round.setdefault(t.round, []).append(t)
+    num_rounds = max(by_round, default=-1) + 1
+    if len(migration.round_seconds) != num_rounds:
+        raise ValueError(f"{len(migration.round_seconds)} round times for {num_rounds} rounds")
+    holders = {e: set(rs) for e, rs in old_holders.items()}
+    dc = topology.rank_dc
+    for k in range(num_rounds):
+        sends: Counter[int] = Counter()
+        recvs: Counter[int] = Counter()
+        pairs: Counter[tuple[int, int]] = Counter()
+        worst = 0.0
+        for t in by_round.get(k, []):
+            have = holders.get(t.expert, set())
+            if t.src_rank not in have:
+                raise ValueError(f"round {k}: rank {t.src_rank} sends expert {t.expert} it lacks")
+            if t.kind == TransferKind.MASTER:
+                full = t.dst_rank not in old_holders.get(t.expert, set())
+                want = model.master_bytes if full else model.master_bytes - model.expert_bytes
+            else:
+                want = 0 if t.src_rank == t.dst_rank else model.expert_bytes
+            if t.nbytes != want:
+                raise ValueError(f"round {k}: transfer of expert {t.expert} has {t.nbytes} bytes, "
+                                 f"expected {want}")  # fmt: skip
+            if t.src_rank == t.dst_rank:
+                continue
+            if t.kind == TransferKind.REPLICA:
+                hs = np.array(sorted(have))
+                near = float(topology.distance(hs, np.full_like(hs, t.dst_rank)).min())
+                if _distance(topology, t.src_rank, t.dst_rank) > near * (1 + 1e-9):
+                    raise ValueError(f"round {k}: expert {t.expert} to rank {t.dst_rank} is not "
+                                     "sent from a nearest holder")  # fmt: skip
+            sends[t.src_rank] += 1
+            recvs[t.dst_rank] += 1
+            if dc[t.src_rank] != dc[t.dst_rank]:
+                pairs[(int(dc[t.src_rank]), int(dc[t.dst_rank]))] += 1
+            lat = float(topology.latency_s(np.array([t.src_rank]), np.array([t.dst_rank]))[0])
+            bw = float(topology.bandwidth_Bps(np.array([t.src_rank]), np.array([t.dst_rank]))[0])
+            worst = max(worst, lat + t.nbytes / bw)
+        for what, c in (("rank sends", sends), ("rank receives", recvs)):
+            if c and max(c.values()) > 1:
+                raise ValueError(f"round {k}: a {what} {max(c.values())} transfers")
+        if pairs and max(pairs.values()) > 1:
+            raise ValueError(f"round {k}: a DC pair carries {max(pairs.values())} transfers")
+        if not np.isclose(migration.round_seconds[k], worst, rtol=1e-9, atol=0.0):
+            raise ValueError(f"round {k}: {migration.round_seconds[k]} s, expected {worst} s")
+        for t in by_round.get(k, []):
+            holders.setdefault(t.expert, set()).add(t.dst_rank)
+
+
+def _distance(topology: Topology, a: int, b: int) -> float:
+    return float(topology.distance(np.array([a]), np.array([b]))[0])
+
+
+def best_kept_ref(old_p2l: np.ndarray, new_p2l: np.ndarray) -> int:
+    """Most copies any slot permutation of each rank of ``new_p2l`` keeps, by trying
+    every permutation of every rank (tiny ``S`` only)."""
+    total = 0
+    for old_row, new_row in zip(old_p2l.tolist(), new_p2l.tolist(), strict=True):
+        total += max(
+            sum(1 for a, b in zip(old_row, p, strict=True) if a == b and a >= 0)
+            for p in itertools.permutations(new_row)
+        )
+    return total
+
+
+def kept_after_relabel_ref(old_p2l: np.ndarray, new_p2l: np.ndarray, topology: Topology) -> int:
+    """Most copies kept over every relabel :func:`align_placement` may use (whole nodes
+    inside a DC, ranks inside a node), by enumeration (tiny topologies only)."""
+
+    def kept(o: list[int], n: list[int]) -> int:
+        co, cn = Counter(x for x in o if x >= 0), Counter(x for x in n if x >= 0)
+        return sum(min(co[e], cn[e]) for e in cn)
+
+    old_rows, new_rows = old_p2l.tolist(), new_p2l.tolist()
+    total = 0
+    start = 0
+    for d in topology.dcs:
+        p = d.ranks_per_node
+        nodes = [list(range(start + i * p, start + (i + 1) * p)) for i in range(d.nodes)]
+        best = 0
+        for node_perm in itertools.permutations(range(d.nodes)):
+            s = 0
+            for a, c in enumerate(node_perm):
+                s += max(
+                    sum(kept(old_rows[nodes[c][i]], new_rows[nodes[a][rp[i]]]) for i in range(p))
+                    for rp in itertools.permutations(range(p))
+                )
+            best = max(best, s)
+        total += best
+        start += d.num_ranks
+    return total
+
+
+def plan_migration_ref(
+    old: Placement, new: Placement, topology: Topology, model: ModelSpec
+) -> Migration:
+    """The same rules as :func:`plan_migration`, one transfer at a time: each round,
+    walk the open transfers in priority order (cross-DC first, masters, experts with
+    more copies to make, expert, rank) and give each the lowest-numbered free nearest
+    holder that breaks no rule of the round (see ``check_migration``; at most one
+    transfer of an expert enters a node, or a DC, from outside per round)."""
+    num_slots = new.phy2log.shape[1]
+    num_experts = new.master.shape[0]
+    old_h = _holders(old.phy2log)
+    node, dc = topology.rank_node, topology.rank_dc
+    # master moves: (expert, dst, slot, src, nbytes)
+    jobs: list[dict[str, int]] = []
+    master_to: dict[tuple[int, int], int] = {}
+    for e in range(num_experts):
+        a, b = int(old.master[e]) // num_slots, int(new.master[e]) // num_slots
+        if a != b:
+            full = b not in old_h.get(e, set())
+            nb = model.master_bytes if full else model.master_bytes - model.expert_bytes
+            jobs.append({"e": e, "dst": b, "slot": int(new.master[e]) % num_slots, "src": a,
+                         "bytes": nb, "master": 1})  # fmt: skip
+            master_to[(b, e)] = int(new.master[e]) % num_slots
+    local: list[tuple[int, int, int, str]] = []  # (expert, rank, slot, "now" or "after")
+    for r in range(new.phy2log.shape[0]):
+        for s in range(num_slots):
+            e = int(new.phy2log[r, s])
+            if e < 0 or e == old.phy2log[r, s] or master_to.get((r, e)) == s:
+                continue
+            if r in old_h.get(e, set()):
+                local.append((e, r, s, "now"))
+            elif (r, e) in master_to or any(j["e"] == e and j["dst"] == r for j in jobs):
+                local.append((e, r, s, "after"))
+            else:
+                jobs.append({"e": e, "dst": r, "slot": s, "src": -1,
+                             "bytes": model.expert_bytes, "master": 0})  # fmt: skip
+    fanout = Counter(j["e"] for j in jobs)
+    holders = {e: set(rs) for e, rs in old_h.items()}
+    done: dict[int, tuple[int, int]] = {}  # job index -> (src, round)
+    k = 0
+    while len(done) < len(jobs):
+        open_jobs = []
+        for i, j in enumerate(jobs):
+            if i in done:
+                continue
+            if j["src"] >= 0:
+                cands = [j["src"]]
+            else:
+                near = min(_distance(topology, h, j["dst"]) for h in holders[j["e"]])
+                cands = sorted(
+                    h
+                    for h in holders[j["e"]]
+                    if _distance(topology, h, j["dst"]) <= near * 1.000001
+                )
+            level = int(topology.link_class(np.array([cands[0]]), np.array([j["dst"]]))[0])
+            key = (-level, -j["master"], -fanout[j["e"]], j["e"], j["dst"])
+            open_jobs.append((key, i, cands))
+        open_jobs.sort()
+        sent: set[int] = set()
+        got: set[int] = set()
+        entries: set[tuple[str, int, int]] = set()
+        for _, i, cands in open_jobs:
+            j = jobs[i]
+            if j["dst"] in got:
+                continue
+            for h in cands:
+                if h in sent:
+                    continue
+                need: set[tuple[str, int, int]] = set()
+                if node[h] != node[j["dst"]]:
+                    need.add(("node", j["e"], int(node[j["dst"]])))
+                if dc[h] != dc[j["dst"]]:
+                    need.add(("dc", j["e"], int(dc[j["dst"]])))
+                    need.add(("pair", int(dc[h]), int(dc[j["dst"]])))
+                if need & entries:
+                    continue
+                entries |= need
+                sent.add(h)
+                got.add(j["dst"])
+                done[i] = (h, k)
+                break
+        for i, (_, rk) in done.items():
+            if rk == k:
+                holders.setdefault(jobs[i]["e"], set()).add(jobs[i]["dst"])
+        k += 1
+    transfers = []
+    arrival: dict[tuple[int, int], int] = {}
+    for i, j in enumerate(jobs):
+        h, rk = done[i]
+        kind = TransferKind.MASTER if j["master"] else TransferKind.REPLICA
+        transfers.append(Transfer(j["e"], h, j["dst"], j["slot"], j["bytes"], rk, kind))
+        arrival[(j["dst"], j["e"])] = rk
+    for e, r, s, when in local:
+        rk = 0 if when == "now" else arrival[(r, e)] + 1
+        transfers.append(Transfer(e, r, r, s, 0, rk, TransferKind.REPLICA))
+    num_rounds = max((t.round for t in transfers), default=-1) + 1
+    seconds = [0.0] * num_rounds
+    for t in transfers:
+        if t.src_rank != t.dst_rank:
+            lat = float(topology.latency_s(np.array([t.src_rank]), np.array([t.dst_rank]))[0])
+            bw = float(topology.bandwidth_Bps(np.array([t.src_rank]), np.array([t.dst_rank]))[0])
+            seconds[t.round] = max(seconds[t.round], lat + t.nbytes / bw)
+    kept = int(((old.phy2log == new.phy2log) & (new.phy2log >= 0)).sum())
+    transfers.sort(key=lambda t: (t.round, t.dst_rank, t.dst_slot))
+    return Migration(transfers=tuple(transfers), round_seconds=tuple(seconds), kept=kept)
