@@ -23,6 +23,9 @@ __all__ = [
     "inclusion_probabilities_ref",
     "kept_after_relabel_ref",
     "plan_migration_ref",
+    "quota_balance_ref",
+    "quota_fit_ref",
+    "quota_route_ref",
     "systematic_counts_ref",
 ]
 
@@ -482,3 +485,150 @@ def plan_migration_ref(
     kept = int(((old.phy2log == new.phy2log) & (new.phy2log >= 0)).sum())
     transfers.sort(key=lambda t: (t.round, t.dst_rank, t.dst_slot))
     return Migration(transfers=tuple(transfers), round_seconds=tuple(seconds), kept=kept)
+
+
+# ---------------------------------------------------------------------------
+# quota: the rule for one quota, the smallest quota by linear scan, the split
+# ---------------------------------------------------------------------------
+
+
+def quota_fit_ref(
+    demand: dict[int, int],
+    master_rank: dict[int, int],
+    ranks: list[int],
+    free: dict[int, int],
+    quota: int,
+    *,
+    max_replicas: int | None = None,
+) -> list[tuple[int, int, int]] | None:
+    """One domain: the replicas ``(expert, rank, tokens)`` the rule of
+    :mod:`expertmesh.planner.quota` places for ``quota``, in line order, or ``None``
+    when the rule fails. ``demand``/``master_rank``: the domain's experts;
+    ``ranks``: the domain's ranks; ``free``: free slots per rank."""
+    on_rank = {r: 0 for r in ranks}
+    for e, r in master_rank.items():
+        on_rank[r] += demand[e]
+    pieces = []  # (tokens, expert)
+    for r in ranks:
+        excess = on_rank[r] - quota
+        for e in sorted((e for e in demand if master_rank[e] == r), key=lambda e: (-demand[e], e)):
+            give = min(excess, demand[e])
+            if give > 0:
+                pieces.append((give, e))
+                excess -= give
+    pieces.sort(key=lambda p: (-p[0], p[1]))
+    receivers = [  # [rank, capacity, slots]
+        [r, quota - on_rank[r], free[r]]
+        for r in sorted(ranks, key=lambda r: (on_rank[r], r))
+        if free[r] > 0 and on_rank[r] < quota
+    ]
+    out = []
+    q = 0
+    for amount, e in pieces:
+        used, tokens = 0, amount
+        while tokens > 0:
+            if q == len(receivers):
+                return None
+            rank, cap, _ = receivers[q]
+            take = min(tokens, cap)
+            out.append((e, rank, take))
+            used += 1
+            tokens -= take
+            receivers[q][1] -= take
+            receivers[q][2] -= 1
+            if receivers[q][1] == 0 or receivers[q][2] == 0:
+                q += 1  # full, or out of slots: the rest of its capacity is unused
+        if max_replicas is not None and used > max_replicas:
+            return None
+    return out
+
+
+def quota_route_ref(
+    load: np.ndarray, expert: int, copies: list[tuple[int, int]]
+) -> list[tuple[int, int, int, int]]:
+    """Route rows ``(src, expert, dst, tokens)`` of one expert over ``copies``
+    ``[(rank, tokens)]`` (replicas in line order, the master last): own rank first,
+    then each replica in turn splits what it still needs among the sources' remaining
+    tokens by largest remainder (lower rank on ties); the master takes the rest."""
+    num_ranks = load.shape[0]
+    left = [int(load[r, expert]) for r in range(num_ranks)]
+    need = [tokens for _, tokens in copies]
+    take = [[0] * num_ranks for _ in copies]
+    for c, (rank, _) in enumerate(copies):
+        own = min(need[c], left[rank])
+        take[c][rank] += own
+        left[rank] -= own
+        need[c] -= own
+    for c in range(len(copies) - 1):
+        total = sum(left)
+        if need[c] == 0:
+            continue
+        share = [need[c] * left[r] // total for r in range(num_ranks)]
+        rem = [need[c] * left[r] % total for r in range(num_ranks)]
+        short = need[c] - sum(share)
+        for r in sorted(range(num_ranks), key=lambda r: (-rem[r], r))[:short]:
+            share[r] += 1
+        for r in range(num_ranks):
+            take[c][r] += share[r]
+            left[r] -= share[r]
+    for r in range(num_ranks):
+        take[-1][r] += left[r]
+    return [
+        (r, expert, rank, take[c][r])
+        for c, (rank, _) in enumerate(copies)
+        for r in range(num_ranks)
+        if take[c][r] > 0
+    ]
+
+
+def quota_balance_ref(
+    load: np.ndarray,
+    masters: Placement,
+    rank_domain: np.ndarray,
+    max_replicas: int | None = None,
+    quotas: list[int] | None = None,
+) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """``quota`` the slow way: per domain (in order of domain id), the smallest quota
+    from the ceiling of the domain mean upward for which :func:`quota_fit_ref`
+    succeeds (or the given ``quotas``, which must succeed); replicas in the lowest
+    free slot of their rank; the route of :func:`quota_route_ref`.
+    Returns (quota per domain, phy2log [R, S], route [N, 4])."""
+    num_ranks, num_slots = masters.phy2log.shape
+    num_experts = load.shape[1]
+    phy2log = np.full((num_ranks, num_slots), -1, dtype=np.int32)
+    master_rank, free = {}, {r: num_slots for r in range(num_ranks)}
+    for e in range(num_experts):
+        slot = int(masters.master[e])
+        phy2log[slot // num_slots, slot % num_slots] = e
+        master_rank[e] = slot // num_slots
+        free[slot // num_slots] -= 1
+    quotas_out: list[int] = []
+    rows = []
+    copies: dict[int, list[tuple[int, int]]] = {}
+    for d in sorted(set(rank_domain.tolist())):
+        ranks = [r for r in range(num_ranks) if rank_domain[r] == d]
+        experts = [e for e in range(num_experts) if master_rank[e] in ranks]
+        demand = {e: int(load[:, e].sum()) for e in experts}
+        mr = {e: master_rank[e] for e in experts}
+        if quotas is None:
+            quota = -(-sum(demand.values()) // len(ranks))
+            while (
+                fit := quota_fit_ref(demand, mr, ranks, free, quota, max_replicas=max_replicas)
+            ) is None:
+                quota += 1
+        else:
+            quota = quotas[len(quotas_out)]
+            if (
+                fit := quota_fit_ref(demand, mr, ranks, free, quota, max_replicas=max_replicas)
+            ) is None:
+                raise ValueError(f"quota {quota} fails in domain {d}")
+        quotas_out.append(quota)
+        for e, rank, tokens in fit:
+            s = next(s for s in range(num_slots) if phy2log[rank, s] < 0)
+            phy2log[rank, s] = e
+            copies.setdefault(e, []).append((rank, tokens))
+        for e in experts:
+            reps = copies.get(e, [])
+            master = (master_rank[e], demand[e] - sum(t for _, t in reps))
+            rows.extend(quota_route_ref(load, e, [*reps, master]))
+    return quotas_out, phy2log, np.array(rows, dtype=np.int64).reshape(-1, 4)

@@ -1,0 +1,245 @@
+"""``quota``: golden example, fast == reference, invariants over many shapes, the policy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from expertmesh.planner import (
+    LayerPlan,
+    ModelSpec,
+    Placement,
+    Topology,
+    check_layer_plan,
+    make_policy,
+    plan_trace,
+    rank_tokens,
+)
+from expertmesh.planner.quota import quota_balance
+from expertmesh.planner.refs import quota_balance_ref
+from expertmesh.planner.static import static_placement
+
+
+def sorted_rows(route: np.ndarray) -> list[list[int]]:
+    return sorted(route.tolist())
+
+
+# ---------------------------------------------------------------------------
+# golden
+# ---------------------------------------------------------------------------
+
+# 4 ranks x (1 master + 1 spare), expert e mastered on rank e; expert 0 is hot.
+GOLDEN_LOAD = np.array(
+    [
+        [30, 2, 2, 2],
+        [20, 4, 2, 2],
+        [10, 2, 6, 2],
+        [4, 4, 2, 10],
+    ]
+)
+
+
+def test_golden_example():
+    # demand [64, 12, 12, 16], mean 26. At T = 26 rank 0 sheds 38 of expert 0 to the
+    # receivers in order of load (rank 1: 14, rank 2: 14, rank 3: 10). Each copy takes
+    # its own rank's tokens first (r1 14 of 20, r2 10, r3 4, master r0 26 of 30); the
+    # rest [4, 6, 0, 0] from ranks 0, 1: r2 needs 4 -> 1.6, 2.4 -> largest remainder
+    # gives rank 0 the extra token (2, 2); r3 needs 6 -> the remaining (2, 4).
+    masters = static_placement(4, 2, 4, 1)
+    sol = quota_balance(GOLDEN_LOAD, masters)
+    assert sol.quota.tolist() == [26]
+    assert sol.lower_bound.tolist() == [26]
+    assert sol.placement.phy2log.tolist() == [[0, -1], [1, 0], [2, 0], [3, 0]]
+    assert sol.placement.master.tolist() == [0, 2, 4, 6]
+    expert0 = [
+        [0, 0, 0, 26], [0, 0, 2, 2], [0, 0, 3, 2],
+        [1, 0, 1, 14], [1, 0, 2, 2], [1, 0, 3, 4],
+        [2, 0, 2, 10],
+        [3, 0, 3, 4],
+    ]  # fmt: skip
+    others = [[s, e, e, int(GOLDEN_LOAD[s, e])] for s in range(4) for e in range(1, 4)]
+    assert sorted_rows(sol.route) == sorted(expert0 + others)
+    assert rank_tokens(sol.route, 4).tolist() == [26, 26, 26, 26]
+
+
+def test_a_receiver_takes_as_many_pieces_as_it_has_free_slots():
+    # 3 ranks; experts 0, 2 (6 tokens each) on ranks 0 and 1, rank 2 idle; mean 4.
+    # Ranks 0 and 1 each shed 2 tokens; rank 2 is the only receiver (capacity 4).
+    load = np.zeros((3, 6), dtype=np.int64)
+    load[0, [0, 2]] = 6
+    two_free = quota_balance(load, static_placement(3, 4, 6, 2))
+    assert two_free.quota.tolist() == [4]
+    assert two_free.placement.phy2log[2].tolist() == [4, 5, 0, 2]
+    # with one free slot rank 2 closes after the first piece: no quota below the
+    # static max works under the rule (overloaded ranks never receive)
+    one_free = quota_balance(load, static_placement(3, 3, 6, 2))
+    assert one_free.quota.tolist() == [6]
+    assert (one_free.placement.phy2log[:, 2] == -1).all()
+
+
+# ---------------------------------------------------------------------------
+# fast == reference, and invariants, on many shapes
+# ---------------------------------------------------------------------------
+
+
+@st.composite
+def cases(
+    draw: st.DrawFn, max_ranks: int = 6
+) -> tuple[np.ndarray, Placement, np.ndarray, int | None]:
+    num_ranks = draw(st.integers(1, max_ranks))
+    masters_per_rank = draw(st.integers(1, 3))
+    spare = draw(st.integers(0, 3))
+    num_experts = draw(st.integers(1, num_ranks * masters_per_rank))
+    slots = masters_per_rank + spare
+    if draw(st.booleans()):
+        masters = static_placement(num_ranks, slots, num_experts, masters_per_rank)
+    else:  # masters anywhere, uneven per rank
+        flat = draw(st.permutations(range(num_ranks * slots)))[:num_experts]
+        phy2log = np.full(num_ranks * slots, -1, dtype=np.int32)
+        phy2log[np.array(flat, dtype=np.int64)] = np.arange(num_experts)
+        masters = Placement(phy2log.reshape(num_ranks, slots), np.array(flat, dtype=np.int64))
+    hi = draw(st.sampled_from([1, 3, 20, 200]))
+    skew = draw(st.lists(st.integers(0, hi), min_size=num_experts, max_size=num_experts))
+    cells = draw(
+        st.lists(
+            st.integers(0, 3), min_size=num_ranks * num_experts, max_size=num_ranks * num_experts
+        )
+    )
+    load = np.array(cells, dtype=np.int64).reshape(num_ranks, num_experts) * np.array(skew)
+    num_domains = draw(st.integers(1, num_ranks))
+    rank_domain = np.sort(np.array(draw(st.lists(
+        st.integers(0, num_domains - 1), min_size=num_ranks, max_size=num_ranks
+    ))))  # fmt: skip
+    if draw(st.booleans()):
+        rank_domain = rank_domain[::-1].copy()  # ids in any order
+    max_replicas = draw(st.sampled_from([None, None, 1, 2]))
+    return load, masters, rank_domain, max_replicas
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_fast_equals_reference(case):
+    load, masters, rank_domain, max_replicas = case
+    sol = quota_balance(load, masters, rank_domain, max_replicas)
+    smallest, _, _ = quota_balance_ref(load, masters, rank_domain, max_replicas)
+    if max_replicas is None:
+        assert sol.quota.tolist() == smallest
+    else:
+        # the bound can make the rule fail at some T above its smallest feasible one
+        # (see the module doc); the search still ends where T - 1 fails
+        assert (sol.quota >= smallest).all()
+        for i, d in enumerate(np.unique(rank_domain)):
+            if sol.quota[i] > sol.lower_bound[i]:
+                one_less = [int(x) for x in sol.quota]
+                one_less[i] -= 1
+                with pytest.raises(ValueError, match=f"fails in domain {d}"):
+                    quota_balance_ref(load, masters, rank_domain, max_replicas, one_less)
+    _, phy2log, route = quota_balance_ref(
+        load, masters, rank_domain, max_replicas, sol.quota.tolist()
+    )
+    assert sol.placement.phy2log.tolist() == phy2log.tolist()
+    assert sorted_rows(sol.route) == sorted_rows(route)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(max_ranks=12))
+def test_invariants(case):
+    load, masters, rank_domain, max_replicas = case
+    num_ranks, num_slots = masters.phy2log.shape
+    sol = quota_balance(load, masters, rank_domain, max_replicas)
+    place = sol.placement
+    # every token routed once in full, only to holders; one master per expert, in place
+    check_layer_plan(LayerPlan(place, sol.route), load, num_slots)
+    assert np.array_equal(place.master, masters.master)
+    # replicas only in slots free of masters; at most max_replicas per expert
+    kept = masters.phy2log.ravel()[masters.master]
+    assert np.array_equal(place.phy2log.ravel()[masters.master], kept)
+    if max_replicas is not None:
+        assert (place.logcnt(load.shape[1]) <= 1 + max_replicas).all()
+    # per domain: achieved max == quota <= static max, and >= the lower bound
+    per_rank = rank_tokens(sol.route, num_ranks)
+    static = np.bincount(masters.master_rank(), weights=load.sum(0), minlength=num_ranks)
+    for i, d in enumerate(np.unique(rank_domain)):
+        mine = rank_domain == d
+        assert per_rank[mine].max() == sol.quota[i]
+        assert sol.lower_bound[i] <= sol.quota[i] <= static[mine].max()
+        assert per_rank[mine].sum() == static[mine].sum()  # work stays in its domain
+    # copies live in their master's domain; locality: each copy takes its own rank's first
+    holders = place.holds()
+    master_dom = rank_domain[masters.master_rank()]
+    r, e = np.nonzero(holders)
+    assert (rank_domain[r] == master_dom[e]).all()
+    got = np.zeros((num_ranks, load.shape[1]), dtype=np.int64)
+    np.add.at(got, (sol.route[:, 2], sol.route[:, 1]), sol.route[:, 3])  # per copy
+    own = np.zeros_like(got)
+    mask = sol.route[:, 0] == sol.route[:, 2]
+    np.add.at(own, (sol.route[mask, 2], sol.route[mask, 1]), sol.route[mask, 3])
+    assert np.array_equal(own[r, e], np.minimum(got[r, e], load[r, e]))
+
+
+def test_quota_is_tight_against_a_brute_force_optimum_on_a_tiny_case():
+    # 3 ranks x (1 master + 1 spare): the best any plan can do here is the mean, 20.
+    masters = static_placement(3, 2, 3, 1)
+    load = np.array([[20, 5, 5], [10, 5, 5], [10, 0, 0]])
+    sol = quota_balance(load, masters)
+    assert sol.quota.tolist() == [20]
+    assert rank_tokens(sol.route, 3).tolist() == [20, 20, 20]
+
+
+# ---------------------------------------------------------------------------
+# bad arguments
+# ---------------------------------------------------------------------------
+
+
+def test_bad_arguments_are_value_errors():
+    masters = static_placement(4, 2, 4, 1)
+    with pytest.raises(ValueError, match="ranks"):
+        quota_balance(GOLDEN_LOAD[:3], masters)
+    with pytest.raises(ValueError, match="rank_domain"):
+        quota_balance(GOLDEN_LOAD, masters, np.zeros(3))
+    with pytest.raises(ValueError, match="max_replicas"):
+        quota_balance(GOLDEN_LOAD, masters, None, 0)
+    with pytest.raises(ValueError, match="negative"):
+        quota_balance(-GOLDEN_LOAD, masters)
+    broken = Placement(masters.phy2log, masters.master[::-1].copy())
+    with pytest.raises(ValueError, match="master slot"):
+        quota_balance(GOLDEN_LOAD, broken)
+    with pytest.raises(ValueError, match="domain"):
+        make_policy("quota", {"domain": "planet"})
+    with pytest.raises(ValueError, match="max_replicas_per_expert"):
+        make_policy("quota", {"max_replicas_per_expert": 0})
+
+
+# ---------------------------------------------------------------------------
+# the policy over a trace
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("domain", ["dc", "node", "global"])
+def test_policy_over_a_trace(domain):
+    topo = Topology.generate(dcs=2, ranks_per_dc=4, nodes_per_dc=2, masters=2, spare=1)
+    model = ModelSpec(num_experts=16, num_layers=2)
+    rng = np.random.default_rng(3)
+    skew = rng.zipf(1.6, size=16).clip(max=50)
+    load = rng.poisson(5 * skew, size=(4, 2, 8, 16)).astype(np.int64)
+    quota = plan_trace(load, topo, model, make_policy("quota", {"domain": domain}))
+    static = plan_trace(load, topo, model, make_policy("static"))
+    first = quota.layers[0][0].placement.master_rank()
+    for t in range(4):
+        for layer in range(2):
+            lp = quota.layers[t][layer]
+            check_layer_plan(lp, load[t, layer], topo.slots_per_rank)
+            assert np.array_equal(lp.placement.master_rank(), first)  # masters stay
+            assert lp.rank_tokens().max() <= static.layers[t][layer].rank_tokens().max()
+            if t > 0:  # every replica that is new was sent by the migration
+                prev = quota.layers[t - 1][layer].placement
+                new = (lp.phy2log >= 0) & (lp.phy2log != prev.phy2log)
+                assert lp.migration.copies >= int(new.sum()) > 0 or not new.any()
+
+
+def test_policy_settings_and_relabel():
+    policy = make_policy("quota", {"domain": "node", "max_replicas_per_expert": 3})
+    assert policy.settings.model_dump() == {"domain": "node", "max_replicas_per_expert": 3}
+    assert policy.relabel_ranks is False  # type: ignore[attr-defined]
