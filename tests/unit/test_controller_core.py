@@ -137,3 +137,24 @@ def test_bad_policy_leaves_settings_unchanged():
     with pytest.raises(ValueError, match="unknown policy"):
         core.configure(ControllerSettings(policy="nope"))
     assert core.settings.policy == "static"
+
+
+def test_incomplete_steps_are_bounded_per_layer():
+    core, _ = _core()
+    cap = core.MAX_PENDING_STEPS
+    for step in range(1, cap + 11):  # rank 0 only: no step ever completes
+        core.report_load(step, 0, 0, np.ones(8, np.int64))
+    core.report_load(5, 1, 0, np.ones(8, np.int64))  # another layer keeps its own
+    assert sorted(k[0] for k in core._pending if k[1] == 0) == list(range(11, cap + 11))
+    assert (5, 1) in core._pending and core.pending_dropped == 10
+    assert core.reports_received == cap + 11 and core.reports_rejected == 0
+
+
+@pytest.mark.parametrize("step", [-1, 2**62, 2**64 - 1])
+def test_steps_outside_int62_are_refused(step):
+    core, _ = _core()
+    with pytest.raises(ValueError, match="step must be in"):
+        core.report_load(step, 0, 0, np.ones(8, np.int64))
+    with pytest.raises(ValueError, match="step must be in"):
+        core.report_layer(step, 0, np.ones((4, 8), np.int64))
+    assert core.reports_rejected == 2 and not core._pending

@@ -101,3 +101,18 @@ def test_solve_args_round_trip_and_bad_requests():
     ]:
         with pytest.raises(ValueError, match=message):
             convert.solve_args_from_msg(pb.SolveRequest(**kw))
+
+
+@pytest.mark.parametrize(
+    ("settings_json", "match"),
+    [
+        ("[" * 20_000 + "]" * 20_000, "nested too deeply"),
+        ('{"period": NaN}', "finite"),
+        ('{"cost": {"flops_per_second": Infinity}}', "finite"),
+        ("[1]", "JSON object"),
+    ],
+)
+def test_hostile_policy_settings_json_is_refused(settings_json, match):
+    msg = pb.SolveRequest(num_ranks=1, num_experts=1, load=[1], policy_settings_json=settings_json)
+    with pytest.raises(ValueError, match=match):
+        convert.solve_args_from_msg(msg)

@@ -161,6 +161,14 @@ class StaleReportError(ValueError):
 class ControllerCore:
     """Load windows per layer, trigger, plan versions. See the module docstring."""
 
+    # Steps must stay below this (SQLite and the REST schema hold int64; a step near 2**64
+    # would make every later step stale).
+    MAX_STEP = 2**62
+    # Incomplete steps kept per layer. A partial load costs [R, E] int64 whatever the report
+    # size, so reports of many steps that never complete (a dead rank, a hostile client)
+    # must not grow memory: the oldest incomplete step of the layer is dropped instead.
+    MAX_PENDING_STEPS = 64
+
     def __init__(
         self,
         topology: Topology,
@@ -189,6 +197,7 @@ class ControllerCore:
         self._last_plan_step: int | None = None
         self.reports_received = 0
         self.reports_rejected = 0
+        self.pending_dropped = 0  # incomplete steps dropped to keep MAX_PENDING_STEPS
         self.listeners: list[Callable[[str, PlanVersion], None]] = []
 
     # ---- settings ----
@@ -240,6 +249,7 @@ class ControllerCore:
         key = (step, layer)
         pending = self._pending.get(key)
         if pending is None:
+            self._make_pending_room(layer)
             num_ranks, num_experts = self.topology.num_ranks, self.model.num_experts
             pending = self._pending[key] = (
                 np.zeros((num_ranks, num_experts), np.int64),
@@ -326,6 +336,13 @@ class ControllerCore:
                 raise BatchReportError(applied, completed, str(err)) from None
             return applied, completed
 
+    def _make_pending_room(self, layer: int) -> None:
+        # caller holds the lock and is about to add an incomplete step of ``layer``
+        steps = [k[0] for k in self._pending if k[1] == layer]
+        if len(steps) >= self.MAX_PENDING_STEPS:
+            del self._pending[(min(steps), layer)]
+            self.pending_dropped += 1
+
     def report_layer(self, step: int, layer: int, load: np.ndarray) -> None:
         """Record a whole [R, E] load at once (a trainer that gathers counts itself)."""
         with self._lock:
@@ -352,8 +369,8 @@ class ControllerCore:
     def _check_step(self, step: int, layer: int) -> None:
         if not 0 <= layer < self.model.num_layers:
             raise ValueError(f"unknown layer {layer}; the model has {self.model.num_layers}")
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
+        if not 0 <= step < self.MAX_STEP:
+            raise ValueError(f"step must be in [0, 2**62), got {step}")
         window = self._windows[layer]
         if window and step <= window[-1][0]:
             raise StaleReportError(

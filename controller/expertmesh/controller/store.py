@@ -243,6 +243,8 @@ class SqlitePlanStore:
 
     def get(self, version: int) -> PlanVersion | None:
         """The stored plan ``version`` with its arrays, or None."""
+        if not 0 < version < 2**63:  # SQLite integers are int64; no such plan can exist
+            return None
         with self._lock:
             head = self._db.execute("SELECT * FROM plans WHERE version = ?", (version,)).fetchone()
             layers = self._db.execute(

@@ -56,7 +56,7 @@ _NODE_OUT, _NODE_IN, _NIC_OUT, _NIC_IN = range(4)
 class CostSettings(BaseModel):
     """Knobs of the cost model that are not in the topology or the model."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     flops_per_second: float = Field(
         default=4e14, gt=0, description="sustained expert FLOP/s of one rank (H100 bf16 ~40% MFU)"
@@ -84,7 +84,7 @@ class CostSettings(BaseModel):
 class TransferEncoding(BaseModel):
     """How expert weights and gradients travel (parameter-efficient migration settings)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     weight_bytes: float | None = Field(
         default=None, gt=0, le=8, description="bytes per weight on the wire (None: the model's)"

@@ -17,7 +17,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from expertmesh.planner.model import ModelSpec
-from expertmesh.planner.plan import LayerPlan, Placement
+from expertmesh.planner.plan import LayerPlan, Placement, check_load
 from expertmesh.planner.topology import Topology
 
 __all__ = [
@@ -33,7 +33,7 @@ __all__ = [
 class PolicySettings(BaseModel):
     """Base of every policy's settings (frozen, unknown keys refused)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 @dataclass(frozen=True, eq=False)
@@ -54,6 +54,30 @@ class PolicyContext:
     load: np.ndarray
     history: np.ndarray
     previous: LayerPlan | None = None
+
+    def __post_init__(self) -> None:
+        # Every policy may rely on these; ValueError here instead of an IndexError deep inside.
+        num_ranks, num_experts = self.topology.num_ranks, self.model.num_experts
+        object.__setattr__(self, "load", check_load(self.load, num_ranks, num_experts))
+        hist = np.asarray(self.history)
+        if hist.ndim != 3 or hist.shape[1:] != (num_ranks, num_experts):
+            raise ValueError(
+                f"history must be [W, {num_ranks}, {num_experts}], got shape {hist.shape}"
+            )
+        if hist.dtype.kind not in "iu":
+            raise ValueError(f"history must hold integer token counts, got dtype {hist.dtype}")
+        if hist.size and hist.min() < 0:
+            raise ValueError("history has negative token counts")
+        prev = self.previous
+        if prev is not None and (
+            prev.phy2log.shape != (num_ranks, self.topology.slots_per_rank)
+            or prev.placement.master.shape != (num_experts,)
+        ):
+            raise ValueError(
+                f"previous plan is [{prev.phy2log.shape[0]}, {prev.phy2log.shape[1]}] slots for "
+                f"{prev.placement.master.shape[0]} experts; this layer has "
+                f"[{num_ranks}, {self.topology.slots_per_rank}] for {num_experts}"
+            )
 
 
 class Policy(ABC):

@@ -286,6 +286,10 @@ def solve_args_to_msg(args: SolveArgs) -> pb.SolveRequest:
     )
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"policy_settings_json holds {name}; settings must be finite numbers")
+
+
 def solve_args_from_msg(msg: pb.SolveRequest) -> SolveArgs:
     num_ranks, num_experts = int(msg.num_ranks), int(msg.num_experts)
     load = np.array(msg.load, dtype=np.int64)
@@ -300,9 +304,11 @@ def solve_args_from_msg(msg: pb.SolveRequest) -> SolveArgs:
         if len(msg.policy_settings_json) > MAX_POLICY_SETTINGS_BYTES:
             raise ValueError("policy_settings_json is too large")
         try:
-            parsed = json.loads(msg.policy_settings_json)
+            parsed = json.loads(msg.policy_settings_json, parse_constant=_no_constant)
         except json.JSONDecodeError as err:
             raise ValueError(f"policy_settings_json is not JSON: {err.msg}") from None
+        except RecursionError:
+            raise ValueError("policy_settings_json is nested too deeply") from None
         if not isinstance(parsed, dict):
             raise ValueError("policy_settings_json must be a JSON object")
         settings = parsed
