@@ -9,8 +9,8 @@ import pytest
 import ray
 
 from expertmesh.controller.core import Trigger
-from expertmesh.controller.runtime import NAMESPACE, Runtime, RuntimeSettings
 from expertmesh.planner import Topology, available_policies
+from expertmesh.runtime.cluster import NAMESPACE, Runtime, RuntimeSettings
 from expertmesh.workers.model import LMConfig
 
 POLICIES = [p for p in ("static", "eplb", "quota", "hybrid") if p in available_policies()]
@@ -62,3 +62,10 @@ def test_policies_train_to_the_same_losses(runs: dict[str, list], policy: str) -
     assert steps[-1].loss < steps[0].loss
     assert steps[-1].plan_version >= 1
     assert all(s.cross_dc_token_bytes > 0 for s in steps)
+    # migrations are reported apart from the step's own traffic
+    for s in steps:
+        pairs = np.asarray(s.bytes_by_pair)
+        assert pairs.shape == (3, 2, 2)
+        assert pairs[2].sum() == s.cross_dc_migration_bytes
+    if policy == "static":
+        assert all(s.cross_dc_migration_bytes == 0 for s in steps)

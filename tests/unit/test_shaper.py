@@ -76,3 +76,41 @@ def test_measured_throughput_within_10_percent_of_topology() -> None:
     sent = int(s.bytes[0, 1])
     expected = sent / 5e6 + 0.005
     assert abs(elapsed - expected) / expected < 0.10
+
+
+def test_shaper_instances_on_one_file_share_the_links(tmp_path) -> None:
+    """Two shapers on one path (as two worker processes map it) queue on the same buckets."""
+    clock = FakeClock()
+    topo = Topology.generate(2, 1).with_inter_dc(0.08, 20.0)  # 10 MB/s, 20 ms
+    path = str(tmp_path / "links")
+    a = LinkShaper.from_topology(topo, clock=clock, path=path)
+    b = LinkShaper.from_topology(topo, clock=clock, path=path)
+    assert a.reserve(0, 1, 1_000_000) == pytest.approx(100.12)
+    assert b.reserve(0, 1, 1_000_000) == pytest.approx(100.22)  # behind a's message
+    assert b.reserve(1, 0, 500_000) == pytest.approx(100.07)
+    assert a.totals().tolist() == [[0, 2_000_000], [500_000, 0]]
+    assert a.messages[0, 1] == 2
+    b.reset()
+    assert a.totals().sum() == 0 and a.reserve(0, 1, 0) == pytest.approx(100.02)
+    a.close()
+    b.close()
+
+
+def test_shared_shaper_counts_every_byte_under_concurrent_senders(tmp_path) -> None:
+    topo = Topology.generate(2, 1).with_inter_dc(1000.0, 0.0)
+    path = str(tmp_path / "links")
+    shapers = [LinkShaper.from_topology(topo, path=path) for _ in range(4)]
+
+    def sender(s: LinkShaper) -> None:
+        for _ in range(500):
+            s.reserve(0, 1, 3)
+
+    threads = [threading.Thread(target=sender, args=(s,)) for s in shapers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert shapers[0].totals()[0, 1] == 4 * 500 * 3
+    assert shapers[0].messages[0, 1] == 2000
+    for s in shapers:
+        s.close()

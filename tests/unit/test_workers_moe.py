@@ -73,8 +73,7 @@ def _ranks(topo: Topology, placement: Placement, route: np.ndarray) -> list[Rank
 
 
 def _forward_backward(ex: LocalExecutor, step: int) -> None:
-    ex.call_all("begin_step", step)
-    outs = ex.phase("begin", 0, None)
+    outs = ex.phase("begin", 0, None, step)
     for layer in range(CFG.num_layers):
         for name in FORWARD:
             outs = ex.phase(name, layer, outs)
@@ -131,8 +130,7 @@ def test_hierarchical_dispatch_crosses_each_dc_pair_once_per_token() -> None:
     placement = static_placement(topo.num_ranks, topo.slots_per_rank, 6, topo.masters_per_rank)
     ranks = _ranks(topo, placement, np.zeros((0, 4), np.int64))
     ex = LocalExecutor(ranks)
-    ex.call_all("begin_step", 0)
-    ex.phase("begin", 0, None)
+    ex.phase("begin", 0, None, 0)
     n, d = CFG.tokens_per_rank, CFG.hidden
     for rs in ranks:
         sent = rs._src[0]["sent"]

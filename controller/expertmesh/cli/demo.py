@@ -1,10 +1,16 @@
-"""``expertmesh demo``: train a small MoE language model across simulated DCs on local Ray."""
+"""``expertmesh demo``: train a small MoE language model across simulated DCs on local Ray.
+
+The controller actor serves REST + dashboard + ``/metrics`` and gRPC (the
+control-plane surfaces, ``expertmesh serve``'s defaults: 127.0.0.1, ports 8700
+and 8701) while it trains; without ``--exit`` they stay up until Ctrl-C.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -53,6 +59,14 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--seq-len", type=int, default=64, help="bytes per sequence")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="write per-step results here")
+    p.add_argument("--host", help="address REST and gRPC bind to (default 127.0.0.1)")
+    p.add_argument(
+        "--rest-port",
+        type=int,
+        help="REST, dashboard and /metrics port (default 8700; 0: any free)",
+    )
+    p.add_argument("--grpc-port", type=int, help="gRPC port (default 8701; 0: any free)")
+    p.add_argument("--no-serve", action="store_true", help="do not start REST/dashboard/gRPC")
     p.add_argument("--exit", action="store_true", help="exit after training (else wait for Ctrl-C)")
     p.set_defaults(func=run)
 
@@ -74,7 +88,7 @@ def parse_trigger(text: str) -> dict[str, Any]:
 def build_settings(args: argparse.Namespace) -> Any:
     """The :class:`RuntimeSettings` the arguments describe (ValueError on bad input)."""
     from expertmesh.controller.core import Trigger
-    from expertmesh.controller.runtime import RuntimeSettings
+    from expertmesh.runtime.cluster import RuntimeSettings
     from expertmesh.workers.model import LMConfig
 
     if args.policy is None:
@@ -118,15 +132,27 @@ def build_settings(args: argparse.Namespace) -> Any:
         trigger=Trigger(**parse_trigger(args.trigger)),
         shaper=not args.no_shaper,
         corpus=str(args.corpus) if args.corpus else None,
+        surfaces=None if args.no_serve else _surface_settings(args),
     )
+
+
+def _surface_settings(args: argparse.Namespace) -> Any:
+    from pydantic import ValidationError
+
+    from expertmesh.controller.settings import SurfaceSettings
+
+    given = {"host": args.host, "rest_port": args.rest_port, "grpc_port": args.grpc_port}
+    try:
+        return SurfaceSettings(**{k: v for k, v in given.items() if v is not None})
+    except ValidationError as err:
+        e = err.errors()[0]
+        raise ValueError(f"{'.'.join(map(str, e['loc']))}: {e['msg']}") from None
 
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.live import Live
-    from rich.table import Table
 
-    from expertmesh.controller.runtime import Runtime
+    from expertmesh.runtime.cluster import Runtime
 
     settings = build_settings(args)
     logging.basicConfig(level=logging.WARNING)
@@ -138,47 +164,73 @@ def run(args: argparse.Namespace) -> int:
         f"{'' if settings.shaper else ' (shaper off)'}, policy {settings.policy}, "
         f"{settings.lm.num_experts} experts x {settings.lm.num_layers} layers, top-{settings.lm.top_k}"
     )
-    rows: list[dict[str, Any]] = []
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops as cleanly as Ctrl-C
     t0 = time.perf_counter()
-    with Runtime(settings) as rt:
-        console.print(f"cluster up in {time.perf_counter() - t0:.1f}s; workers on {rt.node_dcs()}")
-        table = Table("step", "loss", "step s", "imbalance", "plan", "WAN tokens", "WAN weights")
-        with Live(table, console=console, refresh_per_second=4, transient=False):
-            for _ in range(args.steps):
-                r = rt.run_step()
-                rows.append(r.model_dump())
-                table.add_row(
-                    str(r.step),
-                    f"{r.loss:.4f}",
-                    f"{r.step_seconds:.3f}",
-                    f"{r.imbalance:.2f}",
-                    f"v{r.plan_version}",
-                    _mb(r.cross_dc_token_bytes),
-                    _mb(r.cross_dc_weight_bytes),
-                )
-                if len(table.rows) > 20:
-                    table.rows.pop(0)
-                    for col in table.columns:
-                        col._cells.pop(0)
-        status = rt.status()
-        summary = _summary(rows, status, settings)
-        console.print(
-            f"trained {len(rows)} steps in {time.perf_counter() - t0:.1f}s: loss "
-            f"{rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}, median step "
-            f"{summary['median_step_seconds']:.3f}s, plan v{status['version']}, "
-            f"controller errors {status['errors']}"
-        )
-        if args.json is not None:
-            args.json.write_text(json.dumps({"summary": summary, "steps": rows}, indent=1))
-            console.print(f"wrote {args.json}")
-        if not args.exit:
-            console.print("cluster is up; Ctrl-C to stop")
-            try:
+    try:
+        with Runtime(settings) as rt:
+            console.print(
+                f"cluster up in {time.perf_counter() - t0:.1f}s; workers on {rt.node_dcs()}"
+            )
+            if rt.surfaces is not None:
+                url, target = rt.surfaces["rest_url"], rt.surfaces["grpc_target"]
+                console.print(f"  dashboard  {url}/")
+                console.print(f"  REST       {url}/api/v1  (OpenAPI {url}/docs)")
+                console.print(f"  metrics    {url}/metrics")
+                console.print(f"  gRPC       {target}  (expertmesh.v1.ExpertMeshService)")
+            rows = _train(rt, args.steps, console)
+            status = rt.status()
+            summary = _summary(rows, status, settings)
+            console.print(
+                f"trained {len(rows)} steps in {time.perf_counter() - t0:.1f}s: loss "
+                f"{rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}, median step "
+                f"{summary['median_step_seconds']:.3f}s, plan v{status['version']}, "
+                f"controller errors {status['errors']}"
+            )
+            if args.json is not None:
+                args.json.write_text(json.dumps({"summary": summary, "steps": rows}, indent=1))
+                console.print(f"wrote {args.json}")
+            if not args.exit:
+                console.print("cluster and surfaces are up; Ctrl-C to stop")
                 while True:
                     time.sleep(1.0)
-            except KeyboardInterrupt:
-                console.print("stopping")
+    except KeyboardInterrupt:
+        console.print("stopped")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _train(rt: Any, steps: int, console: Any) -> list[dict[str, Any]]:
+    from rich.live import Live
+    from rich.table import Table
+
+    rows: list[dict[str, Any]] = []
+    table = Table(
+        "step", "loss", "step s", "imbalance", "plan", "WAN tokens", "WAN weights", "migration"
+    )
+    with Live(table, console=console, refresh_per_second=4, transient=False):
+        for _ in range(steps):
+            r = rt.run_step()
+            rows.append(r.model_dump())
+            table.add_row(
+                str(r.step),
+                f"{r.loss:.4f}",
+                f"{r.step_seconds:.3f}",
+                f"{r.imbalance:.2f}",
+                f"v{r.plan_version}",
+                _mb(r.cross_dc_token_bytes),
+                _mb(r.cross_dc_weight_bytes),
+                _mb(r.cross_dc_migration_bytes) if r.cross_dc_migration_bytes else "",
+            )
+            if len(table.rows) > 20:
+                table.rows.pop(0)
+                for col in table.columns:
+                    col._cells.pop(0)
+    return rows
 
 
 def _mb(n: int) -> str:

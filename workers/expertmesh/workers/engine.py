@@ -2,9 +2,11 @@
 
 The driver talks to ranks through an :class:`Executor`. :class:`LocalExecutor`
 runs every :class:`RankState` in this process (tests, no Ray); the Ray
-executor in ``expertmesh.controller.runtime`` runs them as actors and passes
+executor in ``expertmesh.runtime.cluster`` runs them as actors and passes
 packets as object refs, so a whole step is submitted at once and data flows
-worker to worker.
+worker to worker. A step is phases only (the step number rides on the first,
+each rank's statistics come back as the last phase's packet to itself), so the
+driver waits once per step.
 
 :func:`migration_rounds` turns a plan's migrations into the rounds the ranks
 execute during *prepare*; it checks the planner's transfers (a source must
@@ -53,6 +55,10 @@ class Executor(Protocol):
         """Call ``method(*args)`` on every rank (after everything submitted), wait, return."""
         ...
 
+    def results(self, outs: list[list[Any]]) -> list[Any]:
+        """Wait for the last phase; returns each rank's packet to itself ``outs[q][q]``."""
+        ...
+
 
 class LocalExecutor:
     """Every rank in this process, phases run rank by rank (for tests and the reference)."""
@@ -73,11 +79,13 @@ class LocalExecutor:
     def call_all(self, method: str, *args: Any) -> list[Any]:
         return [getattr(r, method)(*args) for r in self.ranks]
 
+    def results(self, outs: list[list[Any]]) -> list[Any]:
+        return [outs[q][q] for q in range(self.num_ranks)]
+
 
 def train_step(ex: Executor, step: int, num_layers: int) -> list[dict[str, Any]]:
     """One training step on every rank; returns each rank's :meth:`RankState.stats`."""
-    ex.call_all("begin_step", step)
-    outs = ex.phase("begin", 0, None)
+    outs = ex.phase("begin", 0, None, step)
     for layer in range(num_layers):
         for name in FORWARD:
             outs = ex.phase(name, layer, outs)
@@ -86,7 +94,7 @@ def train_step(ex: Executor, step: int, num_layers: int) -> list[dict[str, Any]]
             outs = ex.phase(name, layer, outs)
     for name in REDUCE:
         outs = ex.phase(name, 0, outs)
-    return ex.call_all("stats")
+    return ex.results(outs)
 
 
 def apply_plan(
@@ -94,14 +102,17 @@ def apply_plan(
     version: int,
     layers: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
     rounds: list[list[Transfer]],
-) -> None:
+) -> np.ndarray:
     """Prepare plan ``version`` on every rank (run the migration ``rounds``, then check each
-    rank holds what it needs). Commit is separate (:meth:`RankState.commit`)."""
+    rank holds what it needs). Commit is separate (:meth:`RankState.commit`).
+
+    Returns [D, D] bytes the migration sent between DCs."""
     ex.call_all("prepare", version, layers)
     outs = None
     for rnd in [*rounds, []]:
         outs = ex.phase("mig", 0, outs, rnd)
-    ex.call_all("prepare_end", version)
+    sent: np.ndarray = np.sum(ex.call_all("prepare_end", version), axis=0)
+    return sent
 
 
 def migration_rounds(

@@ -47,7 +47,7 @@ from expertmesh.workers.moe import (
 
 __all__ = ["KINDS", "LayerState", "RankState", "payload_nbytes"]
 
-KINDS = ("tokens", "weights")
+KINDS = ("tokens", "weights", "migration")  # what crossed: activations, sync, plan moves
 Packet = Any
 Span = tuple[str, int, int, int, int, int, int]  # (kind, via, src, row0, rows, asn0, asns)
 Reserve = Callable[[int, int, int], float]  # (src_dc, dst_dc, nbytes) -> arrival clock time
@@ -184,6 +184,8 @@ class RankState:
         inbox = inbox or self._empty()
         if name == "mig":
             return self._mig(inbox, arg or [])
+        if name == "begin":
+            self.begin_step(int(arg))
         fn = getattr(self, f"_ph_{name}", None)
         if fn is None:
             raise ValueError(f"unknown phase {name!r}")
@@ -323,7 +325,7 @@ class RankState:
         self._expert[layer] = (ctx, spans)
         out = self._empty()
         for kind, via, src, r0, u, _, _ in spans:
-            self._answer(out, kind, via, src, y[r0 : r0 + u])
+            self._answer(out, kind, via, src, y[r0 : r0 + u].clone())  # a view pickles all of y
         return self._ship(out, "tokens")
 
     @staticmethod
@@ -425,7 +427,7 @@ class RankState:
         gx, gw = expert_backward(ctx, g)
         out = self._empty()
         for kind, via, src, r0, u, a0, m in spans:
-            self._answer(out, kind, via, src, (gx[r0 : r0 + u], gw[a0 : a0 + m]))
+            self._answer(out, kind, via, src, (gx[r0 : r0 + u].clone(), gw[a0 : a0 + m].clone()))
         return self._ship(out, "tokens")
 
     def _ph_bgather(self, layer: int, inbox: list[Packet]) -> list[Packet]:
@@ -568,8 +570,11 @@ class RankState:
         return self._ship(out, "weights")
 
     def _ph_red5(self, layer: int, inbox: list[Packet]) -> list[Packet]:
+        """Store the fanned-out weights; the packet to itself is the step's :meth:`stats`."""
         self._store(inbox)
-        return self._empty()
+        out = self._empty()
+        out[self.rank] = self.stats()
+        return out
 
     # ---- two-phase plan application ----
 
@@ -590,7 +595,13 @@ class RankState:
             LayerState(Placement(np.asarray(p2l), np.asarray(master)), np.asarray(route))
             for p2l, master, route in layers
         ]
-        self._pending = {"version": version, "layers": new, "w": {}, "opt": {}}
+        self._pending = {
+            "version": version,
+            "layers": new,
+            "w": {},
+            "opt": {},
+            "bytes": self.bytes[KINDS.index("migration")].copy(),
+        }
 
     def _mig(
         self, inbox: list[Packet], transfers: list[tuple[int, int, int, int, str]]
@@ -619,10 +630,12 @@ class RankState:
                     f"rank {self.rank} must send expert {e} of layer {lyr}; it has none"
                 )
             out[dst]["mw"][(lyr, e)] = w
-        return self._ship(out, "weights")
+        return self._ship(out, "migration")
 
-    def prepare_end(self, version: int) -> None:
-        """Check every copy and master state of plan ``version`` is here (PREPARED)."""
+    def prepare_end(self, version: int) -> np.ndarray:
+        """Check every copy and master state of plan ``version`` is here (PREPARED).
+
+        Returns [D, D] the bytes this rank sent between DCs while preparing it."""
         pend = self._pending
         if pend is None or pend["version"] != version:
             raise ValueError(f"plan {version} is not being prepared on rank {self.rank}")
@@ -634,6 +647,8 @@ class RankState:
                 if mine and e not in self.opt[lyr] and (lyr, e) not in pend["opt"]:
                     raise ValueError(f"rank {self.rank} lacks the master state of {e}")
         pend["ready"] = True
+        sent: np.ndarray = self.bytes[KINDS.index("migration")] - pend["bytes"]
+        return sent
 
     def commit(self, version: int) -> None:
         """Switch to prepared plan ``version`` (idempotent for the committed version)."""
@@ -672,7 +687,7 @@ class RankState:
             "loss": self.loss_sum,
             "computed": self.computed.copy(),  # [L] assignments computed per layer
             "load": self.load.copy(),  # [L, E]
-            "bytes": self.bytes.copy(),  # [2, D, D] cumulative, tokens / weights
+            "bytes": self.bytes.copy(),  # [3, D, D] cumulative, by KINDS
             "shaped_seconds": self.shaped_seconds,
             "version": self.version,
         }

@@ -11,13 +11,26 @@ latency. Bandwidth and latency come from :class:`Topology` (``dc_gbps``,
 ``dc_latency_ms``). Traffic inside a DC is not shaped (``intra_dc`` links
 are three orders of magnitude faster than the WAN in every topology here).
 Off (``enabled=False``) the shaper only counts bytes, for real DCs.
+
+Every rank of a DC pair must book on the same buckets. Inside one process the
+buckets are numpy arrays behind a lock; across the processes of a one-machine
+cluster (``path=``) they live in a small shared file (``mmap``) and the lock is
+an ``flock`` on it, so booking costs microseconds and no message to a central
+actor (such a message per packet cost more than the traffic it shaped). The
+shared form needs every rank on one machine, which is what the shaper emulates;
+on real DCs it is off.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import mmap
+import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -27,10 +40,12 @@ __all__ = ["LinkShaper"]
 
 
 class LinkShaper:
-    """FIFO token buckets per ordered DC pair. Thread-safe; clock injectable for tests.
+    """FIFO token buckets per ordered DC pair. Thread- and process-safe; clock injectable.
 
     ``bandwidth_Bps`` [D, D] bytes/s and ``latency_s`` [D, D] seconds per ordered pair;
-    the diagonal is ignored (never shaped).
+    the diagonal is ignored (never shaped). ``path``: a file (created with zeros when
+    missing or of the wrong size) that holds the buckets and counters, shared by every
+    :class:`LinkShaper` opened on it; ``None`` keeps them in this process.
     """
 
     def __init__(
@@ -40,6 +55,7 @@ class LinkShaper:
         *,
         enabled: bool = True,
         clock: Callable[[], float] = time.time,
+        path: str | None = None,
     ) -> None:
         bw = np.asarray(bandwidth_Bps, dtype=np.float64)
         lat = np.asarray(latency_s, dtype=np.float64)
@@ -52,17 +68,73 @@ class LinkShaper:
         self.enabled = enabled
         self._clock = clock
         self._lock = threading.Lock()
-        self._free_at = np.zeros_like(bw)  # [D, D] when each link is next free
-        self.bytes = np.zeros(bw.shape, dtype=np.int64)  # [D, D] bytes sent per pair
-        self.messages = np.zeros(bw.shape, dtype=np.int64)
+        self.path = path
+        d2 = bw.size
+        self._fd: int | None = None
+        if path is None:
+            buf: Any = bytearray(3 * 8 * d2)
+        else:
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            with self._locked():
+                if os.fstat(self._fd).st_size != 3 * 8 * d2:
+                    os.ftruncate(self._fd, 3 * 8 * d2)
+            buf = mmap.mmap(self._fd, 3 * 8 * d2)
+        self._buf = buf
+        # [D, D] each: when each link is next free, bytes and messages sent per pair
+        self._free_at = np.frombuffer(buf, np.float64, d2, 0).reshape(bw.shape)
+        self.bytes = np.frombuffer(buf, np.int64, d2, 8 * d2).reshape(bw.shape)
+        self.messages = np.frombuffer(buf, np.int64, d2, 16 * d2).reshape(bw.shape)
 
     @classmethod
     def from_topology(
-        cls, topology: Topology, *, enabled: bool = True, clock: Callable[[], float] = time.time
+        cls,
+        topology: Topology,
+        *,
+        enabled: bool = True,
+        clock: Callable[[], float] = time.time,
+        path: str | None = None,
     ) -> LinkShaper:
         return cls(
-            topology.dc_gbps * 1e9 / 8.0, topology.dc_latency_ms / 1e3, enabled=enabled, clock=clock
+            topology.dc_gbps * 1e9 / 8.0,
+            topology.dc_latency_ms / 1e3,
+            enabled=enabled,
+            clock=clock,
+            path=path,
         )
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        with self._lock:
+            if self._fd is None:
+                yield
+                return
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def reset(self) -> None:
+        """Empty every link and zero the counters (for every process sharing them)."""
+        with self._locked():
+            self._free_at[:] = 0.0
+            self.bytes[:] = 0
+            self.messages[:] = 0
+
+    def totals(self) -> np.ndarray:
+        """[D, D] bytes sent per ordered DC pair so far (a copy)."""
+        with self._locked():
+            return self.bytes.copy()
+
+    def close(self) -> None:
+        """Release the shared file (the arrays become invalid); a no-op in-process."""
+        if self._fd is None:
+            return
+        self._free_at = np.zeros((0, 0))
+        self.bytes = self.messages = np.zeros((0, 0), np.int64)
+        self._buf.close()
+        os.close(self._fd)
+        self._fd = None
 
     @property
     def num_dcs(self) -> int:
@@ -75,7 +147,7 @@ class LinkShaper:
             raise ValueError(f"unknown DC pair ({src_dc}, {dst_dc})")
         if nbytes < 0:
             raise ValueError("nbytes must be >= 0")
-        with self._lock:
+        with self._locked():
             now = self._clock()
             if src_dc == dst_dc:
                 return now

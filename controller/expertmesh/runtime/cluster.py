@@ -1,0 +1,552 @@
+"""Every Ray call of expertmesh: the local multi-DC cluster, the controller and worker actors.
+
+- :class:`Runtime` starts an in-process Ray cluster with one node per DC labeled
+  ``dc=<name>`` (``ray.cluster_utils.Cluster``), the controller actor (named
+  ``controller`` in namespace ``expertmesh``) and one worker actor per rank
+  (``worker-<rank>``) pinned to its DC with ``label_selector``. The link shaper's
+  buckets live in a shared file every worker maps (:class:`LinkShaper`, ``path=``).
+- :class:`WorkerActor` is a thin wrapper over :class:`RankState`; packets between
+  workers travel as object refs, so a whole step is submitted at once and the driver
+  waits once per step. Packets up to ``inline_object_bytes`` travel inline (through
+  the owner) instead of through the object store, which on one machine is several
+  times faster for the tens-of-kilobytes packets of a step.
+- :class:`ControllerActor` wraps :class:`ControllerCore`: it gathers the load reports,
+  asks the core whether to plan, prepares the plan on the workers (migrations, relays
+  included), then commits (or rolls back). Each phase is timed; an exception in a
+  phase is logged and counted, never fatal to the loop. It hosts the control-plane
+  :class:`Surfaces` (REST, dashboard, ``/metrics``, gRPC) when asked and feeds their
+  :class:`Telemetry` every step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+from pydantic import BaseModel, ConfigDict, Field
+from ray.cluster_utils import Cluster
+
+from expertmesh.controller.core import ControllerCore, ControllerSettings, Trigger
+from expertmesh.controller.settings import SurfaceSettings
+from expertmesh.controller.telemetry import Telemetry
+from expertmesh.planner import Placement, Topology, imbalance
+from expertmesh.planner.static import static_placement
+from expertmesh.workers.engine import apply_plan, migration_rounds, train_step
+from expertmesh.workers.model import Corpus, LMConfig
+from expertmesh.workers.rank import KINDS, RankState
+from expertmesh.workers.shaper import LinkShaper
+
+__all__ = [
+    "NAMESPACE",
+    "ControllerActor",
+    "Runtime",
+    "RuntimeSettings",
+    "StepResult",
+    "WorkerActor",
+]
+
+log = logging.getLogger(__name__)
+NAMESPACE = "expertmesh"
+_TOKENS, _WEIGHTS, _MIGRATION = (KINDS.index(k) for k in ("tokens", "weights", "migration"))
+
+
+class RuntimeSettings(BaseModel):
+    """What the runtime starts and how it trains."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    topology: dict[str, Any] = Field(description="the topology (YAML structure)")
+    lm: LMConfig = LMConfig()
+    policy: str = Field(default="static", description="registered policy name")
+    policy_settings: dict[str, Any] = Field(default_factory=dict)
+    trigger: Trigger = Trigger(mode="every_n", every=5)
+    shaper: bool = Field(default=True, description="shape inter-DC links (off on real DCs)")
+    corpus: str | None = Field(default=None, description="corpus file; None: Python's stdlib")
+    corpus_bytes: int = Field(default=4_000_000, ge=1024, description="bytes of stdlib text")
+    cpus_per_dc: float = Field(default=1.0, gt=0, description="CPUs each DC's Ray node offers")
+    inline_object_bytes: int = Field(
+        default=4 << 20,
+        ge=0,
+        le=1 << 30,
+        description="packets up to this size travel inline, not through the object store",
+    )
+    surfaces: SurfaceSettings | None = Field(
+        default=None, description="REST/dashboard/metrics and gRPC from the controller (None: off)"
+    )
+
+
+class StepResult(BaseModel):
+    """One training step as the runtime measured it.
+
+    Bytes are what crossed between DCs: ``tokens`` (activations and their gradients),
+    ``weights`` (replica gradients and refreshed weights, dense gradient sums) during the
+    step, and ``migration`` (expert copies and master state moved while preparing the plan
+    applied right after this step; not part of the step's time).
+    """
+
+    step: int
+    loss: float
+    step_seconds: float
+    control_seconds: float
+    imbalance: float  # max over layers of max/mean assignments computed per rank
+    imbalance_before: float | None = None  # of the plan made after this step (max over layers)
+    imbalance_after: float | None = None
+    plan_version: int  # the plan this step ran under
+    cross_dc_token_bytes: int
+    cross_dc_weight_bytes: int
+    cross_dc_migration_bytes: int
+    bytes_by_pair: list[list[list[int]]]  # [3, D, D]: tokens, weights, migration
+    tokens_per_rank: list[int]
+    tokens_per_layer_rank: list[list[int]]  # [L, R] assignments each rank computed
+    error: str | None = None
+
+
+def _source_roots() -> str:
+    """PYTHONPATH for Ray workers: the source roots this process imports expertmesh from."""
+    import expertmesh.workers.rank as wr
+
+    roots = [Path(__file__).resolve().parents[2], Path(wr.__file__).resolve().parents[2]]
+    proto = roots[0].parent / "proto"
+    if proto.is_dir():
+        roots.append(proto)
+    return os.pathsep.join(dict.fromkeys(str(r) for r in roots))
+
+
+class WorkerActor:
+    """One rank: a thin wrapper over :class:`RankState`."""
+
+    def __init__(
+        self,
+        rank: int,
+        settings: RuntimeSettings,
+        placements: list[tuple[np.ndarray, np.ndarray]],
+        shaper_path: str,
+        controller: Any,
+    ) -> None:
+        self.rank = rank
+        self.controller = controller
+        self.shaper_path = shaper_path
+        self._report_ref: Any = None
+        self.shaper: LinkShaper | None = None
+        self.reset(settings, placements)
+
+    def reset(
+        self, settings: RuntimeSettings, placements: list[tuple[np.ndarray, np.ndarray]]
+    ) -> None:
+        """A fresh rank (initial weights, plan version 0) for ``settings``."""
+        topo = Topology.from_dict(settings.topology)
+        corpus = Corpus.load(settings.corpus, settings.corpus_bytes)
+        if self.shaper is not None:
+            self.shaper.close()
+        self.shaper = LinkShaper.from_topology(topo, enabled=True, path=self.shaper_path)
+        self._loads: dict[int, np.ndarray] = {}
+        num_layers = settings.lm.num_layers
+
+        def report(step: int, layer: int, rank: int, load: np.ndarray) -> None:
+            # one message per step with every layer's load (not one per layer)
+            self._loads[layer] = load
+            if len(self._loads) == num_layers:
+                rows = np.stack([self._loads[i] for i in range(num_layers)])  # [L, E]
+                self._report_ref = self.controller.report_loads.remote(step, rank, rows)
+                self._loads = {}
+
+        self.state = RankState(
+            self.rank,
+            topo,
+            settings.lm,
+            corpus,
+            [Placement(p, m) for p, m in placements],
+            reserve=self.shaper.reserve if settings.shaper else None,
+            report=report,
+        )
+
+    def phase(self, name: str, layer: int, *inbox: Any, arg: Any = None) -> Any:
+        out = self.state.phase(name, layer, list(inbox), arg)
+        if name == "red5" and self._report_ref is not None:
+            ray.get(self._report_ref)  # the step's load reached the controller before stats
+            self._report_ref = None
+        return out if len(out) > 1 else out[0]
+
+    def call(self, method: str, *args: Any) -> Any:
+        if method not in ("prepare", "prepare_end", "commit", "abort", "stats"):
+            raise ValueError(f"unknown worker method {method!r}")
+        return getattr(self.state, method)(*args)
+
+    def ping(self) -> dict[str, Any]:
+        return {"rank": self.state.rank, "node": ray.get_runtime_context().get_node_id()}
+
+
+class RayExecutor:
+    """:class:`expertmesh.workers.engine.Executor` over worker actors (packets as refs)."""
+
+    def __init__(self, workers: list[Any]) -> None:
+        self.workers = workers
+        self.num_ranks = len(workers)
+
+    def phase(self, name: str, layer: int, outs: list[list[Any]] | None, arg: Any = None) -> Any:
+        n = self.num_ranks
+        res = []
+        for q, w in enumerate(self.workers):
+            inbox = [outs[p][q] for p in range(n)] if outs else []
+            refs = w.phase.options(num_returns=n).remote(name, layer, *inbox, arg=arg)
+            res.append(refs if n > 1 else [refs])
+        return res
+
+    def call_all(self, method: str, *args: Any) -> list[Any]:
+        return list(ray.get([w.call.remote(method, *args) for w in self.workers]))
+
+    def results(self, outs: list[list[Any]]) -> list[Any]:
+        return list(ray.get([outs[q][q] for q in range(self.num_ranks)]))
+
+
+class ControllerActor:
+    """Thin actor over :class:`ControllerCore`: gather, call the core, apply the result."""
+
+    def __init__(self, settings: RuntimeSettings) -> None:
+        self.workers: list[Any] = []
+        self.surfaces: Any = None  # expertmesh.controller.server.Surfaces while serving
+        self.reset(settings)
+
+    def reset(self, settings: RuntimeSettings) -> None:
+        """A fresh core (no plans, empty windows) for ``settings``; not while serving."""
+        if self.surfaces is not None:
+            raise ValueError("stop the surfaces before resetting the controller")
+        self.settings = settings
+        self.topology = Topology.from_dict(settings.topology)
+        self.core = ControllerCore(
+            self.topology,
+            settings.lm.spec(),
+            ControllerSettings(
+                policy=settings.policy,
+                policy_settings=settings.policy_settings,
+                trigger=settings.trigger,
+            ),
+        )
+        self.telemetry = Telemetry(self.core)
+        self.errors = 0
+        self.phase_seconds: dict[str, float] = {}
+        self.placements = _initial_placements(self.topology, settings.lm)
+
+    def attach(self, workers: list[Any]) -> int:
+        self.workers = workers
+        for r in range(len(workers)):
+            self.telemetry.set_worker_state(r, True)
+        return len(workers)
+
+    def set_worker_state(self, rank: int, up: bool) -> None:
+        self.telemetry.set_worker_state(rank, up)
+
+    def start_surfaces(self) -> dict[str, str]:
+        """Start REST/dashboard/metrics and gRPC (``settings.surfaces``); their addresses."""
+        from expertmesh.controller.server import Surfaces  # uvicorn, gRPC: only when serving
+
+        if self.surfaces is None:
+            if self.settings.surfaces is None:
+                raise ValueError("no surface settings")
+            self.surfaces = Surfaces(self.core, self.settings.surfaces, telemetry=self.telemetry)
+            self.surfaces.start()
+        return {"rest_url": self.surfaces.rest_url, "grpc_target": self.surfaces.grpc_target}
+
+    def stop_surfaces(self) -> None:
+        if self.surfaces is not None:
+            self.surfaces.stop()
+            self.surfaces = None
+
+    def report_loads(self, step: int, rank: int, load: np.ndarray) -> None:
+        """``load`` [L, E]: rank ``rank``'s tokens per expert of every layer at ``step``."""
+        for layer, row in enumerate(load):
+            try:
+                self.core.report_load(step, layer, rank, row)
+            except ValueError:
+                log.exception("load report of rank %d step %d layer %d refused", rank, step, layer)
+
+    def _timed(self, name: str, fn: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            self.phase_seconds[f"{name}_seconds"] = time.perf_counter() - t0
+
+    def control(self, step: int, record: dict[str, Any]) -> dict[str, Any]:
+        """One turn of the loop after ``step``: maybe plan, prepare, commit; then record the
+        step (``record``: :meth:`Telemetry.record_step` arguments) with any migration bytes
+        counted as weights. Never raises."""
+        d = self.topology.num_dcs
+        migration = np.zeros((d, d), np.int64)
+        out = self._plan_and_apply(step, migration)
+        out["migration_bytes"] = migration.tolist()
+        try:
+            self.telemetry.record_step(
+                step,
+                record["seconds"],
+                record["loss"],
+                np.asarray(record["tokens_per_rank"]),
+                cross_dc_token_bytes=np.asarray(record["token_bytes"]),
+                cross_dc_weight_bytes=np.asarray(record["weight_bytes"]) + migration,
+            )
+        except Exception:
+            log.exception("recording step %d failed", step)
+        return out
+
+    def _plan_and_apply(self, step: int, migration: np.ndarray) -> dict[str, Any]:
+        out: dict[str, Any] = {"version": self.core.committed.version if self.core.committed else 0}
+        try:
+            pv = self._timed("plan", lambda: self.core.maybe_plan(step))
+        except Exception as err:
+            self.errors += 1
+            log.exception("planning after step %d failed", step)
+            return {**out, "error": f"plan: {_last_line(err)}"}
+        if pv is None:
+            return out
+        out.update(
+            imbalance_before=max(pv.imbalance_before), imbalance_after=max(pv.imbalance_after)
+        )
+        new = [lp.placement for lp in pv.layers]
+        layers = [(p.phy2log, p.master, lp.route) for p, lp in zip(new, pv.layers, strict=True)]
+        ex = RayExecutor(self.workers)
+        try:
+            rounds = migration_rounds(
+                self.placements, new, [lp.migration for lp in pv.layers], self.topology
+            )
+            sent = self._timed("prepare", lambda: apply_plan(ex, pv.version, layers, rounds))
+            migration += sent
+            self._timed("commit", lambda: self._commit(ex, pv.version))
+        except Exception as err:
+            self.errors += 1
+            log.error("plan %d failed, rolling back: %s", pv.version, traceback.format_exc())
+            self.core.rollback(pv.version)
+            try:
+                ex.call_all("abort", pv.version)
+            except Exception:
+                log.exception("abort of plan %d failed", pv.version)
+            return {**out, "error": f"apply: {_last_line(err)}"}
+        self.placements = new
+        out["version"] = pv.version
+        out["migration_transfers"] = sum(len(r) for r in rounds)
+        return out
+
+    def _commit(self, ex: RayExecutor, version: int) -> None:
+        self.core.commit(version)
+        ex.call_all("commit", version)
+
+    def committed_plan(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None:
+        """Per layer ``(phy2log [R, S], master [E], route [N, 4])`` of the committed plan."""
+        c = self.core.committed
+        if c is None:
+            return None
+        return [(lp.placement.phy2log, lp.placement.master, lp.route) for lp in c.layers]
+
+    def metrics(self) -> bytes:
+        """The Prometheus exposition of the telemetry (what ``/metrics`` serves)."""
+        return self.telemetry.render()
+
+    def status(self) -> dict[str, Any]:
+        c = self.core.committed
+        return {
+            "version": c.version if c else 0,
+            "policy": self.core.settings.policy,
+            "errors": self.errors,
+            "reports_received": self.core.reports_received,
+            "reports_rejected": self.core.reports_rejected,
+            **self.phase_seconds,
+        }
+
+
+def _last_line(err: BaseException) -> str:
+    lines = [x for x in str(err).splitlines() if x.strip()]
+    return lines[-1] if lines else type(err).__name__
+
+
+def _actor(cls: type, **options: Any) -> Any:
+    """``cls`` as a Ray actor class (built when the runtime starts, not at import)."""
+    return ray.remote(**options)(cls)
+
+
+def _initial_placements(topology: Topology, lm: LMConfig) -> list[Placement]:
+    p = static_placement(
+        topology.num_ranks, topology.slots_per_rank, lm.num_experts, topology.masters_per_rank
+    )
+    return [p] * lm.num_layers
+
+
+class Runtime:
+    """A local multi-DC Ray cluster training the demo model. Use as a context manager."""
+
+    def __init__(self, settings: RuntimeSettings) -> None:
+        self.settings = settings
+        self.topology = Topology.from_dict(settings.topology)
+        self.cluster: Cluster | None = None
+        self.workers: list[Any] = []
+        self.surfaces: dict[str, str] | None = None
+        self._tmp: str | None = None
+        self.shaper: LinkShaper | None = None
+        self._bytes = np.zeros((len(KINDS), self.topology.num_dcs, self.topology.num_dcs), np.int64)
+        self.step = -1
+
+    def __enter__(self) -> Runtime:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def start(self) -> None:
+        os.environ["PYTHONPATH"] = _source_roots()
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        dcs = self.topology.dcs
+        s = self.settings
+        self._tmp = tempfile.mkdtemp(prefix="expertmesh-")
+        path = os.path.join(self._tmp, "links")
+        self.shaper = LinkShaper.from_topology(self.topology, path=path)
+        self.cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": s.cpus_per_dc,
+                "labels": {"dc": dcs[0].name},
+                "_system_config": {"max_direct_call_object_size": s.inline_object_bytes},
+            },
+        )
+        for dc in dcs[1:]:
+            self.cluster.add_node(num_cpus=s.cpus_per_dc, labels={"dc": dc.name})
+        self.cluster.wait_for_nodes()
+        ray.init(address=self.cluster.address, namespace=NAMESPACE, log_to_driver=False)
+        head = {"label_selector": {"dc": dcs[0].name}}
+        self.controller = (
+            _actor(ControllerActor, num_cpus=0, max_concurrency=8)
+            .options(name="controller", **head)
+            .remote(s)
+        )
+        worker_cls = _actor(WorkerActor, num_cpus=0)
+        placements = [(p.phy2log, p.master) for p in _initial_placements(self.topology, s.lm)]
+        for r in range(self.topology.num_ranks):
+            dc_name = dcs[int(self.topology.rank_dc[r])].name
+            self.workers.append(
+                worker_cls.options(name=f"worker-{r}", label_selector={"dc": dc_name}).remote(
+                    r, s, placements, path, self.controller
+                )
+            )
+        self.nodes = ray.get([w.ping.remote() for w in self.workers])
+        ray.get(self.controller.attach.remote(self.workers))
+        self.executor = RayExecutor(self.workers)
+        if s.surfaces is not None:
+            self.surfaces = ray.get(self.controller.start_surfaces.remote())
+
+    def reset(self, settings: RuntimeSettings) -> None:
+        """Train afresh under ``settings`` on the running cluster (same DCs and ranks;
+        links, model seed, policy and trigger may differ): initial weights, no plans."""
+        topo = Topology.from_dict(settings.topology)
+        if topo.num_ranks != self.topology.num_ranks or [d.name for d in topo.dcs] != [
+            d.name for d in self.topology.dcs
+        ]:
+            raise ValueError("reset needs the same DCs and ranks; start a new runtime")
+        if self.surfaces is not None or settings.surfaces is not None:
+            raise ValueError("reset is for runs without surfaces")
+        self.settings, self.topology = settings, topo
+        ray.get(self.controller.reset.remote(settings))
+        placements = [(p.phy2log, p.master) for p in _initial_placements(topo, settings.lm)]
+        ray.get([w.reset.remote(settings, placements) for w in self.workers])
+        ray.get(self.controller.attach.remote(self.workers))
+        assert self.shaper is not None
+        self.shaper.reset()
+        self._bytes[:] = 0
+        self.step = -1
+
+    def node_dcs(self) -> list[str]:
+        """DC label of the node each worker runs on."""
+        label = {n["NodeID"]: n.get("Labels", {}).get("dc") for n in ray.nodes()}
+        return [label.get(p["node"], "") for p in self.nodes]
+
+    def run_step(self) -> StepResult:
+        """Train one step, then let the controller plan/apply. Returns the measurements."""
+        self.step += 1
+        t0 = time.perf_counter()
+        try:
+            stats = train_step(self.executor, self.step, self.settings.lm.num_layers)
+        except ray.exceptions.RayActorError:
+            self._mark_dead_workers()
+            raise
+        step_s = time.perf_counter() - t0
+        total = np.sum([np.asarray(s["bytes"]) for s in stats], axis=0)  # [K, D, D]
+        delta, self._bytes = total - self._bytes, total
+        computed = np.stack([np.asarray(s["computed"]) for s in stats])  # [R, L]
+        loss = float(sum(s["loss"] for s in stats))
+        record = {
+            "seconds": step_s,
+            "loss": loss,
+            "tokens_per_rank": computed.sum(axis=1),
+            "token_bytes": delta[_TOKENS],
+            "weight_bytes": delta[_WEIGHTS],
+        }
+        t1 = time.perf_counter()
+        ctl = ray.get(self.controller.control.remote(self.step, record))
+        control_s = time.perf_counter() - t1
+        migration = np.asarray(ctl["migration_bytes"], np.int64)
+        self._bytes[_MIGRATION] += migration  # counted here, not in the next step's delta
+        pairs = np.stack([delta[_TOKENS], delta[_WEIGHTS], migration]).astype(np.int64)
+        return StepResult(
+            step=self.step,
+            loss=loss,
+            step_seconds=step_s,
+            control_seconds=control_s,
+            imbalance=max(imbalance(computed[:, layer]) for layer in range(computed.shape[1])),
+            imbalance_before=ctl.get("imbalance_before"),
+            imbalance_after=ctl.get("imbalance_after"),
+            plan_version=int(stats[0]["version"]),
+            cross_dc_token_bytes=int(pairs[0].sum()),
+            cross_dc_weight_bytes=int(pairs[1].sum()),
+            cross_dc_migration_bytes=int(pairs[2].sum()),
+            bytes_by_pair=pairs.tolist(),
+            tokens_per_rank=computed.sum(axis=1).tolist(),
+            tokens_per_layer_rank=computed.T.tolist(),
+            error=ctl.get("error"),
+        )
+
+    def _mark_dead_workers(self) -> None:
+        """Tell the controller which workers no longer answer (best effort)."""
+        for r, w in enumerate(self.workers):
+            try:
+                ray.get(w.ping.remote(), timeout=5.0)
+            except Exception:
+                try:
+                    ray.get(self.controller.set_worker_state.remote(r, False), timeout=5.0)
+                except Exception:
+                    log.exception("could not mark worker %d down", r)
+
+    def committed_plan(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None:
+        """Per layer ``(phy2log, master, route)`` of the committed plan, or None."""
+        plan = ray.get(self.controller.committed_plan.remote())
+        return None if plan is None else list(plan)
+
+    def metrics(self) -> str:
+        """The controller's Prometheus exposition."""
+        return bytes(ray.get(self.controller.metrics.remote())).decode()
+
+    def status(self) -> dict[str, Any]:
+        return dict(ray.get(self.controller.status.remote()))
+
+    def shutdown(self) -> None:
+        if ray.is_initialized():
+            if self.surfaces is not None:
+                try:
+                    ray.get(self.controller.stop_surfaces.remote(), timeout=30)
+                except Exception:
+                    log.exception("stopping the surfaces failed")
+                self.surfaces = None
+            ray.shutdown()
+        if self.cluster is not None:
+            self.cluster.shutdown()
+            self.cluster = None
+        if self.shaper is not None:
+            self.shaper.close()
+            self.shaper = None
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None

@@ -1,0 +1,76 @@
+"""The demo's runtime serves the control plane from its controller actor, fed every step."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+from expertmesh.controller.core import Trigger
+from expertmesh.controller.settings import SurfaceSettings
+from expertmesh.planner import Topology
+from expertmesh.runtime.cluster import Runtime, RuntimeSettings
+from expertmesh.workers.model import LMConfig
+
+LM = LMConfig(num_layers=2, num_experts=8, top_k=2, hidden=16, ffn_hidden=16, batch=4, seq_len=32)
+STEPS = 3
+
+
+def _samples(text: str) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_rest_and_metrics_serve_the_runtimes_data() -> None:
+    topo = Topology.generate(2, 2, masters=2, spare=2).with_inter_dc(0.5, 2.0)
+    settings = RuntimeSettings(
+        topology=topo.to_dict(),
+        lm=LM,
+        policy="static",
+        trigger=Trigger(mode="every_step"),
+        corpus_bytes=200_000,
+        surfaces=SurfaceSettings(rest_port=0, grpc_port=0),
+    )
+    with Runtime(settings) as rt:
+        assert rt.surfaces is not None
+        url = rt.surfaces["rest_url"]
+        steps = [rt.run_step() for _ in range(STEPS)]
+        status = rt.status()
+        with httpx.Client(base_url=url, timeout=10) as http:
+            latest = http.get("/api/v1/plans/latest")
+            metrics = http.get("/metrics")
+            health = http.get("/api/v1/health")
+        assert rt.metrics() == metrics.text  # the actor's telemetry is what /metrics serves
+    assert health.status_code == 200
+    assert latest.status_code == 200, latest.text
+    plan = latest.json()
+    assert plan["version"] == status["version"] == steps[-1].plan_version + 1
+    assert plan["policy"] == "static" and len(plan["layers"]) == LM.num_layers
+
+    m = _samples(metrics.text)
+    assert m[("expertmesh_step_seconds_count", ())] == STEPS
+    assert m[("expertmesh_step_seconds_sum", ())] == sum(s.step_seconds for s in steps)
+    assert m[("expertmesh_step_loss", ())] == steps[-1].loss
+    assert m[("expertmesh_plan_version", ())] == status["version"]
+    for r, tokens in enumerate(steps[-1].tokens_per_rank):
+        assert m[("expertmesh_rank_tokens", (("rank", str(r)),))] == tokens
+        assert m[("expertmesh_worker_up", (("rank", str(r)),))] == 1.0
+    names = [d["name"] for d in topo.to_dict()["dcs"]]
+    for kind, k in (("tokens", 0), ("weights", 1)):
+        sent = np.sum([np.asarray(s.bytes_by_pair)[k] for s in steps], axis=0)
+        if kind == "weights":
+            sent += np.sum([np.asarray(s.bytes_by_pair)[2] for s in steps], axis=0)
+        for a in range(2):
+            for b in range(2):
+                if a == b or sent[a, b] == 0:
+                    continue
+                key = (
+                    "expertmesh_cross_dc_bytes_total",
+                    (("dst_dc", names[b]), ("kind", kind), ("src_dc", names[a])),
+                )
+                assert m[key] == sent[a, b]
+    assert sum(np.asarray(s.bytes_by_pair)[0].sum() for s in steps) > 0
+    assert m[("expertmesh_load_reports_received_total", ())] == STEPS * LM.num_layers * 4

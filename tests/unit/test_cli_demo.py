@@ -1,0 +1,36 @@
+"""``expertmesh demo`` arguments -> runtime settings (no Ray started)."""
+
+from __future__ import annotations
+
+import pytest
+
+from expertmesh.cli.demo import build_settings
+from expertmesh.cli.main import build_parser, main
+from expertmesh.controller.settings import DEFAULT_GRPC_PORT, DEFAULT_REST_PORT
+
+
+def _settings(*argv: str):
+    return build_settings(build_parser().parse_args(["demo", "--policy", "static", *argv]))
+
+
+def test_surfaces_default_to_the_control_planes_ports_on_loopback(monkeypatch) -> None:
+    for var in ("EXPERTMESH_HOST", "EXPERTMESH_REST_PORT", "EXPERTMESH_GRPC_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    s = _settings()
+    assert s.surfaces is not None
+    assert (s.surfaces.host, s.surfaces.rest_port, s.surfaces.grpc_port) == (
+        "127.0.0.1",
+        DEFAULT_REST_PORT,
+        DEFAULT_GRPC_PORT,
+    )
+    s = _settings("--rest-port", "0", "--grpc-port", "9123")
+    assert s.surfaces is not None and (s.surfaces.rest_port, s.surfaces.grpc_port) == (0, 9123)
+    assert _settings("--no-serve").surfaces is None
+
+
+def test_bad_demo_arguments_exit_2_with_one_line(capsys) -> None:
+    assert main(["demo", "--policy", "static", "--rest-port", "70000", "--exit"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "rest_port" in err and len(err.splitlines()) == 1
+    with pytest.raises(ValueError, match="unknown policy"):
+        _settings("--policy", "nope")
