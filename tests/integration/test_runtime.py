@@ -61,7 +61,7 @@ def test_policies_train_to_the_same_losses(runs: dict[str, list], policy: str) -
     np.testing.assert_allclose([s.loss for s in steps], base, rtol=1e-4)
     assert steps[-1].loss < steps[0].loss
     assert steps[-1].plan_version >= 1
-    assert all(s.cross_dc_token_bytes > 0 for s in steps)
+    assert steps[0].cross_dc_token_bytes > 0  # step 0 runs on static EP for every policy
     # migrations are reported apart from the step's own traffic
     for s in steps:
         pairs = np.asarray(s.bytes_by_pair)
