@@ -9,7 +9,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 
 .DEFAULT_GOAL := help
 .PHONY: help setup demo demo-planner test test-unit test-integration lint fmt typecheck bench \
-	bench-planner clean serve proto emulate-up emulate-down emulate-status ci-deps
+	bench-planner clean serve proto emulate-up emulate-down emulate-status ci-deps results
 
 help: ## list the verbs
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -73,6 +73,9 @@ bench-api: setup ## control plane: gRPC reports/s from 1,000 ranks, REST latest-
 
 bench-planner: setup ## planner: quota/eplb vs DeepSeek EPLB at EP64 (table + ratios)
 	$(PY) bench/bench_planner.py
+
+results: setup ## docs/results.md: simulator sweeps (bandwidth, DC count) + 1,000-DC run (~15 min)
+	$(PY) bench/results.py
 
 EMU_TOPOLOGY ?= deploy/topologies/emulate.yaml
 emulate-up: setup ## one-machine multi-DC Ray cluster: a network namespace per DC, htb-shaped veths (root; EMU_TOPOLOGY=...)

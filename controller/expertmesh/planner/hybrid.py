@@ -19,10 +19,11 @@ Every ``period`` steps, on the load of a history window, the policy:
 3. **partitions each DC's copies onto its ranks** (domain-based partition):
    copies that stay keep their rank, new ones go heaviest first to the rank
    with the least predicted work and a free slot, so each DC balances inside;
-4. **guards**: the whole plan, the masters-only plan and the previous plan are
-   scored with the full cost model (migration into them streamed over the
-   period) and the fastest wins, so the policy never picks a plan its model
-   says is slower than not replicating at all.
+4. **guards**: the candidate plans (per-pair choices, with and without
+   compute-relief copies, masters only) are scored with the full cost model
+   (migration into them streamed over the period); the fastest replaces the
+   running plan (plain EP at first) only if it is faster by ``min_gain``, so the
+   policy never picks a plan its model says is slower than the one it has.
 
 Tokens go to the copies in their own DC when there are any (evenly among them),
 else evenly to every copy, so masters that many DCs send to share that work
@@ -85,6 +86,13 @@ class HybridSettings(PolicySettings):
         default_factory=lambda: [0.25, 0.5, 1.0],
         description="shares of each DC's free slots the guard also tries filling with its "
         "heaviest remote experts (compute relief for masters many DCs send to)",
+    )
+    min_gain: float = Field(
+        default=0.01,
+        ge=0.0,
+        lt=1.0,
+        description="a new plan must beat the running one (plain EP at first) by this share "
+        "of its modeled step time",
     )
     cost: CostSettings = Field(default_factory=CostSettings, description="the cost model")
     encoding: TransferEncoding = Field(
@@ -358,10 +366,22 @@ def plan_hybrid(
     ]
     empty = np.zeros(0, np.int64)
     candidates.append(_build(inp, masters, move, mdc, (empty, empty)))
-    if previous is not None:
-        candidates.append(previous)
     costs = pair_costs + [_guard_cost(inp, c) for c in candidates[len(pair_plans) :]]
-    return candidates[int(np.argmin(costs))]
+    # the plan to beat: the running one, else plain EP on the masters; a new plan must be
+    # faster by min_gain (on an estimate, a hair's gain is noise and costs a migration)
+    keep = previous if previous is not None else _masters_only(masters)
+    keep_cost = _guard_cost(inp, keep)
+    i = int(np.argmin(costs))
+    if costs[i] > (1.0 - cfg.min_gain) * keep_cost:
+        return keep
+    return candidates[i]
+
+
+def _masters_only(masters: Placement) -> Placement:
+    """``masters`` with every slot but the masters' emptied (plain EP)."""
+    phy2log = np.full_like(masters.phy2log, -1)
+    phy2log.reshape(-1)[masters.master] = np.arange(masters.master.size)
+    return Placement(phy2log=phy2log, master=masters.master.copy())
 
 
 def _replicas(pairs: _Pairs, j: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

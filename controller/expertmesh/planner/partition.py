@@ -11,8 +11,8 @@ tokens each will compute. Inside each DC (the domain) this module
    that has a free slot and does not hold that expert yet (LPT), vectorized
    over DCs.
 
-Tokens inside a DC split evenly over its copies of an expert; the master's copy
-also takes the tokens of DCs that hold none. Public entry: :func:`partition_domains`.
+Tokens inside a DC split evenly over its copies of an expert; tokens of DCs that
+hold none spread evenly over every copy. Public entry: :func:`partition_domains`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class DomainDemand:
 
     - ``count``: [D, E] int copies of expert e in DC d (>= 1 in its master's DC).
     - ``local``: [D, E] float tokens DC d computes for e (split over its copies).
-    - ``remote``: [E] float tokens of DCs without a copy, all computed by the master.
+    - ``remote``: [E] float tokens of DCs without a copy, spread evenly over every copy.
     - ``master_dc``: [E] DC of each master; ``master_slot``: [E] flat slot ``r * S + s`` of
       a master that stays where it is, ``-1`` for one to place in ``master_dc``.
     - ``gain``: [D] tokens an extra local copy must take off the busiest copy to be worth
@@ -53,8 +53,9 @@ def _splits(topology: Topology, demand: DomainDemand, free: np.ndarray) -> np.nd
     taken off per copy ``w / (c (c + 1))`` reaches ``gain`` and the DC has free slots."""
     num_dcs, num_experts = demand.count.shape
     extra = np.zeros((num_dcs, num_experts), np.int64)
-    total = demand.local.copy()
-    total[demand.master_dc, np.arange(num_experts)] += demand.remote  # [D, E]
+    copies = demand.count.sum(axis=0)  # [E]
+    per_copy_remote = demand.remote / np.maximum(copies, 1)
+    total = demand.local + demand.count * per_copy_remote[None, :]  # [D, E] work in DC d
     sizes = np.bincount(topology.rank_dc, minlength=num_dcs)
     d, e = np.nonzero((demand.count > 0) & (total > 0))
     if d.size == 0:
@@ -107,16 +108,12 @@ def partition_domains(
     first = np.cumsum(reps) - reps  # first copy of each (d, e)
     mark = moved[e] & (demand.master_dc[e] == d)
     is_master[first[mark]] = True
-    share = demand.local[cd, ce] / count[cd, ce]
-    weight = share + np.where(is_master, demand.remote[ce], 0.0)
+    remote_share = demand.remote / np.maximum(count.sum(axis=0), 1)  # [E] per copy
+    weight = demand.local[cd, ce] / count[cd, ce] + remote_share[ce]
     rank_w = np.zeros(num_ranks)
     mr = demand.master_slot[stay] // slots
-    np.add.at(
-        rank_w,
-        mr,
-        demand.local[demand.master_dc[stay], stay] / count[demand.master_dc[stay], stay]
-        + demand.remote[stay],
-    )
+    md = demand.master_dc[stay]
+    np.add.at(rank_w, mr, demand.local[md, stay] / count[md, stay] + remote_share[stay])
     where = np.full(cd.size, -1, np.int64)
     if previous is not None:
         _keep(topology, previous, phy2log, (cd, ce, is_master), where)
