@@ -245,6 +245,14 @@ def test_migration_applies_exactly_and_keeps_the_round_invariant(case, relabel):
     # apply -> new, one master per expert, sources hold the expert, <= 1 send and receive
     # per rank and <= 1 per DC pair per round, bytes, round seconds, nearest holder
     check_migration(old, al, mig, topo, model)
+    # a replica crosses the WAN at most once per (expert, destination DC): relays serve the rest
+    dc = topo.rank_dc
+    wan = Counter(
+        (t.expert, dc[t.dst_rank])
+        for t in mig.transfers
+        if t.kind == TransferKind.REPLICA and dc[t.src_rank] != dc[t.dst_rank]
+    )
+    assert max(wan.values(), default=0) <= 1
     # unaligned input works too (more transfers, same rules)
     check_migration(old, new, plan_migration(old, new, topo, model), topo, model)
 

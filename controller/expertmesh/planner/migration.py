@@ -342,22 +342,41 @@ def _rank_in_group(key: np.ndarray) -> np.ndarray:
     return np.arange(key.size) - np.searchsorted(key, key)
 
 
-def _pair_by_index(
-    dkey: np.ndarray, dprio: np.ndarray, hkey: np.ndarray, hrank: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """Inside each group, pair the q-th job (by ``dprio``) with the q-th holder (by
-    rank). ``dkey`` [N], ``hkey`` [H] non-negative group ids. Returns index arrays
-    ``(job [P], holder [P])``."""
+def _pair_sorted(dkey: np.ndarray, hkey: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Inside each group, pair the q-th job with the q-th holder. ``dkey`` [N] and ``hkey``
+    [H] are non-negative group ids, each sorted (ties in the order to pair them). Returns
+    positions ``(job [P], holder [P])``."""
     if dkey.size == 0 or hkey.size == 0:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    do = np.lexsort((dprio, dkey))
-    ho = np.lexsort((hrank, hkey))
     span = max(dkey.size, hkey.size) + 1
-    dcode = dkey[do] * span + _rank_in_group(dkey[do])
-    hcode = hkey[ho] * span + _rank_in_group(hkey[ho])
+    dcode = dkey * span + _rank_in_group(dkey)
+    hcode = hkey * span + _rank_in_group(hkey)
     pos = np.searchsorted(hcode, dcode).clip(max=hcode.size - 1)
     hit = hcode[pos] == dcode
-    return do[hit], ho[pos[hit]]
+    return np.flatnonzero(hit), pos[hit]
+
+
+class _Holders:
+    """Holders of a round sorted three ways: by (expert, node), (expert, DC), expert;
+    ties by rank. ``key[level]``, ``rank[level]`` [H]."""
+
+    def __init__(self, hold_e: np.ndarray, hold_r: np.ndarray, sched: _Scheduler) -> None:
+        keys = (
+            hold_e * sched.num_nodes + sched.node[hold_r],
+            hold_e * sched.num_dcs + sched.dc[hold_r],
+            hold_e,
+        )
+        self.key: list[np.ndarray] = []
+        self.rank: list[np.ndarray] = []
+        for k in keys:
+            o = np.lexsort((hold_r, k))
+            self.key.append(k[o])
+            self.rank.append(hold_r[o])
+
+    def free(self, level: int, busy_src: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(key, rank)`` of the holders whose rank has not sent yet this round."""
+        ok = ~busy_src[self.rank[level]]
+        return self.key[level][ok], self.rank[level][ok]
 
 
 class _Round:
@@ -415,11 +434,16 @@ class _Scheduler:
         while (rnd < 0).any():
             level = self._levels(hold_e, hold_r)
             order_key = (2 - level) * n + self.prio  # smaller goes first
-            o = np.lexsort((hold_r, hold_e))
-            he, hr = hold_e[o], hold_r[o]
+            holders = _Holders(hold_e, hold_r, self)
+            pending = rnd < 0
+            fixed = np.flatnonzero(pending & self.is_fixed)
+            by_level = []  # replica jobs of each level, level 0 sorted by (node entry, prio)
+            for lv in range(3):
+                j = np.flatnonzero(pending & ~self.is_fixed & (level == lv))
+                by_level.append(j[np.lexsort((self.prio[j], self.nkey[j]))] if lv == 0 else j)
             state = _Round(self.topo.num_ranks)
             for _ in range(MAX_PASSES):
-                pj, ps = self._propose(rnd < 0, level, he, hr, state)
+                pj, ps = self._propose(fixed, by_level, holders, state)
                 if pj.size == 0:
                     break
                 pj, ps = self._accept(pj, ps, order_key, state)
@@ -441,39 +465,40 @@ class _Scheduler:
         return np.where(self.is_fixed, self.fixed_level, level)
 
     def _propose(
-        self, pending: np.ndarray, level: np.ndarray, he: np.ndarray, hr: np.ndarray,
-        state: _Round,
-    ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
-        """One pass of proposals ``(job [P], src [P])``; ``he``, ``hr`` holders by expert."""
-        open_job = pending & ~state.busy_dst[self.dst]
-        free = ~state.busy_src[hr]
-        fe, fr = he[free], hr[free]
+        self, fixed: np.ndarray, by_level: list[np.ndarray], holders: _Holders, state: _Round
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """One pass of proposals ``(job [P], src [P])`` from the round's open jobs: master
+        moves ``fixed`` and replica jobs ``by_level``; a job whose destination received
+        this round (it may have been accepted) is closed."""
         jobs, srcs = [], []
-        # masters: their fixed source
-        j = np.flatnonzero(open_job & self.is_fixed & ~state.busy_src[np.maximum(self.fixed, 0)])
+        j = fixed[~state.busy_dst[self.dst[fixed]] & ~state.busy_src[self.fixed[fixed]]]
         jobs.append(j)
         srcs.append(self.fixed[j])
-        replica = open_job & ~self.is_fixed
         # level 0: a free holder in the job's node
-        j = np.flatnonzero(replica & (level == 0))
-        a, b = _pair_by_index(self.nkey[j], self.prio[j], fe * self.num_nodes + self.node[fr], fr)
+        j = by_level[0][~state.busy_dst[self.dst[by_level[0]]]]
+        hk, hr = holders.free(0, state.busy_src)
+        a, b = _pair_sorted(self.nkey[j], hk)
         jobs.append(j[a])
-        srcs.append(fr[b])
+        srcs.append(hr[b])
         # level 1: one job per (expert, node) this round, a free holder in the job's DC
-        j = np.flatnonzero(replica & (level == 1) & ~np.isin(self.nkey, state.node_entries))
-        j = self._best_per(j, self.nkey)
-        a, b = _pair_by_index(self.dkey[j], self.prio[j], fe * self.num_dcs + self.dc[fr], fr)
+        j = by_level[1][~state.busy_dst[self.dst[by_level[1]]]]
+        j = self._best_per(j[~np.isin(self.nkey[j], state.node_entries)], self.nkey)
+        j = j[np.lexsort((self.prio[j], self.dkey[j]))]
+        hk, hr = holders.free(1, state.busy_src)
+        a, b = _pair_sorted(self.dkey[j], hk)
         jobs.append(j[a])
-        srcs.append(fr[b])
+        srcs.append(hr[b])
         # level 2: one job per (expert, DC) this round, a free holder in a nearest DC
-        j = np.flatnonzero(replica & (level == 2) & ~np.isin(self.dkey, state.dc_entries))
-        j = self._best_per(j, self.dkey)
+        j = by_level[2][~state.busy_dst[self.dst[by_level[2]]]]
+        j = self._best_per(j[~np.isin(self.dkey[j], state.dc_entries)], self.dkey)
         if not self.topo.pairs:  # every other DC is equally near
-            a, b = _pair_by_index(self.e[j], self.prio[j], fe, fr)
+            j = j[np.lexsort((self.prio[j], self.e[j]))]
+            hk, hr = holders.free(2, state.busy_src)
+            a, b = _pair_sorted(self.e[j], hk)
             jobs.append(j[a])
-            srcs.append(fr[b])
+            srcs.append(hr[b])
         else:
-            jj, ss = self._nearest_dcs(j, he, hr, free, state)
+            jj, ss = self._nearest_dcs(j, holders, state)
             jobs.append(jj)
             srcs.append(ss)
         return np.concatenate(jobs), np.concatenate(srcs)
@@ -484,13 +509,15 @@ class _Scheduler:
         return j[_first_in_group(key[j])]
 
     def _nearest_dcs(
-        self, j: np.ndarray, he: np.ndarray, hr: np.ndarray, free: np.ndarray, state: _Round
+        self, j: np.ndarray, holders: _Holders, state: _Round
     ) -> tuple[np.ndarray, np.ndarray]:
         """Level-2 proposals when DC pairs differ: job ``j[i]`` picks among free holders
         in the DCs nearest to its DC (nearest over all holders, free or not) whose DC
         pair is unused this round; the q-th job of an expert takes the (q mod n)-th."""
         if j.size == 0:
             return j, j
+        he, hr = holders.key[2], holders.rank[2]
+        free = ~state.busy_src[hr]
         start = np.searchsorted(he, self.e[j])
         count = np.searchsorted(he, self.e[j], side="right") - start
         rows = np.repeat(np.arange(j.size), count)  # one row per (job, holder of its expert)
