@@ -342,6 +342,14 @@ def _rank_in_group(key: np.ndarray) -> np.ndarray:
     return np.arange(key.size) - np.searchsorted(key, key)
 
 
+def _member(sorted_keys: np.ndarray, query: np.ndarray) -> np.ndarray:
+    """[N] bool: ``query`` [N] occurs in ``sorted_keys`` [H] (sorted)."""
+    if sorted_keys.size == 0:
+        return np.zeros(query.size, dtype=bool)
+    pos = np.searchsorted(sorted_keys, query).clip(max=sorted_keys.size - 1)
+    return sorted_keys[pos] == query
+
+
 def _pair_sorted(dkey: np.ndarray, hkey: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Inside each group, pair the q-th job with the q-th holder. ``dkey`` [N] and ``hkey``
     [H] are non-negative group ids, each sorted (ties in the order to pair them). Returns
@@ -432,9 +440,9 @@ class _Scheduler:
         hold_e, hold_r = hold_e.astype(np.int64), hold_r.astype(np.int64)
         k = 0
         while (rnd < 0).any():
-            level = self._levels(hold_e, hold_r)
-            order_key = (2 - level) * n + self.prio  # smaller goes first
             holders = _Holders(hold_e, hold_r, self)
+            level = self._levels(holders)
+            order_key = (2 - level) * n + self.prio  # smaller goes first
             pending = rnd < 0
             fixed = np.flatnonzero(pending & self.is_fixed)
             by_level = []  # replica jobs of each level, level 0 sorted by (node entry, prio)
@@ -457,10 +465,10 @@ class _Scheduler:
             k += 1
         return src, rnd
 
-    def _levels(self, hold_e: np.ndarray, hold_r: np.ndarray) -> np.ndarray:
+    def _levels(self, holders: _Holders) -> np.ndarray:
         """[J] 0, 1 or 2: where the nearest holders of each job's expert are."""
-        in_node = np.isin(self.nkey, hold_e * self.num_nodes + self.node[hold_r])
-        in_dc = np.isin(self.dkey, hold_e * self.num_dcs + self.dc[hold_r])
+        in_node = _member(holders.key[0], self.nkey)
+        in_dc = _member(holders.key[1], self.dkey)
         level = np.where(in_node, 0, np.where(in_dc, 1, 2))
         return np.where(self.is_fixed, self.fixed_level, level)
 
