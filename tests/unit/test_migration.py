@@ -370,3 +370,22 @@ def test_static_policy_never_migrates():
     load = np.random.default_rng(0).integers(0, 9, size=(3, 1, 4, 8))
     plan = plan_trace(load, topo, model, make_policy("static"))
     assert all(p.migration.copies == 0 for row in plan.layers for p in row)
+
+
+def test_dcs_with_many_nodes_relabel_ranks_inside_nodes_only():
+    from expertmesh.planner.migration import NODE_RELABEL_MAX_NODES
+
+    nodes = NODE_RELABEL_MAX_NODES + 1
+    topo = Topology.generate(1, 2 * nodes, nodes_per_dc=nodes, masters=1, spare=0)
+    num_ranks = topo.num_ranks
+    old = Placement(
+        phy2log=np.arange(num_ranks, dtype=np.int32)[:, None], master=np.arange(num_ranks)
+    )
+    perm = np.arange(num_ranks)
+    perm[[0, 1, 2, 3]] = [2, 3, 0, 1]  # nodes 0 and 1 trade contents
+    perm[[4, 5]] = [5, 4]  # the two ranks of node 2 trade contents
+    new = Placement(phy2log=old.phy2log[perm], master=np.argsort(perm))
+    al = align_placement(old, new, topo, relabel_ranks=True)
+    kept = (al.phy2log == old.phy2log).ravel()
+    assert not kept[:4].any()  # no whole-node relabel in so large a DC
+    assert kept[4:].all()  # ranks inside a node still are relabeled
