@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from expertmesh.planner import (
     DC,
     ModelSpec,
+    Placement,
     PolicyContext,
     Topology,
     check_layer_plan,
@@ -138,14 +139,15 @@ def test_relabel_undoes_a_structure_preserving_permutation(hierarchical):
             perm[8 * dc : 8 * dc + 8] = np.concatenate(nodes)
         else:
             perm[8 * dc : 8 * dc + 8] = rng.permutation(8) + 8 * dc
-    assert np.array_equal(_relabel(old, old[perm], topo, hierarchical, 32), old)
+    placement = Placement(old, first_copy_masters(old))
+    assert np.array_equal(_relabel(placement, old[perm], topo, hierarchical, 6.0), old)
 
 
 def test_relabel_never_mixes_dcs_or_splits_nodes():
     topo = Topology.generate(2, 4, nodes_per_dc=2, masters=2, spare=0)  # 4 nodes x 2 ranks
     new = np.arange(16).reshape(8, 2)
     old = new[::-1]  # the best global match would swap the DCs
-    out = _relabel(old, new, topo, True, 16)
+    out = _relabel(Placement(old, first_copy_masters(old)), new, topo, True, 6.0)
     for dc in range(2):
         assert sorted(out[4 * dc : 4 * dc + 4].ravel()) == list(range(8 * dc, 8 * dc + 8))
     for node in range(4):  # each node's two ranks are one of the new nodes
@@ -174,6 +176,29 @@ def test_drift_moves_fewer_copies_than_replacing_slot_by_slot():
         naive += 0 if prev is None else int((cur != prev).sum())
         prev = cur
     assert naive > 0 and ours < naive
+
+
+def first_copy_masters(phy2log: np.ndarray) -> np.ndarray:
+    experts, first = np.unique(phy2log.ravel(), return_index=True)
+    out = np.empty(experts.size, dtype=np.int64)
+    out[experts] = first
+    return out
+
+
+def test_assignment_weighs_masters_that_stay():
+    def onehot(*sets: set[int]) -> np.ndarray:
+        out = np.zeros((len(sets), 6), dtype=np.int64)
+        for i, experts in enumerate(sets):
+            out[i, list(experts)] = 1
+        return out
+
+    bins = onehot({0, 3}, {1, 5})
+    places = onehot({0, 1, 5}, {0, 1})
+    masters = onehot({0, 5}, {1})  # masters of 0 and 5 on place 0, of 1 on place 1
+    # copies alone: the swap keeps 3 copies (identity 2) but moves masters 0 and 1
+    assert _assign(bins, places).tolist() == [1, 0]
+    # a master move costs 7x a replica: identity keeps masters 0 and 1, moves only 5's
+    assert _assign(bins, places, masters, 6.0).tolist() == [0, 1]
 
 
 def test_assignment_maximises_multiset_overlap():

@@ -398,7 +398,9 @@ class EplbPolicy(Policy):
         )
         new = phy2log[0].reshape(num_ranks, slots)
         if prev is not None:
-            new = _relabel(prev.placement.phy2log, new, topo, hier, num_experts)
+            model = ctx.model
+            extra = (model.master_bytes - model.expert_bytes) / model.expert_bytes
+            new = _relabel(prev.placement, new, topo, hier, extra)
         old_master = prev.placement.master_rank() if prev is not None else None
         return Placement(phy2log=new.astype(np.int32), master=_masters(new, old_master))
 
@@ -407,27 +409,35 @@ class EplbPolicy(Policy):
 
 
 def _relabel(
-    old: np.ndarray, new: np.ndarray, topo: Topology, hierarchical: bool, num_experts: int
+    old: Placement, new: np.ndarray, topo: Topology, hierarchical: bool, master_weight: float
 ) -> np.ndarray:
-    """Permute the rank bins of ``new`` [R, S] to keep copies where ``old`` [R, S] has them.
+    """Permute the rank bins of ``new`` [R, S] to keep copies where ``old`` has them.
 
     Only moves that cannot change balance or locality: inside each DC, whole
     nodes among nodes (hierarchical) and ranks inside a node, or any ranks
-    among ranks (global). Each level is an assignment maximising kept copies.
+    among ranks (global). Each level is an assignment maximising the kept
+    copies plus ``master_weight`` per master whose rank keeps a copy (so it need
+    not move with its optimizer state).
     """
-    new_cnt, old_cnt = _counts(new, num_experts), _counts(old, num_experts)  # [R, E]
+    num_experts = old.master.shape[0]
+    new_cnt, old_cnt = _counts(new, num_experts), _counts(old.phy2log, num_experts)  # [R, E]
+    old_master = np.zeros_like(old_cnt)  # [R, E] 1 where the rank holds e's master
+    old_master[old.master_rank(), np.arange(num_experts)] = 1
     out = np.empty_like(new)
     for ranks in topo.dc_ranks:
         if not hierarchical:
-            out[ranks] = new[ranks[_assign(new_cnt[ranks], old_cnt[ranks])]]
+            src = _assign(new_cnt[ranks], old_cnt[ranks], old_master[ranks], master_weight)
+            out[ranks] = new[ranks[src]]
             continue
         per_node = topo.dcs[int(topo.rank_dc[ranks[0]])].ranks_per_node
         nodes = ranks.reshape(-1, per_node)  # [nodes in DC, ranks per node]
-        node_new = new_cnt[nodes].sum(1)  # [n, E]
-        node_old = old_cnt[nodes].sum(1)
-        src_node = _assign(node_new, node_old)  # old node b receives new node src_node[b]
+        src_node = _assign(  # old node b receives new node src_node[b]
+            new_cnt[nodes].sum(1), old_cnt[nodes].sum(1), old_master[nodes].sum(1), master_weight
+        )
         for b, a in enumerate(src_node):
-            pick = _assign(new_cnt[nodes[a]], old_cnt[nodes[b]])
+            pick = _assign(
+                new_cnt[nodes[a]], old_cnt[nodes[b]], old_master[nodes[b]], master_weight
+            )
             out[nodes[b]] = new[nodes[a][pick]]
     return out
 
@@ -441,14 +451,22 @@ def _counts(phy2log: np.ndarray, num_experts: int) -> np.ndarray:
     )
 
 
-def _assign(new_cnt: np.ndarray, old_cnt: np.ndarray) -> np.ndarray:
+def _assign(
+    new_cnt: np.ndarray,
+    old_cnt: np.ndarray,
+    old_master: np.ndarray | None = None,
+    master_weight: float = 0.0,
+) -> np.ndarray:
     """For bins ``new_cnt`` [n, E] and places ``old_cnt`` [n, E] (copy counts), the bin
-    each place gets, [n], maximising the copies that stay (multiset overlap)."""
+    each place gets, [n], maximising the copies that stay (multiset overlap) plus
+    ``master_weight`` for each master of ``old_master`` [n, E] whose place keeps a copy."""
     # sum_e min(a_e, b_e) = sum_k sum_e [a_e >= k][b_e >= k]: a few [n, E] x [E, n] products
-    overlap = np.zeros((new_cnt.shape[0], old_cnt.shape[0]))  # [n_new, n_old]
+    value = np.zeros((new_cnt.shape[0], old_cnt.shape[0]))  # [n_new, n_old]
     for k in range(1, int(min(new_cnt.max(initial=0), old_cnt.max(initial=0))) + 1):
-        overlap += (new_cnt >= k).astype(np.float64) @ (old_cnt >= k).T.astype(np.float64)
-    rows, cols = linear_sum_assignment(overlap, maximize=True)
+        value += (new_cnt >= k).astype(np.float64) @ (old_cnt >= k).T.astype(np.float64)
+    if old_master is not None and master_weight:
+        value += master_weight * ((new_cnt >= 1).astype(np.float64) @ old_master.T)
+    rows, cols = linear_sum_assignment(value, maximize=True)
     src = np.empty(len(cols), dtype=np.int64)
     src[cols] = rows
     return src
