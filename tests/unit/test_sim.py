@@ -6,6 +6,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from expertmesh.cli.main import main
 from expertmesh.planner import ModelSpec, Topology, make_policy
@@ -225,3 +227,24 @@ def test_cli_sweep_writes_tables_and_plots(tmp_path, capsys):
         assert (tmp_path / "o" / f).stat().st_size > 0
     rows = list(csv.DictReader((tmp_path / "o" / "sweep.csv").open()))
     assert len(rows) == 8 and {r["kind"] for r in rows} == {"bandwidth", "dcs"}
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10_000), domain=st.sampled_from(["dc", "node", "global"]))
+def test_quota_traffic_equals_its_route_up_to_rounding(seed, domain):
+    from expertmesh.planner.quota import quota_balance, quota_traffic
+    from expertmesh.planner.static import static_placement
+
+    topo = Topology.generate(3, 4, nodes_per_dc=2, masters=2, spare=2)
+    rng = np.random.default_rng(seed)
+    load = rng.integers(0, 50, size=(12, 16)) * (rng.random(16) < 0.8)
+    load[:, int(rng.integers(16))] += 400  # a hot expert to replicate
+    dom = {"dc": topo.rank_dc, "node": topo.rank_node, "global": None}[domain]
+    sol = quota_balance(load, static_placement(12, 4, 16, 2), dom)
+    exact = traffic_from_route(sol.route, load, topo, 2)
+    fast = quota_traffic(load, sol, topo, 2)
+    bound = 2.0 * len(sol.replicas[0]) * 12 + 1e-6  # one token per (source, replica) rounding
+    np.testing.assert_allclose(fast.rank_tokens, exact.rank_tokens, atol=1e-6)  # amounts exact
+    assert np.abs(fast.rank_out - exact.rank_out).max() <= bound
+    assert np.abs(fast.rank_in - exact.rank_in).max() <= bound
+    assert fast.pair_tokens.sum() == pytest.approx(exact.pair_tokens.sum(), abs=bound)

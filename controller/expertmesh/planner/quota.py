@@ -63,8 +63,10 @@ from expertmesh.planner.plan import Placement, check_load
 from expertmesh.planner.policy import Policy, PolicyContext, PolicySettings, register
 from expertmesh.planner.routing import route_even
 from expertmesh.planner.static import static_placement
+from expertmesh.planner.topology import Topology
+from expertmesh.planner.traffic import TokenTraffic, weighted_traffic
 
-__all__ = ["QuotaPolicy", "QuotaSettings", "QuotaSolution", "quota_balance"]
+__all__ = ["QuotaPolicy", "QuotaSettings", "QuotaSolution", "quota_balance", "quota_traffic"]
 
 
 class QuotaSettings(PolicySettings):
@@ -87,12 +89,16 @@ class QuotaSolution:
     - ``route``: [N, 4] int64 ``(src_rank, expert, dst_rank, tokens)``.
     - ``quota``: [D] the smallest feasible ``T`` of each domain (its max tokens per rank).
     - ``lower_bound``: [D] the bound the search started from (no plan can go below it).
+    - ``replicas``: ``(expert, rank, tokens)`` of every replica in line order, each [N].
     """
 
     placement: Placement
     route: np.ndarray
     quota: np.ndarray
     lower_bound: np.ndarray
+    replicas: tuple[np.ndarray, np.ndarray, np.ndarray] = (
+        np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    )  # fmt: skip
 
 
 @dataclass(frozen=True, eq=False)
@@ -349,11 +355,44 @@ def _nth_of_group(values: np.ndarray) -> np.ndarray:
     return out
 
 
+def quota_traffic(
+    load: np.ndarray, solution: QuotaSolution, topology: Topology, top_k: int
+) -> TokenTraffic:
+    """The cost model's view of ``solution``'s route, without its [N, 4] rows.
+
+    The route rule of the module docstring in fractions instead of whole tokens: each
+    copy keeps what it can of its own rank's tokens, then replicas take their amount in
+    proportion to what every source has left (which stays proportional to what it had
+    after the own-rank step), and the master the rest. Equal to
+    ``traffic_from_route(solution.route, ...)`` up to the largest-remainder rounding;
+    ``O(R E + D^2 E)`` instead of the route's ``O(R x copies)`` rows.
+    """
+    num_experts = load.shape[1]
+    rep_expert, rep_rank, rep_tokens = solution.replicas
+    master_rank = solution.placement.master_rank()
+    demand = load.sum(axis=0)
+    rep_sum = np.bincount(rep_expert, weights=rep_tokens, minlength=num_experts)
+    c_exp = np.concatenate([rep_expert, np.arange(num_experts)])
+    c_rank = np.concatenate([rep_rank, master_rank])
+    need = np.concatenate([rep_tokens, demand - rep_sum]).astype(np.float64)
+    hot = np.zeros(num_experts, bool)
+    hot[rep_expert] = True
+    left = load.astype(np.float64)
+    # own rank first, for every copy of an expert with replicas (a cold master takes all)
+    own = np.where(hot[c_exp], np.minimum(need, left[c_rank, c_exp]), 0.0)
+    np.subtract.at(left, (c_rank, c_exp), own)
+    rest = left.sum(axis=0)  # [E]
+    weight = (need - own) / np.where(rest > 0, rest, 1.0)[c_exp]
+    return weighted_traffic(load, left, (c_rank, c_exp, weight, own), topology, top_k)
+
+
 def quota_balance(
     load: np.ndarray,
     masters: Placement,
     rank_domain: np.ndarray | None = None,
     max_replicas_per_expert: int | None = None,
+    *,
+    with_route: bool = True,
 ) -> QuotaSolution:
     """Balance one layer's microbatch by quota inside each domain (see the module doc).
 
@@ -362,6 +401,8 @@ def quota_balance(
       master slots of its ``phy2log`` [R, S] are kept (other copies are dropped).
     - ``rank_domain``: [R] domain id of each rank (any ints; ``None``: one domain).
     - ``max_replicas_per_expert``: bound on replicas of one expert, ``None`` for none.
+    - ``with_route``: build the route rows (``False``: an empty route, for callers that
+      only need the placement and :func:`quota_traffic`).
 
     Raises ``ValueError`` on shapes that do not match or a bound below 1.
     """
@@ -389,11 +430,17 @@ def quota_balance(
     lower, upper = _bounds(pb)
     quota = _search(pb, lower, upper)
     rep_expert, rep_rank, rep_tokens = _replicas(pb, _fit(pb, quota))
+    route = (
+        _split(load, pb, rep_expert, rep_rank, rep_tokens)
+        if with_route
+        else np.zeros((0, 4), np.int64)
+    )
     return QuotaSolution(
         placement=_place(base, rep_expert, rep_rank),
-        route=_split(load, pb, rep_expert, rep_rank, rep_tokens),
+        route=route,
         quota=quota,
         lower_bound=lower,
+        replicas=(rep_expert, rep_rank, rep_tokens),
     )
 
 
@@ -401,9 +448,10 @@ def quota_balance(
 class QuotaPolicy(Policy):
     """Per-microbatch replicas and token split by smallest quota (see the module doc).
 
-    ``place`` solves and remembers the route of the context it solved, which
-    ``route`` returns (slots may be permuted in between; ranks are not). For any
-    other placement ``route`` falls back to an even split inside domains.
+    ``place`` solves and remembers the solution of the context it solved; ``route``
+    returns its route (built then, once; slots may be permuted in between, ranks
+    are not) and ``route_traffic`` its cost-model view without rows. For any other
+    placement ``route`` falls back to an even split inside domains.
     """
 
     name = "quota"
@@ -412,7 +460,7 @@ class QuotaPolicy(Policy):
 
     def __init__(self, settings: PolicySettings | None = None) -> None:
         super().__init__(settings)
-        self._last: tuple[PolicyContext, QuotaSolution] | None = None
+        self._last: tuple[PolicyContext, QuotaSolution, bool] | None = None
 
     def _domain(self, ctx: PolicyContext) -> np.ndarray | None:
         kind = self.settings.domain  # type: ignore[attr-defined]
@@ -422,9 +470,10 @@ class QuotaPolicy(Policy):
             return ctx.topology.rank_node
         return None
 
-    def solve(self, ctx: PolicyContext) -> QuotaSolution:
-        """The full solution for ``ctx`` (placement, route, quota per domain)."""
-        if self._last is not None and self._last[0] is ctx:
+    def solve(self, ctx: PolicyContext, with_route: bool = True) -> QuotaSolution:
+        """The full solution for ``ctx`` (placement, route unless ``with_route`` is False,
+        quota per domain)."""
+        if self._last is not None and self._last[0] is ctx and (self._last[2] or not with_route):
             return self._last[1]
         t = ctx.topology
         if ctx.previous is not None:
@@ -438,12 +487,21 @@ class QuotaPolicy(Policy):
             masters,
             self._domain(ctx),
             self.settings.max_replicas_per_expert,  # type: ignore[attr-defined]
+            with_route=with_route,
         )
-        self._last = (ctx, sol)
+        self._last = (ctx, sol, with_route)
         return sol
 
     def place(self, ctx: PolicyContext) -> Placement:
-        return self.solve(ctx).placement
+        return self.solve(ctx, with_route=False).placement
+
+    def route_traffic(self, ctx: PolicyContext, placement: Placement) -> TokenTraffic | None:
+        """The cost model's view of the route (:func:`quota_traffic`) without building its
+        rows, or ``None`` when ``placement`` is not the one this context solved to."""
+        sol = self.solve(ctx, with_route=False)
+        if not np.array_equal(sol.placement.holds(), placement.holds()):
+            return None
+        return quota_traffic(ctx.load, sol, ctx.topology, ctx.model.top_k)
 
     def route(self, ctx: PolicyContext, placement: Placement) -> np.ndarray:
         sol = self.solve(ctx)

@@ -28,7 +28,7 @@ import numpy as np
 from expertmesh.planner.plan import Placement
 from expertmesh.planner.topology import Topology
 
-__all__ = ["Domain", "TokenTraffic", "even_traffic", "traffic_from_route"]
+__all__ = ["Domain", "TokenTraffic", "even_traffic", "traffic_from_route", "weighted_traffic"]
 
 Domain = Literal["rank", "node", "dc", "global"]
 _LEVEL = {"rank": 0, "node": 1, "dc": 2, "global": 3}
@@ -267,3 +267,50 @@ def _shell(topology: Topology, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     out[topology.rank_node[a] == topology.rank_node[b]] = 1
     out[np.broadcast_to(a == b, out.shape)] = 0
     return out
+
+
+def weighted_traffic(
+    load: np.ndarray,
+    left: np.ndarray,
+    copies: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    topology: Topology,
+    top_k: int,
+) -> TokenTraffic:
+    """:class:`TokenTraffic` of a split where copy ``c`` of expert ``e`` first keeps
+    ``own[c]`` tokens of its own rank, then takes the share ``weight[c]`` of what every
+    source still has (``left`` [R, E]); the weights of one expert's copies sum to 1.
+
+    ``load`` [R, E] is the whole load (for per-DC token counts); ``copies`` is
+    ``(rank, expert, weight, own)``, each [C]. ``O(R E + D^2 E)``, no route rows.
+    """
+    c_rank, c_exp, c_w, c_own = copies
+    num_ranks, num_experts = left.shape
+    group = [np.arange(num_ranks), topology.rank_node, topology.rank_dc]
+    sizes = [num_ranks, topology.num_nodes, topology.num_dcs]
+    # g[j]: [groups at level j, E] weight of the copies in each rank, node, DC
+    g = [
+        np.bincount(group[j][c_rank] * num_experts + c_exp, weights=c_w,
+                    minlength=sizes[j] * num_experts).reshape(sizes[j], num_experts)
+        for j in range(3)
+    ]  # fmt: skip
+    g_all = np.bincount(c_exp, weights=c_w, minlength=num_experts)  # [E]
+    reach = [np.einsum("re,re->r", left, g[j][group[j]]) for j in range(3)]
+    reach.append(left @ g_all)
+    rank_out = np.stack([reach[j] - reach[j - 1] for j in (1, 2, 3)], axis=1)
+    lsum = _level_sums(left, topology)
+    qg = [group[j][c_rank] for j in range(3)] + [np.zeros(c_rank.size, np.int64)]
+    in_shell = np.stack(
+        [lsum[j][qg[j], c_exp] - (lsum[j - 1][qg[j - 1], c_exp] if j else 0.0) for j in range(4)],
+        axis=1,
+    ) * c_w[:, None]  # fmt: skip
+    in_shell[:, 0] += c_own
+    rank_tokens = np.bincount(c_rank, weights=in_shell.sum(axis=1), minlength=num_ranks)
+    rank_in = np.stack(
+        [np.bincount(c_rank, weights=in_shell[:, j], minlength=num_ranks) for j in (1, 2, 3)],
+        axis=1,
+    )
+    dense = lsum[2] @ g[2].T  # [D, D] what sources of DC s send to copies in DC x
+    ps, pd, pt = _pairs(dense)
+    return TokenTraffic(
+        rank_tokens, rank_out, rank_in, ps, pd, pt, _dc_tokens(load, topology, top_k)
+    )

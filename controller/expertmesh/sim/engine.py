@@ -8,10 +8,12 @@ and the migration into it streamed in the background over the steps the
 previous placement ran (``1 / gap`` of its bytes charged at the commit step;
 ``gap`` = steps since the previous change).
 
-Fast path: a policy whose route is an even split (``static``, ``eplb``,
-``fastermoe``, ``hybrid``) is costed with
-:func:`~expertmesh.planner.traffic.even_traffic` instead of building route rows;
-others (``quota``) are costed from their route rows. No ``[R, R]`` array.
+Fast path: no route rows. A policy with a ``route_traffic(ctx, placement)``
+method (``quota``) gives its own aggregated view; one whose route is an even
+split (``static``, ``eplb``, ``fastermoe``, ``hybrid``) is costed with
+:func:`~expertmesh.planner.traffic.even_traffic`; any other is costed from its
+route rows. No ``[R, R]`` array. ``solve_seconds`` is the CPU time of ``place``
+(and of ``route`` when rows are built), not of the cost model.
 
 Steps run outer and policies inner, so one step's load is in memory at a time
 and the history windows are shared by policies that ask for the same window.
@@ -41,7 +43,7 @@ from expertmesh.planner.model import ModelSpec
 from expertmesh.planner.plan import LayerPlan, Migration, Placement, TransferKind
 from expertmesh.planner.policy import Policy, PolicyContext, make_policy
 from expertmesh.planner.topology import Topology
-from expertmesh.planner.traffic import even_traffic, traffic_from_route
+from expertmesh.planner.traffic import TokenTraffic, even_traffic, traffic_from_route
 
 __all__ = ["COLUMNS", "LoadSource", "PolicyRun", "SimResult", "StepRow", "dense_source", "simulate"]
 
@@ -272,25 +274,19 @@ def _step(st: _PolicyState, world: _World, t: int, step_load: np.ndarray) -> Ste
             history=world.hist[(w, layer)].view(world.shape),
             previous=prev,
         )
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         placement = st.policy.place(ctx)
         if prev is not None and placement is not prev.placement:
             relabel = bool(getattr(st.policy, "relabel_ranks", False))
             placement = align_placement(prev.placement, placement, topology, relabel)
-        if st.split is not None:
-            route = np.zeros((0, 4), np.int64)
-            traffic = even_traffic(
-                load,
-                placement,
-                topology,
-                model.top_k,
-                domain=st.split[0],
-                remote=st.split[1],
-            )
-        else:
+        solve += time.process_time() - t0
+        route = np.zeros((0, 4), np.int64)
+        traffic = _fast_traffic(st, ctx, placement)
+        if traffic is None:  # the policy's route rows (timed: routing is part of planning)
+            t0 = time.process_time()
             route = st.policy.route(ctx, placement)
+            solve += time.process_time() - t0
             traffic = traffic_from_route(route, load, topology, model.top_k)
-        solve += time.perf_counter() - t0
         changed = prev is not None and not np.array_equal(prev.placement.phy2log, placement.phy2log)
         streams = _sync_streams(st, world, layer, placement)
         migration = Migration()
@@ -313,6 +309,22 @@ def _step(st: _PolicyState, world: _World, t: int, step_load: np.ndarray) -> Ste
     return StepRow(
         st.name, t, seconds, imb, tok_bytes, w_bytes, mig_bytes, replicas, solve, bottleneck
     )
+
+
+def _fast_traffic(
+    st: _PolicyState, ctx: PolicyContext, placement: Placement
+) -> TokenTraffic | None:
+    """The traffic without route rows: the policy's own ``route_traffic`` view, or its even
+    split; ``None`` when neither applies."""
+    summarize = getattr(st.policy, "route_traffic", None)
+    if callable(summarize):
+        traffic = summarize(ctx, placement)
+        if traffic is not None:
+            return traffic
+    if st.split is None:
+        return None
+    topo, k = ctx.topology, ctx.model.top_k
+    return even_traffic(ctx.load, placement, topo, k, domain=st.split[0], remote=st.split[1])
 
 
 def _sync_streams(
