@@ -158,3 +158,18 @@ def test_steps_outside_int62_are_refused(step):
     with pytest.raises(ValueError, match="step must be in"):
         core.report_layer(step, 0, np.ones((4, 8), np.int64))
     assert core.reports_rejected == 2 and not core._pending
+
+
+def test_finished_plans_beyond_keep_versions_leave_memory():
+    core, saved = _core(trigger={"mode": "every_step"})
+    rng = np.random.default_rng(0)
+    for step in range(core.KEEP_VERSIONS + 5):
+        _report_step(core, step, rng)
+        core.commit(core.plan(step).version)
+    prepared = core.plan(step)  # stays until committed or rolled back
+    kept = [pv.version for pv in core.versions()]
+    assert kept == [*range(step + 1 - core.KEEP_VERSIONS, step + 3)]
+    assert core.committed.version == step + 1 and prepared.version == step + 2
+    assert saved == list(range(1, step + 2))  # every commit reached the store
+    with pytest.raises(ValueError, match="unknown plan version"):
+        core.get(1)

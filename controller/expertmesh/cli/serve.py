@@ -54,7 +54,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--token", default=None, help="bearer token for writes (default: $EXPERTMESH_TOKEN)"
     )
-    p.add_argument("--db", default=None, help="SQLite plan store (default: in memory)")
+    p.add_argument(
+        "--db", default=None, help="SQLite plan store (default: in memory, newest 16 plans)"
+    )
     p.add_argument("--retention", type=int, default=None, help="committed plans kept")
     p.add_argument("--seconds", type=float, default=None, help="stop after this long")
     p.set_defaults(func=run)

@@ -167,7 +167,9 @@ class ControllerCore:
     # Incomplete steps kept per layer. A partial load costs [R, E] int64 whatever the report
     # size, so reports of many steps that never complete (a dead rank, a hostile client)
     # must not grow memory: the oldest incomplete step of the layer is dropped instead.
-    MAX_PENDING_STEPS = 64
+    MAX_PENDING_STEPS = 16
+    # Finished plans (committed before the current one, rolled back) kept in memory.
+    KEEP_VERSIONS = 2
 
     def __init__(
         self,
@@ -481,28 +483,42 @@ class ControllerCore:
 
     def maybe_plan(self, step: int) -> PlanVersion | None:
         """Plan if the trigger fires; returns the new PREPARED version or None."""
-        with self._lock:
-            return self.plan(step) if self.should_plan(step) else None
+        return self.plan(step) if self.should_plan(step) else None
 
     def plan(self, step: int) -> PlanVersion:
-        """Run the policy on every layer's window now; returns a PREPARED version."""
+        """Run the policy on every layer's window now; returns a PREPARED version.
+
+        The inputs are taken under the lock, the policy runs outside it (reports, queries
+        and commits go on meanwhile), and the version is numbered under the lock again."""
         with self._lock:
-            layers, before, after = [], [], []
+            policy, policy_name, committed = self._policy, self._settings.policy, self._committed
+            jobs = []
             for layer in range(self.model.num_layers):
                 w = self._windows[layer]
                 if not w:
                     raise ValueError(f"layer {layer} has no complete load yet")
                 load = w[-1][1]
-                ctx = self._context(layer, load, step)
-                lp = plan_layer(self._policy, ctx)
-                layers.append(lp)
-                before.append(self._imbalance_under_committed(layer, load))
-                after.append(imbalance(lp.rank_tokens()))
+                before_ctx = self._context(layer, load, committed.step) if committed else None
+                jobs.append((layer, load, self._context(layer, load, step), before_ctx))
+        layers, before, after = [], [], []
+        for layer, load, ctx, before_ctx in jobs:
+            lp = plan_layer(policy, ctx)
+            layers.append(lp)
+            if committed is None or before_ctx is None:
+                before.append(_static_imbalance(load, self.topology))
+            else:
+                route = policy.route(before_ctx, committed.layers[layer].placement)
+                tokens = np.bincount(
+                    route[:, 2], weights=route[:, 3], minlength=self.topology.num_ranks
+                )
+                before.append(imbalance(tokens))
+            after.append(imbalance(lp.rank_tokens()))
+        with self._lock:
             version = max(self._versions, default=0) + 1
             pv = PlanVersion(
                 version=version,
                 step=step,
-                policy=self._settings.policy,
+                policy=policy_name,
                 layers=layers,
                 imbalance_before=before,
                 imbalance_after=after,
@@ -510,6 +526,7 @@ class ControllerCore:
             )
             self._versions[version] = pv
             self._last_plan_step = step
+            self._prune()
             self._notify("prepared", pv)
             return pv
 
@@ -609,6 +626,7 @@ class ControllerCore:
             self._committed = pv
             if self._store is not None:
                 self._store.save(pv)
+            self._prune()
             self._notify("committed", pv)
             return pv
 
@@ -630,13 +648,26 @@ class ControllerCore:
             if self._committed is None or pv.version > self._committed.version:
                 self._committed = pv
                 self._last_plan_step = pv.step
+            self._prune()
 
     # ---- queries ----
 
     @property
     def committed(self) -> PlanVersion | None:
-        with self._lock:
-            return self._committed
+        # one attribute read is atomic: no lock, so readers never wait for a plan or a batch
+        return self._committed
+
+    def _prune(self) -> None:
+        # caller holds the lock. Plans are large (routes of ~R * E rows per layer): keep the
+        # committed one, every prepared one and the newest KEEP_VERSIONS others in memory;
+        # older ones are read from the plan store.
+        done = [
+            v
+            for v, pv in self._versions.items()
+            if pv.state != PlanState.PREPARED and pv is not self._committed
+        ]
+        for v in sorted(done)[: max(0, len(done) - self.KEEP_VERSIONS)]:
+            del self._versions[v]
 
     def get(self, version: int) -> PlanVersion:
         with self._lock:
@@ -646,7 +677,8 @@ class ControllerCore:
             return pv
 
     def versions(self) -> list[PlanVersion]:
-        """Every version this process knows, oldest first."""
+        """The versions kept in memory (prepared, committed, the newest KEEP_VERSIONS others),
+        oldest first; older ones are in the plan store."""
         with self._lock:
             return [self._versions[v] for v in sorted(self._versions)]
 

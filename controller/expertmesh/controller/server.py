@@ -26,6 +26,9 @@ __all__ = ["Surfaces"]
 
 log = logging.getLogger(__name__)
 
+# Committed plans an in-memory plan store keeps (a plan holds ~R * E route rows per layer).
+MEMORY_RETENTION = 16
+
 
 class _Uvicorn(uvicorn.Server):
     def install_signal_handlers(self) -> None:  # the host process owns signals
@@ -58,9 +61,10 @@ class Surfaces:
             )
         self.core = core
         self._own_store = store is None
-        self.store = store or SqlitePlanStore(
-            self.settings.db_path, keep=self.settings.plan_retention
-        )
+        keep = self.settings.plan_retention
+        if self.settings.db_path == ":memory:":  # the plans would live in this process's RAM
+            keep = min(keep, MEMORY_RETENTION)
+        self.store = store or SqlitePlanStore(self.settings.db_path, keep=keep)
         if core.store is None:
             core.attach_store(self.store)
         if recover and self._own_store:

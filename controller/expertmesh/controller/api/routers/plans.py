@@ -15,6 +15,7 @@ router = APIRouter(prefix="/plans", tags=["plans"])
 
 VersionPath = Annotated[int, Path(ge=1, le=2**62, description="plan version")]
 LayerPath = Annotated[int, Path(ge=0, le=4096, description="MoE layer index")]
+PLAN_CACHE_BYTES = 64 << 20  # rendered plan JSON kept per app
 WithRoute = Annotated[bool, Query(description="include each layer's [N, 4] route")]
 
 
@@ -25,10 +26,13 @@ def _plan_response(state: AppState, pv: PlanVersion, route: bool) -> Response:
     if body is None:
         out = views.plan_out(pv, state.core.model.num_experts, route=route)
         body = out.model_dump_json().encode()
-        if pv.state != PlanState.PREPARED:
-            if len(state.plan_json) > 64:
-                state.plan_json.pop(next(iter(state.plan_json)))
+        if pv.state != PlanState.PREPARED and len(body) <= PLAN_CACHE_BYTES // 4:
             state.plan_json[key] = body
+            # bounded in entries and bytes (a plan with its routes can be tens of MB)
+            while len(state.plan_json) > 64 or (
+                sum(map(len, state.plan_json.values())) > PLAN_CACHE_BYTES
+            ):
+                state.plan_json.pop(next(iter(state.plan_json)))
     return Response(body, media_type="application/json")
 
 
