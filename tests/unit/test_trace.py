@@ -187,3 +187,16 @@ def test_reference_ranks_keep_the_skew_at_any_scale():
     assert np.allclose(few.expected_imbalance, 2.0)
     with pytest.raises(ValueError, match="below"):
         generate_trace(small(num_ranks=4000, num_steps=2))
+
+
+def test_near_integer_cumulative_sums_do_not_add_a_token():
+    # Popularity with three certain experts and a tail of ~1e-16 probabilities: the arcs'
+    # cumulative sum lands a hair below an integer; every token must still get exactly top_k.
+    for seed in range(40):
+        s = TraceSettings(num_ranks=5, num_experts=20, num_steps=3, num_layers=2, top_k=4,
+                          tokens_per_rank=1, imbalance=2.496094, seed=seed)  # fmt: skip
+        try:
+            tr = generate_trace(s)
+        except ValueError:
+            continue
+        assert (tr.load.sum(axis=-1) == 4).all(), seed

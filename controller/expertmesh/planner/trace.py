@@ -210,7 +210,9 @@ def systematic_arcs(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     (mod 1, wrapping when ``end < start``).
     """
     c = np.cumsum(q, axis=1) - q  # [R, K] exclusive cumulative sum
-    start = c - np.floor(c)
+    # Snap to 1e-12: a cumulative sum that lands a hair below an integer would otherwise
+    # give a start of 1 - 1e-16, and an empty arc there would look like a full wrap.
+    start = np.round(c - np.floor(c), 12) % 1.0
     end = np.roll(start, -1, axis=1)
     end[:, -1] = 0.0
     return start, end
