@@ -264,6 +264,7 @@ def drift_rows(
     steps: int,
     seeds: int,
     drift: float,
+    eplb_settings: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Migration per step under slow drift, measured over ``steps`` steps after a warm-up
     of one period (the switch from the cold-start placement to the first plan on real
@@ -275,7 +276,7 @@ def drift_rows(
     their rank when it still holds the expert). The peer: its placements as they come,
     slot by slot, each expert's master on its first copy.
     """
-    eplb = make_policy("eplb")
+    eplb = make_policy("eplb", eplb_settings)
     assert isinstance(eplb, EplbPolicy)
     groups, hier = eplb.resolve(topo, NUM_EXPERTS)
     window = eplb.cfg.window
@@ -338,6 +339,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--drift", type=float, default=0.01, help="share of experts swapped per drift step"
     )
+    ap.add_argument(
+        "--eplb-min-gain",
+        type=float,
+        default=0.05,
+        help="eplb's min_gain in the drift run (0 re-places at every period, as the peer does)",
+    )
     ap.add_argument("--quick", action="store_true", help="1 seed, 5 repeats, 30 drift steps")
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--markdown", type=Path, help="also write the tables here as markdown")
@@ -367,7 +374,9 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     bal = balance_rows(topo, model, peer, args.seeds, args.repeats)
-    drift = drift_rows(topo, model, peer, args.steps, args.seeds, args.drift)
+    drift = drift_rows(
+        topo, model, peer, args.steps, args.seeds, args.drift, {"min_gain": args.eplb_min_gain}
+    )
     tables = [balance_table(bal), drift_table(drift, args.steps)]
     verdicts = targets(bal, drift)
     for title, head, body in tables:

@@ -314,6 +314,14 @@ class EplbSettings(PolicySettings):
         "count); 1 for a model without groups, as vLLM and SGLang pass it, which makes "
         "`auto` choose the global policy on several nodes",
     )
+    min_gain: float = Field(
+        default=0.05,
+        ge=0.0,
+        le=10.0,
+        description="at a re-plan, keep the running placement unless the new one lowers the "
+        "window's expected max/mean by more than this fraction (0: always re-place, as "
+        "DeepSeek's EPLB does); under slow drift this skips migrations that buy nothing",
+    )
     hierarchical: Literal["auto"] | bool = Field(
         default="auto",
         description="hierarchical policy (groups to nodes, replicate in nodes, copies to "
@@ -397,6 +405,10 @@ class EplbPolicy(Policy):
             weight[None, :], num_ranks * slots, groups, topo.num_nodes, num_ranks, hierarchical=hier
         )
         new = phy2log[0].reshape(num_ranks, slots)
+        if prev is not None and self.cfg.min_gain > 0:
+            keep = expected_imbalance(prev.placement.phy2log, weight)
+            if keep <= expected_imbalance(new, weight) * (1 + self.cfg.min_gain):
+                return prev.placement
         if prev is not None:
             model = ctx.model
             extra = (model.master_bytes - model.expert_bytes) / model.expert_bytes
@@ -406,6 +418,18 @@ class EplbPolicy(Policy):
 
     def route(self, ctx: PolicyContext, placement: Placement) -> np.ndarray:
         return route_even(ctx.load, placement, ctx.topology.rank_dc)
+
+
+def expected_imbalance(phy2log: np.ndarray, weight: np.ndarray) -> float:
+    """max/mean tokens per rank when each expert's ``weight`` [E] splits evenly over its
+    copies in ``phy2log`` [R, S] (-1 empty)."""
+    held = phy2log >= 0
+    cnt = np.bincount(phy2log[held], minlength=weight.shape[0])
+    per_slot = np.zeros(phy2log.shape)
+    per_slot[held] = weight[phy2log[held]] / cnt[phy2log[held]]
+    per_rank = per_slot.sum(axis=1)
+    mean = per_rank.mean()
+    return float(per_rank.max() / mean) if mean > 0 else 1.0
 
 
 def _relabel(
