@@ -9,7 +9,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 
 .DEFAULT_GOAL := help
 .PHONY: help setup demo demo-planner test test-unit test-integration lint fmt typecheck bench \
-	bench-planner bench-migration clean serve proto emulate-up emulate-down emulate-status ci-deps results
+	bench-planner bench-migration bench-soak clean serve proto emulate-up emulate-down emulate-status ci-deps results
 
 help: ## list the verbs
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -70,6 +70,11 @@ proto: setup ## regenerate proto/expertmesh/v1/*_pb2*.py from the .proto (commit
 
 bench-api: setup ## control plane: gRPC reports/s from 1,000 ranks, REST latest-plan p50/p99 at 500 req/s
 	$(PY) bench/bench_api.py
+
+SOAK_MINUTES ?= 10
+bench-soak: setup ## soak: 1,000 ranks stream reports to `expertmesh serve` for SOAK_MINUTES (10) while plans commit
+	@mkdir -p $(OUT)
+	$(PY) bench/bench_soak.py --minutes $(SOAK_MINUTES) --json $(OUT)/soak.json
 
 bench-planner: setup ## planner: quota/eplb vs DeepSeek EPLB at EP64 (table + ratios)
 	$(PY) bench/bench_planner.py
