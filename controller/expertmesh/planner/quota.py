@@ -54,7 +54,7 @@ source rank); the master takes what is left from each source.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, NamedTuple
 
 import numpy as np
 from pydantic import Field
@@ -101,9 +101,9 @@ class QuotaSolution:
     )  # fmt: skip
 
 
-@dataclass(frozen=True, eq=False)
-class _Problem:
-    """Arrays of one solve that do not depend on ``T`` (``D`` domains, ``R`` ranks)."""
+class _Problem(NamedTuple):
+    """What one solve knows before choosing ``T`` (``D`` domains, ``R`` ranks, ``Q`` ranks
+    with a free slot)."""
 
     demand: np.ndarray  # [E] tokens of each expert
     master_rank: np.ndarray  # [E]
@@ -111,125 +111,127 @@ class _Problem:
     base: np.ndarray  # [R] M: demand on each rank from its masters
     free: np.ndarray  # [R] free slots
     shed_order: np.ndarray  # [E] experts by (master rank, demand desc, id)
-    shed_before: np.ndarray  # [E] demand of the same rank's experts earlier in shed_order
-    receivers: np.ndarray  # [Q] ranks with a free slot by (domain, M asc, rank)
+    shed_dom: np.ndarray  # [E] domain, in shed order
+    shed_demand: np.ndarray  # [E] demand, in shed order
+    shed_above: np.ndarray  # [E] M of the rank minus the demand of its experts shed earlier
+    recv_dom: np.ndarray  # [Q] receivers by (domain, M asc, rank): their domain
+    recv_base: np.ndarray  # [Q] and their M
+    recv_lists: tuple[list[int], list[int], list[int]]  # rank, free slots, domain
     max_replicas: int
     num_domains: int
 
 
-@dataclass(frozen=True, eq=False)
-class _Fit:
-    """The outcome of the rule for one ``T`` per domain."""
+class _Fit(NamedTuple):
+    """The rule applied with one ``T`` per domain: its line (``P`` pieces, and the ``Q'``
+    receivers that take something)."""
 
     feasible: np.ndarray  # [D] bool
-    piece_expert: np.ndarray  # [P] pieces in line order
-    piece_start: np.ndarray  # [P] position on the line
-    piece_end: np.ndarray  # [P]
-    recv_rank: np.ndarray  # [Q'] receivers with capacity > 0 in line order
+    piece_expert: np.ndarray  # [P] in line order
+    piece_end: np.ndarray  # [P] where each piece ends on the line (pieces are contiguous)
+    piece_amount: np.ndarray  # [P]
+    recv_rank: np.ndarray  # [Q'] in line order
     recv_start: np.ndarray  # [Q']
     recv_end: np.ndarray  # [Q']
-    first_recv: np.ndarray  # [P] first receiver each piece overlaps
-    num_recv: np.ndarray  # [P] receivers each piece overlaps
 
 
 def _problem(
-    load: np.ndarray, masters: Placement, rank_domain: np.ndarray, max_replicas: int
+    load: np.ndarray, master_rank: np.ndarray, num_slots: int, dom: np.ndarray, max_replicas: int
 ) -> _Problem:
-    num_ranks, num_slots = masters.phy2log.shape
+    num_ranks = dom.size
     demand = load.sum(axis=0)  # [E]
-    master_rank = masters.master // num_slots
     base = np.bincount(master_rank, weights=demand, minlength=num_ranks).astype(np.int64)
     free = num_slots - np.bincount(master_rank, minlength=num_ranks)
-    shed_order = np.lexsort((-demand, master_rank))
-    d_sorted = demand[shed_order]
-    cum = np.cumsum(d_sorted) - d_sorted  # [E] exclusive
-    rank_first = np.searchsorted(master_rank[shed_order], master_rank[shed_order])
-    shed_before = cum - cum[rank_first]
+    # by master rank, then demand descending, then id (stable): one integer key
+    top = int(demand.max(initial=0)) + 1
+    shed_order = np.argsort(master_rank * top + (top - 1 - demand), kind="stable")
+    shed_rank, shed_demand = master_rank[shed_order], demand[shed_order]
+    before = np.cumsum(shed_demand) - shed_demand  # [E] exclusive
+    shed_before = before - before[np.searchsorted(shed_rank, shed_rank)]
     has_free = np.flatnonzero(free > 0)
-    receivers = has_free[np.lexsort((base[has_free], rank_domain[has_free]))]
+    top = int(base.max(initial=0)) + 1
+    recv = has_free[np.argsort(dom[has_free] * top + base[has_free], kind="stable")]
     return _Problem(
         demand=demand,
         master_rank=master_rank,
-        rank_domain=rank_domain,
+        rank_domain=dom,
         base=base,
         free=free,
         shed_order=shed_order,
-        shed_before=shed_before,
-        receivers=receivers,
+        shed_dom=dom[shed_rank],
+        shed_demand=shed_demand,
+        shed_above=base[shed_rank] - shed_before,
+        recv_dom=dom[recv],
+        recv_base=base[recv],
+        recv_lists=(recv.tolist(), free[recv].tolist(), dom[recv].tolist()),
         max_replicas=max_replicas,
-        num_domains=int(rank_domain.max()) + 1,
+        num_domains=int(dom.max(initial=0)) + 1,
     )
 
 
 def _fit(pb: _Problem, quota: np.ndarray) -> _Fit:
-    """Apply the rule of the module docstring with quota [D] to every domain at once."""
-    num_domains = pb.num_domains
-    t_rank = quota[pb.rank_domain]  # [R]
-    excess = np.maximum(pb.base - t_rank, 0)
-    order = pb.shed_order
-    shed = np.clip(excess[pb.master_rank[order]] - pb.shed_before, 0, pb.demand[order])  # [E]
-    give = shed > 0
-    p_exp, p_amt = order[give], shed[give]
-    p_dom = pb.rank_domain[pb.master_rank[p_exp]]
+    """Apply the rule of the module docstring with ``quota`` [D] to every domain at once.
+
+    All pieces share one line, domain by domain; a domain's receivers start where
+    its pieces start and stop where they end.
+    """
+    shed = np.minimum(np.maximum(pb.shed_above - quota[pb.shed_dom], 0), pb.shed_demand)  # [E]
+    give = np.flatnonzero(shed)
+    p_exp, p_amt, p_dom = pb.shed_order[give], shed[give], pb.shed_dom[give]
     line = np.lexsort((p_exp, -p_amt, p_dom))
     p_exp, p_amt, p_dom = p_exp[line], p_amt[line], p_dom[line]
-
-    cap = t_rank[pb.receivers] - pb.base[pb.receivers]
-    keep = cap > 0
-    r_rank, r_cap = pb.receivers[keep], cap[keep]
-    r_dom = pb.rank_domain[r_rank]
-
-    need = np.bincount(p_dom, weights=p_amt, minlength=num_domains).astype(np.int64)
-    have = np.bincount(r_dom, weights=r_cap, minlength=num_domains).astype(np.int64)
-    span = np.maximum(need, have)
-    offset = np.cumsum(span) - span  # [D] where each domain's stretch of the line starts
-    p_end = np.cumsum(p_amt) + (offset - (np.cumsum(need) - need))[p_dom]
-    p_start = p_end - p_amt
-    r_start, r_end = _walk(p_end, r_cap, r_dom, pb.free[r_rank], offset)
-
-    first_recv = np.searchsorted(r_end, p_start, side="right")
-    num_recv = np.searchsorted(r_start, p_end, side="left") - first_recv  # [P]
-    got = np.bincount(r_dom, weights=r_end - r_start, minlength=num_domains)
-    bad = got < need
-    bad |= np.bincount(p_dom, weights=num_recv > pb.max_replicas, minlength=num_domains) > 0
-    return _Fit(
-        feasible=~bad,
-        piece_expert=p_exp,
-        piece_start=p_start,
-        piece_end=p_end,
-        recv_rank=r_rank,
-        recv_start=r_start,
-        recv_end=r_end,
-        first_recv=first_recv,
-        num_recv=num_recv,
-    )
+    p_end = np.cumsum(p_amt)
+    need = np.bincount(p_dom, weights=p_amt, minlength=pb.num_domains).astype(np.int64)
+    dom_end = np.cumsum(need)  # [D] where each domain's pieces end on the line
+    cap = quota[pb.recv_dom] - pb.recv_base  # [Q]
+    reached, rank, start, end = _walk(p_end, cap, dom_end, pb.recv_lists)
+    feasible = reached | (need == 0)
+    r_start = np.array(start, dtype=np.int64)
+    if pb.max_replicas < pb.rank_domain.size and p_end.size:
+        spans = np.searchsorted(r_start, p_end, side="left")  # past the last receiver of each
+        spans -= np.searchsorted(np.array(end, dtype=np.int64), p_end - p_amt, side="right")
+        too_many = np.bincount(p_dom, weights=spans > pb.max_replicas, minlength=pb.num_domains)
+        feasible &= too_many == 0
+    r_rank, r_end = np.array(rank, dtype=np.int64), np.array(end, dtype=np.int64)
+    return _Fit(feasible, p_exp, p_end, p_amt, r_rank, r_start, r_end)
 
 
 def _walk(
-    p_end: np.ndarray, cap: np.ndarray, dom: np.ndarray, slots: np.ndarray, offset: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """Receivers' intervals [start, end) on the line, each [Q'], closing a receiver early
-    when it has taken a fragment of ``slots`` pieces (the rest of its capacity is wasted).
+    p_end: np.ndarray,
+    cap: np.ndarray,
+    dom_end: np.ndarray,
+    receivers: tuple[list[int], list[int], list[int]],
+) -> tuple[np.ndarray, list[int], list[int], list[int]]:
+    """Lay the receivers beside the pieces; returns whether each domain's pieces were all
+    covered ([D] bool), and the rank, start and end of each receiver that takes something.
 
-    Receiver ``q`` starting at ``u`` ends at ``min(u + cap[q], f-th piece end after u)``
-    and the next one starts there. That recursion is solved by iterating the
-    wastes to a fixed point: after ``k`` rounds the first ``k`` receivers are exact,
-    and in practice it settles after a few rounds (one per receiver that wastes).
+    ``p_end``: [P] piece ends; ``cap``: [Q] capacity of each receiver (``<= 0``: skipped);
+    ``dom_end``: [D] where each domain's pieces end; ``receivers``: rank, free slots and
+    domain of each, in line order. A domain's first receiver starts where its pieces
+    start; receiver ``q`` starting at ``u`` ends at ``min(u + cap[q], the f-th piece end
+    after u, the domain's end)`` with ``f`` its free slots (out of slots, the rest of its
+    capacity is wasted), and the next one starts there. Sequential by nature; a plain
+    loop over the receivers is cheaper here than any numpy detour.
     """
-    p_end_inf = np.append(p_end, np.iinfo(np.int64).max)
-    dom_first = np.searchsorted(dom, dom)  # [Q'] first receiver of the same domain
-    waste = np.zeros_like(cap)
-    for _ in range(cap.size + 1):
-        end = np.cumsum(cap - waste)
-        start = end - (cap - waste)
-        start = start - start[dom_first] + offset[dom]
-        nth_end = np.searchsorted(p_end, start, side="right") + slots - 1
-        close = np.minimum(start + cap, p_end_inf[np.minimum(nth_end, p_end.size)])
-        new_waste = start + cap - close
-        if np.array_equal(new_waste, waste):
-            return start, close
-        waste = new_waste
-    raise RuntimeError("unreachable: the waste iteration settles within Q + 1 rounds")
+    ends = [*p_end.tolist(), np.iinfo(np.int64).max]
+    last = len(ends) - 1
+    stop = dom_end.tolist()
+    reached = [False] * len(stop)
+    rank, start, end = [], [], []
+    k, here, u = 0, -1, 0
+    for c, r, f, d in zip(cap.tolist(), *receivers, strict=True):
+        if d != here:
+            here, u = d, (stop[d - 1] if d else 0)
+        if c <= 0 or reached[d]:
+            continue
+        while ends[k] <= u:  # k: the first piece ending after u
+            k += 1
+        close = min(u + c, ends[min(k + f - 1, last)], stop[d])
+        rank.append(r)
+        start.append(u)
+        end.append(close)
+        reached[d] = close == stop[d]
+        u = close
+    return np.array(reached), rank, start, end
 
 
 def _bounds(pb: _Problem) -> tuple[np.ndarray, np.ndarray]:
@@ -255,41 +257,53 @@ def _segment_max(values: np.ndarray, segment: np.ndarray, num: int) -> np.ndarra
     return out
 
 
-def _search(pb: _Problem, lower: np.ndarray, upper: np.ndarray) -> np.ndarray:
-    """[D] smallest feasible quota per domain, bisecting all domains together.
+def _search(pb: _Problem, lower: np.ndarray, upper: np.ndarray) -> tuple[np.ndarray, _Fit]:
+    """[D] smallest feasible quota per domain, and its fit, searching all domains together.
 
-    Invariant: ``lo`` infeasible (below the lower bound at first), ``hi`` feasible.
+    Invariant: ``lo`` infeasible (``lower - 1`` at first: below the bound), ``hi``
+    feasible (the static max at first). Probes gallop up from the lower bound
+    (``lo + 1, lo + 2, lo + 4, ...``, never past the midpoint) until one succeeds, then
+    bisect: the answer is usually a few tokens above the bound.
     """
     lo, hi = lower - 1, upper.copy()
-    while True:
-        open_ = hi - lo > 1
-        if not open_.any():
-            return hi
-        mid = np.where(open_, (lo + hi) // 2, hi)
-        ok = _fit(pb, mid).feasible
-        hi = np.where(open_ & ok, mid, hi)
-        lo = np.where(open_ & ~ok, mid, lo)
+    gap = np.ones_like(lo)
+    galloping = np.ones(lo.shape, dtype=bool)
+    fit = None  # the fit of the last probe, reused when it is the answer
+    while (open_ := hi - lo > 1).any():
+        mid = (lo + hi) // 2
+        probe = np.where(galloping, np.minimum(lo + gap, mid), mid)
+        probe = np.where(open_, probe, hi)
+        fit = _fit(pb, probe)
+        ok = fit.feasible
+        hi = np.where(open_ & ok, probe, hi)
+        lo = np.where(open_ & ~ok, probe, lo)
+        galloping &= ~ok
+        gap *= 2
+        if not np.array_equal(probe, hi):
+            fit = None
+    return hi, fit if fit is not None else _fit(pb, hi)
 
 
-def _replicas(pb: _Problem, fit: _Fit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _replicas(fit: _Fit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Replicas of a feasible fit in line order: expert, rank and tokens, each [N]."""
-    piece = np.repeat(np.arange(fit.piece_expert.size), fit.num_recv)
-    step = np.arange(piece.size) - np.repeat(np.cumsum(fit.num_recv) - fit.num_recv, fit.num_recv)
-    recv = fit.first_recv[piece] + step
-    lo = np.maximum(fit.piece_start[piece], fit.recv_start[recv])
+    p_start = fit.piece_end - fit.piece_amount
+    first = np.searchsorted(fit.recv_end, p_start, side="right")  # [P]
+    count = np.searchsorted(fit.recv_start, fit.piece_end, side="left") - first
+    piece = np.repeat(np.arange(first.size), count)
+    recv = first[piece] + np.arange(piece.size) - np.repeat(np.cumsum(count) - count, count)
+    lo = np.maximum(p_start[piece], fit.recv_start[recv])
     hi = np.minimum(fit.piece_end[piece], fit.recv_end[recv])
     return fit.piece_expert[piece], fit.recv_rank[recv], hi - lo
 
 
 def _place(masters: Placement, rep_expert: np.ndarray, rep_rank: np.ndarray) -> Placement:
-    """Masters plus replicas, each replica in the next free slot of its rank."""
-    phy2log = masters.phy2log.copy()
-    free_slots = np.argsort(phy2log >= 0, axis=1, kind="stable")  # [R, S] free slots first
-    order = np.argsort(rep_rank, kind="stable")
-    ranks = rep_rank[order]
-    nth = np.arange(ranks.size) - np.searchsorted(ranks, ranks)
-    phy2log[ranks, free_slots[ranks, nth]] = rep_expert[order]
-    return Placement(phy2log=phy2log, master=masters.master.copy())
+    """Masters plus replicas [N], each replica in the next free slot of its rank."""
+    flat = masters.phy2log.ravel().copy()
+    num_slots = masters.slots_per_rank
+    free = np.flatnonzero(flat < 0)  # [F] free slots, rank by rank
+    first = np.searchsorted(free // num_slots, rep_rank)  # [N] first free slot of the rank
+    flat[free[first + _nth_of_group(rep_rank)]] = rep_expert
+    return Placement(flat.reshape(masters.phy2log.shape), masters.master)
 
 
 def _split(
@@ -304,46 +318,59 @@ def _split(
     hot = np.unique(rep_expert)  # [K] experts with replicas
     col = np.full(num_experts, -1)
     col[hot] = np.arange(hot.size)
-    cold = col < 0
-
-    src, exp = np.nonzero(load[:, cold])
-    exp = np.flatnonzero(cold)[exp]
-    rows = [np.stack([src, exp, pb.master_rank[exp], load[src, exp]], axis=1)]
 
     # copies of the hot experts: replicas in line order, then the masters
-    c_exp = np.concatenate([rep_expert, hot])
+    c_exp = np.concatenate([rep_expert, hot])  # [C]
     c_rank = np.concatenate([rep_rank, pb.master_rank[hot]])
-    rep_sum = np.bincount(rep_expert, weights=rep_tokens, minlength=num_experts).astype(np.int64)
-    c_need = np.concatenate([rep_tokens, pb.demand[hot] - rep_sum[hot]])
+    given = np.bincount(col[rep_expert], weights=rep_tokens, minlength=hot.size).astype(np.int64)
+    c_need = np.concatenate([rep_tokens, pb.demand[hot] - given])
     c_col = col[c_exp]
-    left = load[:, hot].copy()  # [R, K] tokens not yet given to a copy
-    take = np.zeros((num_ranks, c_exp.size), dtype=np.int64)  # [R, C]
-    copy_id = np.arange(c_exp.size)
-    own = np.minimum(c_need, left[c_rank, c_col])  # locality first
-    left[c_rank, c_col] -= own
-    take[c_rank, copy_id] = own
-    c_need = c_need - own
+    left = load[:, hot].T.copy()  # [K, R] tokens of each source not yet given to a copy
+    take = np.zeros((c_exp.size, num_ranks), dtype=np.int64)  # [C, R]
+    own = np.minimum(c_need, left[c_col, c_rank])  # locality first
+    left[c_col, c_rank] -= own
+    take[np.arange(c_exp.size), c_rank] = own
+    c_need -= own
 
-    nth = _nth_of_group(rep_expert)
-    for j in range(int(nth.max()) + 1 if nth.size else 0):
-        c = np.flatnonzero(nth == j)
-        cols = c_col[c]
-        w = left[:, cols]  # [R, n]
-        total = np.maximum(w.sum(axis=0), 1)
-        num = w * c_need[c]
-        share, rem = num // total, num % total
-        short = c_need[c] - share.sum(axis=0)
-        order = np.argsort(-rem, axis=0, kind="stable")
-        pos = np.empty_like(order)
-        np.put_along_axis(pos, order, np.arange(num_ranks)[:, None], axis=0)
-        share += pos < short
-        left[:, cols] = w - share
-        take[:, c] += share
-    take[:, rep_expert.size :] += left  # masters take the rest
+    nth = _nth_of_group(rep_expert)  # [N] replica j of its expert
+    by_nth = np.argsort(nth, kind="stable")
+    rounds = np.split(by_nth, np.flatnonzero(np.diff(nth[by_nth])) + 1) if nth.size else []
+    for c in rounds:  # replica j of each expert that has one
+        cols, need = c_col[c], c_need[c]
+        w = left[cols]  # [n, R]
+        share, rem = np.divmod(w * need[:, None], np.maximum(w.sum(axis=1), 1)[:, None])
+        short = need - share.sum(axis=1)  # tokens the floors leave out, < R
+        depth = int(short.max())
+        if depth:  # one more token to the `short` largest remainders (lower rank on ties)
+            order = np.argsort(-rem, axis=1, kind="stable")[:, :depth]  # [n, depth]
+            share[np.arange(c.size)[:, None], order] += np.arange(depth) < short[:, None]
+        left[cols] = w - share
+        take[c] += share
+    take[rep_expert.size :] += left  # masters take the rest
 
-    s, c = np.nonzero(take)
-    rows.append(np.stack([s, c_exp[c], c_rank[c], take[s, c]], axis=1))
-    return np.concatenate(rows).astype(np.int64, copy=False)
+    copy, src = np.nonzero(take)
+    cold = np.flatnonzero(col < 0)
+    cold_load = load[:, cold]  # [R, E - K]
+    dense = bool(cold_load.all())
+    num_cold = cold_load.size if dense else int(np.count_nonzero(cold_load))
+    out = np.empty((num_cold + src.size, 4), dtype=np.int64)
+    if dense:  # every (source, cold expert) pair has tokens: write [R, E - K] blocks
+        block = out[:num_cold].reshape(num_ranks, cold.size, 4)
+        block[:, :, 0] = np.arange(num_ranks)[:, None]
+        block[:, :, 1] = cold
+        block[:, :, 2] = pb.master_rank[cold]
+        block[:, :, 3] = cold_load
+    else:
+        r, k = np.nonzero(cold_load)
+        out[:num_cold, 0] = r
+        out[:num_cold, 1] = cold[k]
+        out[:num_cold, 2] = pb.master_rank[cold[k]]
+        out[:num_cold, 3] = cold_load[r, k]
+    out[num_cold:, 0] = src
+    out[num_cold:, 1] = c_exp[copy]
+    out[num_cold:, 2] = c_rank[copy]
+    out[num_cold:, 3] = take[copy, src]
+    return out
 
 
 def _nth_of_group(values: np.ndarray) -> np.ndarray:
@@ -423,20 +450,20 @@ def quota_balance(
             raise ValueError(f"rank_domain must be [{num_ranks}], got {raw.shape}")
         dom = np.unique(raw, return_inverse=True)[1].astype(np.int64)
 
+    master = masters.master.astype(np.int64)
     phy2log = np.full((num_ranks, num_slots), -1, dtype=np.int32)
-    phy2log.ravel()[masters.master] = np.arange(num_experts)
-    base = Placement(phy2log=phy2log, master=masters.master.astype(np.int64))
-    pb = _problem(load, base, dom, max_replicas_per_expert or num_ranks)
+    phy2log.ravel()[master] = np.arange(num_experts)
+    pb = _problem(load, master // num_slots, num_slots, dom, max_replicas_per_expert or num_ranks)
     lower, upper = _bounds(pb)
-    quota = _search(pb, lower, upper)
-    rep_expert, rep_rank, rep_tokens = _replicas(pb, _fit(pb, quota))
+    quota, fit = _search(pb, lower, upper)
+    rep_expert, rep_rank, rep_tokens = _replicas(fit)
     route = (
         _split(load, pb, rep_expert, rep_rank, rep_tokens)
         if with_route
         else np.zeros((0, 4), np.int64)
     )
     return QuotaSolution(
-        placement=_place(base, rep_expert, rep_rank),
+        placement=_place(Placement(phy2log, master), rep_expert, rep_rank),
         route=route,
         quota=quota,
         lower_bound=lower,
