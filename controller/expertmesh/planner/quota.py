@@ -102,8 +102,7 @@ class QuotaSolution:
 
 
 class _Problem(NamedTuple):
-    """What one solve knows before choosing ``T`` (``D`` domains, ``R`` ranks, ``Q`` ranks
-    with a free slot)."""
+    """What one solve knows before choosing ``T`` (``D`` domains, ``R`` ranks)."""
 
     demand: np.ndarray  # [E] tokens of each expert
     master_rank: np.ndarray  # [E]
@@ -114,30 +113,29 @@ class _Problem(NamedTuple):
     shed_dom: np.ndarray  # [E] domain, in shed order
     shed_demand: np.ndarray  # [E] demand, in shed order
     shed_above: np.ndarray  # [E] M of the rank minus the demand of its experts shed earlier
-    recv_dom: np.ndarray  # [Q] receivers by (domain, M asc, rank): their domain
-    recv_base: np.ndarray  # [Q] and their M
-    recv_lists: tuple[list[int], list[int], list[int]]  # rank, free slots, domain
+    # receivers (ranks with a free slot) by (domain, M ascending, rank): their rank, M,
+    # free slots, and where each domain's start in that order ([D + 1])
+    recv_lists: tuple[list[int], list[int], list[int], list[int]]
     max_replicas: int
     num_domains: int
 
 
 class _Fit(NamedTuple):
-    """The rule applied with one ``T`` per domain: its line (``P`` pieces, and the ``Q'``
-    receivers that take something)."""
+    """The rule applied with one ``T`` per domain: its line of ``P`` pieces and the
+    receivers that take something."""
 
     feasible: np.ndarray  # [D] bool
     piece_expert: np.ndarray  # [P] in line order
     piece_end: np.ndarray  # [P] where each piece ends on the line (pieces are contiguous)
     piece_amount: np.ndarray  # [P]
-    recv_rank: np.ndarray  # [Q'] in line order
-    recv_start: np.ndarray  # [Q']
-    recv_end: np.ndarray  # [Q']
+    piece_domain: np.ndarray  # [P]
+    receivers: tuple[list[int], list[int], list[int]]  # rank, start, end; in line order
 
 
 def _problem(
     load: np.ndarray, master_rank: np.ndarray, num_slots: int, dom: np.ndarray, max_replicas: int
 ) -> _Problem:
-    num_ranks = dom.size
+    num_ranks, num_domains = dom.size, int(dom.max(initial=0)) + 1
     demand = load.sum(axis=0)  # [E]
     base = np.bincount(master_rank, weights=demand, minlength=num_ranks).astype(np.int64)
     free = num_slots - np.bincount(master_rank, minlength=num_ranks)
@@ -160,11 +158,14 @@ def _problem(
         shed_dom=dom[shed_rank],
         shed_demand=shed_demand,
         shed_above=base[shed_rank] - shed_before,
-        recv_dom=dom[recv],
-        recv_base=base[recv],
-        recv_lists=(recv.tolist(), free[recv].tolist(), dom[recv].tolist()),
+        recv_lists=(
+            recv.tolist(),
+            base[recv].tolist(),
+            free[recv].tolist(),
+            np.searchsorted(dom[recv], np.arange(num_domains + 1)).tolist(),
+        ),
         max_replicas=max_replicas,
-        num_domains=int(dom.max(initial=0)) + 1,
+        num_domains=num_domains,
     )
 
 
@@ -182,56 +183,62 @@ def _fit(pb: _Problem, quota: np.ndarray) -> _Fit:
     p_end = np.cumsum(p_amt)
     need = np.bincount(p_dom, weights=p_amt, minlength=pb.num_domains).astype(np.int64)
     dom_end = np.cumsum(need)  # [D] where each domain's pieces end on the line
-    cap = quota[pb.recv_dom] - pb.recv_base  # [Q]
-    reached, rank, start, end = _walk(p_end, cap, dom_end, pb.recv_lists)
-    feasible = reached | (need == 0)
-    r_start = np.array(start, dtype=np.int64)
-    if pb.max_replicas < pb.rank_domain.size and p_end.size:
-        spans = np.searchsorted(r_start, p_end, side="left")  # past the last receiver of each
-        spans -= np.searchsorted(np.array(end, dtype=np.int64), p_end - p_amt, side="right")
-        too_many = np.bincount(p_dom, weights=spans > pb.max_replicas, minlength=pb.num_domains)
+    feasible, receivers = _walk(p_end, dom_end, quota, pb)
+    fit = _Fit(feasible, p_exp, p_end, p_amt, p_dom, receivers)
+    if pb.max_replicas < pb.rank_domain.size:
+        _, count, *_ = _overlaps(fit)
+        too_many = np.bincount(p_dom, weights=count > pb.max_replicas, minlength=pb.num_domains)
         feasible &= too_many == 0
-    r_rank, r_end = np.array(rank, dtype=np.int64), np.array(end, dtype=np.int64)
-    return _Fit(feasible, p_exp, p_end, p_amt, r_rank, r_start, r_end)
+    return fit
 
 
 def _walk(
-    p_end: np.ndarray,
-    cap: np.ndarray,
-    dom_end: np.ndarray,
-    receivers: tuple[list[int], list[int], list[int]],
-) -> tuple[np.ndarray, list[int], list[int], list[int]]:
+    p_end: np.ndarray, dom_end: np.ndarray, quota: np.ndarray, pb: _Problem
+) -> tuple[np.ndarray, tuple[list[int], list[int], list[int]]]:
     """Lay the receivers beside the pieces; returns whether each domain's pieces were all
     covered ([D] bool), and the rank, start and end of each receiver that takes something.
 
-    ``p_end``: [P] piece ends; ``cap``: [Q] capacity of each receiver (``<= 0``: skipped);
-    ``dom_end``: [D] where each domain's pieces end; ``receivers``: rank, free slots and
-    domain of each, in line order. A domain's first receiver starts where its pieces
-    start; receiver ``q`` starting at ``u`` ends at ``min(u + cap[q], the f-th piece end
-    after u, the domain's end)`` with ``f`` its free slots (out of slots, the rest of its
-    capacity is wasted), and the next one starts there. Sequential by nature; a plain
-    loop over the receivers is cheaper here than any numpy detour.
+    ``p_end``: [P] piece ends; ``dom_end``: [D] where each domain's pieces end;
+    ``quota``: [D]. A domain's first receiver starts where its pieces start; receiver
+    ``q`` starting at ``u`` ends at ``min(u + T - M[q], the f-th piece end after u, the
+    domain's end)`` with ``f`` its free slots (out of slots, the rest of its capacity
+    is wasted), and the next one starts there. Sequential by nature; a plain loop over
+    the receivers is cheaper here than any numpy detour.
     """
     ends = [*p_end.tolist(), np.iinfo(np.int64).max]
     last = len(ends) - 1
-    stop = dom_end.tolist()
+    stop, limit = dom_end.tolist(), quota.tolist()
+    ranks, bases, slots, first = pb.recv_lists
     reached = [False] * len(stop)
-    rank, start, end = [], [], []
-    k, here, u = 0, -1, 0
-    for c, r, f, d in zip(cap.tolist(), *receivers, strict=True):
-        if d != here:
-            here, u = d, (stop[d - 1] if d else 0)
-        if c <= 0 or reached[d]:
+    rank: list[int] = []
+    start: list[int] = []
+    end: list[int] = []
+    k = 0
+    for d in range(len(stop)):
+        u = stop[d - 1] if d else 0
+        if u == stop[d]:
+            reached[d] = True
             continue
-        while ends[k] <= u:  # k: the first piece ending after u
-            k += 1
-        close = min(u + c, ends[min(k + f - 1, last)], stop[d])
-        rank.append(r)
-        start.append(u)
-        end.append(close)
-        reached[d] = close == stop[d]
-        u = close
-    return np.array(reached), rank, start, end
+        for i in range(first[d], first[d + 1]):  # receivers by M ascending
+            close = limit[d] - bases[i]  # capacity
+            if close <= 0:
+                break
+            while ends[k] <= u:  # k: the first piece ending after u
+                k += 1
+            close += u
+            out_of_slots = ends[min(k + slots[i] - 1, last)]
+            if out_of_slots < close:
+                close = out_of_slots
+            if close >= stop[d]:
+                close = stop[d]
+                reached[d] = True
+            rank.append(ranks[i])
+            start.append(u)
+            end.append(close)
+            if reached[d]:
+                break
+            u = close
+    return np.array(reached), (rank, start, end)
 
 
 def _bounds(pb: _Problem) -> tuple[np.ndarray, np.ndarray]:
@@ -284,16 +291,24 @@ def _search(pb: _Problem, lower: np.ndarray, upper: np.ndarray) -> tuple[np.ndar
     return hi, fit if fit is not None else _fit(pb, hi)
 
 
+def _overlaps(fit: _Fit) -> tuple[np.ndarray, ...]:
+    """Which receivers each piece overlaps: first [P] and count [P] (indices into the
+    receiver arrays rank, start and end [Q'], also returned)."""
+    r_rank, r_start, r_end = (np.array(x, dtype=np.int64) for x in fit.receivers)
+    p_start = fit.piece_end - fit.piece_amount
+    first = np.searchsorted(r_end, p_start, side="right")
+    count = np.searchsorted(r_start, fit.piece_end, side="left") - first
+    return first, count, r_rank, r_start, r_end
+
+
 def _replicas(fit: _Fit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Replicas of a feasible fit in line order: expert, rank and tokens, each [N]."""
-    p_start = fit.piece_end - fit.piece_amount
-    first = np.searchsorted(fit.recv_end, p_start, side="right")  # [P]
-    count = np.searchsorted(fit.recv_start, fit.piece_end, side="left") - first
+    first, count, r_rank, r_start, r_end = _overlaps(fit)
     piece = np.repeat(np.arange(first.size), count)
     recv = first[piece] + np.arange(piece.size) - np.repeat(np.cumsum(count) - count, count)
-    lo = np.maximum(p_start[piece], fit.recv_start[recv])
-    hi = np.minimum(fit.piece_end[piece], fit.recv_end[recv])
-    return fit.piece_expert[piece], fit.recv_rank[recv], hi - lo
+    lo = np.maximum(fit.piece_end[piece] - fit.piece_amount[piece], r_start[recv])
+    hi = np.minimum(fit.piece_end[piece], r_end[recv])
+    return fit.piece_expert[piece], r_rank[recv], hi - lo
 
 
 def _place(masters: Placement, rep_expert: np.ndarray, rep_rank: np.ndarray) -> Placement:
@@ -532,6 +547,6 @@ class QuotaPolicy(Policy):
 
     def route(self, ctx: PolicyContext, placement: Placement) -> np.ndarray:
         sol = self.solve(ctx)
-        if np.array_equal(sol.placement.holds(), placement.holds()):
+        if placement is sol.placement or np.array_equal(sol.placement.holds(), placement.holds()):
             return sol.route
         return route_even(ctx.load, placement, self._domain(ctx))
