@@ -5,6 +5,9 @@ Policies that do not route by quota (``static``, ``eplb``, ``fastermoe``) use
 ``r``'s domain when that domain holds any, else evenly to all copies; the
 remainder goes one token each to copies picked round-robin from ``r``, so no
 copy is favoured across sources.
+
+``quota`` uses :func:`route_locality`: every copy computes a given amount, its
+own rank's tokens first, the rest split among sources by largest remainder.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import numpy as np
 
 from expertmesh.planner.plan import Placement
 
-__all__ = ["route_even"]
+__all__ = ["route_even", "route_locality"]
 
 
 def route_even(
@@ -66,3 +69,70 @@ def route_even(
     out[:, 2] = cr[start[rows] + j]
     out[:, 3] = base + extra
     return out[out[:, 3] > 0]
+
+
+def route_locality(
+    load: np.ndarray,
+    master_rank: np.ndarray,
+    replicas: tuple[np.ndarray, np.ndarray, np.ndarray],
+) -> np.ndarray:
+    """Route [N, 4] of ``load`` [R, E] when each copy computes a given amount.
+
+    ``master_rank``: [E]; ``replicas``: ``(expert, rank, tokens)`` each [N], at most one
+    per (expert, rank), away from the master's rank, tokens summing to at most the
+    expert's load. An expert without replicas goes whole to its master. For the
+    others, each copy (the master computes what its replicas leave) first takes its
+    own rank's tokens; then replica ``j`` of each expert (in the order given) splits
+    what it still needs among the sources' remaining tokens in proportion, rounded by
+    largest remainder (lower rank on ties); the master takes what is left. Vectorized
+    over experts: one pass per replica index ``j``.
+    """
+    rep_expert, rep_rank, rep_tokens = replicas
+    num_ranks, num_experts = load.shape
+    hot = np.unique(rep_expert)  # [K] experts with replicas
+    col = np.full(num_experts, -1)
+    col[hot] = np.arange(hot.size)
+    # copies of the hot experts: replicas in line order, then the masters
+    c_exp, c_rank = np.concatenate([rep_expert, hot]), np.concatenate([rep_rank, master_rank[hot]])
+    given = np.bincount(col[rep_expert], weights=rep_tokens, minlength=hot.size).astype(np.int64)
+    c_need = np.concatenate([rep_tokens, load[:, hot].sum(axis=0) - given])  # [C]
+    c_col = col[c_exp]
+    left = load[:, hot].T.copy()  # [K, R] tokens of each source not yet given to a copy
+    take = np.zeros((c_exp.size, num_ranks), dtype=np.int64)  # [C, R]
+    own = np.minimum(c_need, left[c_col, c_rank])  # own rank first
+    left[c_col, c_rank] -= own
+    take[np.arange(c_exp.size), c_rank] = own
+    c_need -= own
+    nth = _nth_of_group(rep_expert)  # replica j of its expert, [N]
+    by_nth = np.argsort(nth, kind="stable")
+    for c in np.split(by_nth, np.flatnonzero(np.diff(nth[by_nth])) + 1) if nth.size else []:
+        cols, need = c_col[c], c_need[c]  # replica j of every expert that has one
+        w = left[cols]  # [n, R]
+        share, rem = np.divmod(w * need[:, None], np.maximum(w.sum(axis=1), 1)[:, None])
+        short = need - share.sum(axis=1)  # tokens the floors leave out, < R
+        if depth := int(short.max()):  # one more to the largest remainders (lower rank first)
+            order = np.argsort(-rem, axis=1, kind="stable")[:, :depth]  # [n, depth]
+            share[np.arange(c.size)[:, None], order] += np.arange(depth) < short[:, None]
+        left[cols] = w - share
+        take[c] += share
+    take[rep_expert.size :] += left  # masters take the rest
+    copy, src = np.nonzero(take)
+    # experts without replicas: whole to the master, written as an [R, E - K] block
+    cold = np.flatnonzero(col < 0)
+    cold_load = load[:, cold]
+    out = np.empty((cold_load.size + src.size, 4), dtype=np.int64)
+    block = out[: cold_load.size].reshape(num_ranks, cold.size, 4)
+    block[:, :, 0] = np.arange(num_ranks)[:, None]
+    block[:, :, 1] = cold
+    block[:, :, 2] = master_rank[cold]
+    block[:, :, 3] = cold_load
+    out[cold_load.size :] = np.stack([src, c_exp[copy], c_rank[copy], take[copy, src]], axis=1)
+    return out if cold_load.all() else out[out[:, 3] > 0]
+
+
+def _nth_of_group(values: np.ndarray) -> np.ndarray:
+    """[N] how many earlier entries of ``values`` [N] are equal to each entry."""
+    order = np.argsort(values, kind="stable")
+    out = np.empty_like(order)
+    out[order] = np.arange(values.size) - np.searchsorted(values[order], values[order])
+    return out

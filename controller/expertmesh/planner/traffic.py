@@ -21,14 +21,24 @@ they are: 0 same rank, 1 same node, 2 same DC (other node), 3 other DC.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
 from expertmesh.planner.plan import Placement
 from expertmesh.planner.topology import Topology
 
-__all__ = ["Domain", "TokenTraffic", "even_traffic", "traffic_from_route", "weighted_traffic"]
+if TYPE_CHECKING:
+    from expertmesh.planner.quota import QuotaSolution
+
+__all__ = [
+    "Domain",
+    "TokenTraffic",
+    "even_traffic",
+    "quota_traffic",
+    "traffic_from_route",
+    "weighted_traffic",
+]
 
 Domain = Literal["rank", "node", "dc", "global"]
 _LEVEL = {"rank": 0, "node": 1, "dc": 2, "global": 3}
@@ -314,3 +324,34 @@ def weighted_traffic(
     return TokenTraffic(
         rank_tokens, rank_out, rank_in, ps, pd, pt, _dc_tokens(load, topology, top_k)
     )
+
+
+def quota_traffic(
+    load: np.ndarray, solution: QuotaSolution, topology: Topology, top_k: int
+) -> TokenTraffic:
+    """The cost model's view of ``solution``'s route, without its [N, 4] rows.
+
+    The route rule of :mod:`expertmesh.planner.quota` in fractions instead of whole tokens: each
+    copy keeps what it can of its own rank's tokens, then replicas take their amount in
+    proportion to what every source has left (which stays proportional to what it had
+    after the own-rank step), and the master the rest. Equal to
+    ``traffic_from_route(solution.route, ...)`` up to the largest-remainder rounding;
+    ``O(R E + D^2 E)`` instead of the route's ``O(R x copies)`` rows.
+    """
+    num_experts = load.shape[1]
+    rep_expert, rep_rank, rep_tokens = solution.replicas
+    master_rank = solution.placement.master_rank()
+    demand = load.sum(axis=0)
+    rep_sum = np.bincount(rep_expert, weights=rep_tokens, minlength=num_experts)
+    c_exp = np.concatenate([rep_expert, np.arange(num_experts)])
+    c_rank = np.concatenate([rep_rank, master_rank])
+    need = np.concatenate([rep_tokens, demand - rep_sum]).astype(np.float64)
+    hot = np.zeros(num_experts, bool)
+    hot[rep_expert] = True
+    left = load.astype(np.float64)
+    # own rank first, for every copy of an expert with replicas (a cold master takes all)
+    own = np.where(hot[c_exp], np.minimum(need, left[c_rank, c_exp]), 0.0)
+    np.subtract.at(left, (c_rank, c_exp), own)
+    rest = left.sum(axis=0)  # [E]
+    weight = (need - own) / np.where(rest > 0, rest, 1.0)[c_exp]
+    return weighted_traffic(load, left, (c_rank, c_exp, weight, own), topology, top_k)
