@@ -1,5 +1,9 @@
 """``expertmesh demo``: train a small MoE language model across simulated DCs on local Ray.
 
+``--address`` runs on an existing Ray cluster (one or more nodes per DC, labeled
+``dc=<name>`` as the topology names them, e.g. ``deploy/emulate`` or ``ray up``) instead
+of starting the in-process one; ``--no-shaper`` leaves real links unshaped.
+
 The controller actor serves REST + dashboard + ``/metrics`` and gRPC (the
 control-plane surfaces, ``expertmesh serve``'s defaults: 127.0.0.1, ports 8700
 and 8701) while it trains; without ``--exit`` they stay up until Ctrl-C.
@@ -50,6 +54,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--inter-dc-gbps", type=float, help="inter-DC bandwidth (default 1)")
     p.add_argument("--inter-dc-latency-ms", type=float, help="inter-DC latency (default 20)")
     p.add_argument("--no-shaper", action="store_true", help="do not shape inter-DC links")
+    p.add_argument(
+        "--address",
+        help="run on this existing Ray cluster (e.g. 10.0.0.1:6379; its nodes labeled "
+        "dc=<name> as in the topology) instead of starting a local one; pair with --no-shaper "
+        "on real links",
+    )
     p.add_argument("--corpus", type=Path, help="text file to train on (default: Python's stdlib)")
     p.add_argument("--experts", type=int, default=12, help="experts per layer (default 12)")
     p.add_argument("--layers", type=int, default=2, help="MoE layers (default 2)")
@@ -167,9 +177,9 @@ def run(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops as cleanly as Ctrl-C
     t0 = time.perf_counter()
     try:
-        with Runtime(settings) as rt:
+        with Runtime(settings, address=args.address) as rt:
             console.print(
-                f"cluster up in {time.perf_counter() - t0:.1f}s; workers on {rt.node_dcs()}"
+                f"{'connected to ' + args.address if args.address else 'cluster up'} in {time.perf_counter() - t0:.1f}s; workers on {rt.node_dcs()}"
             )
             if rt.surfaces is not None:
                 url, target = rt.surfaces["rest_url"], rt.surfaces["grpc_target"]

@@ -146,7 +146,9 @@ class WorkerActor:
         corpus = Corpus.load(settings.corpus, settings.corpus_bytes)
         if self.shaper is not None:
             self.shaper.close()
-        self.shaper = LinkShaper.from_topology(topo, enabled=True, path=self.shaper_path)
+        # the shared bucket file exists only where the runtime emulates DCs on one machine
+        path = self.shaper_path if settings.shaper else None
+        self.shaper = LinkShaper.from_topology(topo, enabled=True, path=path)
         self._loads: dict[int, np.ndarray] = {}
         num_layers = settings.lm.num_layers
 
@@ -370,6 +372,18 @@ def _actor(cls: type, **options: Any) -> Any:
     return ray.remote(**options)(cls)
 
 
+def _check_dc_nodes(names: list[str]) -> None:
+    """ValueError unless every DC in ``names`` has an alive node labeled ``dc=<name>``."""
+    have = {n.get("Labels", {}).get("dc") for n in ray.nodes() if n.get("Alive")}
+    missing = [n for n in names if n not in have]
+    if missing:
+        ray.shutdown()
+        raise ValueError(
+            f"the Ray cluster has no alive node labeled dc={missing[0]} (labels: "
+            f"{sorted(str(h) for h in have)}); start each DC's nodes with --labels=dc=<name>"
+        )
+
+
 def _initial_placements(topology: Topology, lm: LMConfig) -> list[Placement]:
     p = static_placement(
         topology.num_ranks, topology.slots_per_rank, lm.num_experts, topology.masters_per_rank
@@ -380,8 +394,9 @@ def _initial_placements(topology: Topology, lm: LMConfig) -> list[Placement]:
 class Runtime:
     """A local multi-DC Ray cluster training the demo model. Use as a context manager."""
 
-    def __init__(self, settings: RuntimeSettings) -> None:
+    def __init__(self, settings: RuntimeSettings, *, address: str | None = None) -> None:
         self.settings = settings
+        self.address = address  # an existing Ray cluster (nodes labeled dc=<name>); None: start one
         self.topology = Topology.from_dict(settings.topology)
         self.cluster: Cluster | None = None
         self.workers: list[Any] = []
@@ -406,18 +421,26 @@ class Runtime:
         self._tmp = tempfile.mkdtemp(prefix="expertmesh-")
         path = os.path.join(self._tmp, "links")
         self.shaper = LinkShaper.from_topology(self.topology, path=path)
-        self.cluster = Cluster(
-            initialize_head=True,
-            head_node_args={
-                "num_cpus": s.cpus_per_dc,
-                "labels": {"dc": dcs[0].name},
-                "_system_config": {"max_direct_call_object_size": s.inline_object_bytes},
-            },
-        )
-        for dc in dcs[1:]:
-            self.cluster.add_node(num_cpus=s.cpus_per_dc, labels={"dc": dc.name})
-        self.cluster.wait_for_nodes()
-        ray.init(address=self.cluster.address, namespace=NAMESPACE, log_to_driver=False)
+        if self.address is None:
+            self.cluster = Cluster(
+                initialize_head=True,
+                head_node_args={
+                    "num_cpus": s.cpus_per_dc,
+                    "labels": {"dc": dcs[0].name},
+                    "_system_config": {"max_direct_call_object_size": s.inline_object_bytes},
+                },
+            )
+            for dc in dcs[1:]:
+                self.cluster.add_node(num_cpus=s.cpus_per_dc, labels={"dc": dc.name})
+            self.cluster.wait_for_nodes()
+            ray.init(address=self.cluster.address, namespace=NAMESPACE, log_to_driver=False)
+        else:
+            # the cluster's workers import this checkout (a job-level runtime env)
+            env = {"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}}
+            ray.init(
+                address=self.address, namespace=NAMESPACE, log_to_driver=False, runtime_env=env
+            )
+            _check_dc_nodes([dc.name for dc in dcs])
         head = {"label_selector": {"dc": dcs[0].name}}
         self.controller = (
             _actor(ControllerActor, num_cpus=0, max_concurrency=8)
