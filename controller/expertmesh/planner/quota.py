@@ -124,9 +124,7 @@ def _problem(
     recv = recv[np.argsort(dom[recv] * (int(base.max(initial=0)) + 1) + base[recv], kind="stable")]
     # bounds: an expert has at most 1 + min(max_rep, other ranks with a free slot) copies
     dom_e = dom[master_rank]
-    others = np.bincount(dom, weights=free > 0, minlength=num_domains)[dom_e] - (
-        free[master_rank] > 0
-    )
+    others = np.bincount(dom[recv], minlength=num_domains)[dom_e] - (free[master_rank] > 0)
     copies = 1 + (others if max_rep is None else np.minimum(max_rep, others))  # [E]
     work = np.bincount(dom, weights=base, minlength=num_domains).astype(np.int64)
     lower = -(-work // np.bincount(dom, minlength=num_domains))  # ceil of the domain mean
@@ -338,6 +336,7 @@ class QuotaPolicy(Policy):
         super().__init__(settings)
         self._last: tuple[PolicyContext, QuotaSolution] | None = None  # and its route:
         self._last_route: np.ndarray | None = None
+        self._static: dict[tuple[int, int, int, int], Placement] = {}
 
     def _domain(self, ctx: PolicyContext) -> np.ndarray | None:
         kind = self.settings.domain  # type: ignore[attr-defined]
@@ -348,12 +347,13 @@ class QuotaPolicy(Policy):
         if self._last is not None and self._last[0] is ctx:
             return self._last[1]
         t = ctx.topology
-        masters = ctx.previous.placement if ctx.previous is not None else None
-        if masters is None:
-            num_experts = ctx.model.num_experts
-            masters = static_placement(
-                t.num_ranks, t.slots_per_rank, num_experts, t.masters_per_rank
-            )
+        if ctx.previous is not None:
+            masters = ctx.previous.placement
+        else:  # the same static placement every time: made once
+            key = (t.num_ranks, t.slots_per_rank, ctx.model.num_experts, t.masters_per_rank)
+            if key not in self._static:
+                self._static = {key: static_placement(*key)}
+            masters = self._static[key]
         max_rep = self.settings.max_replicas_per_expert  # type: ignore[attr-defined]
         sol = quota_balance(ctx.load, masters, self._domain(ctx), max_rep, with_route=False)
         self._last, self._last_route = (ctx, sol), None

@@ -103,6 +103,7 @@ def route_locality(
     left[c_col, c_rank] -= own
     take[np.arange(c_exp.size), c_rank] = own
     c_need -= own
+    rank_desc = np.arange(num_ranks - 1, -1, -1)  # [R] breaks remainder ties to the lower rank
     nth = _nth_of_group(rep_expert)  # replica j of its expert, [N]
     by_nth = np.argsort(nth, kind="stable")
     for c in np.split(by_nth, np.flatnonzero(np.diff(nth[by_nth])) + 1) if nth.size else []:
@@ -110,24 +111,29 @@ def route_locality(
         w = left[cols]  # [n, R]
         share, rem = np.divmod(w * need[:, None], np.maximum(w.sum(axis=1), 1)[:, None])
         short = need - share.sum(axis=1)  # tokens the floors leave out, < R
-        if depth := int(short.max()):  # one more to the largest remainders (lower rank first)
-            order = np.argsort(-rem, axis=1, kind="stable")[:, :depth]  # [n, depth]
-            share[np.arange(c.size)[:, None], order] += np.arange(depth) < short[:, None]
+        if short.any():  # one more to the `short` largest remainders (lower rank on ties):
+            key = rem * num_ranks + rank_desc  # [n, R] distinct within a row
+            nth_key = np.sort(key, axis=1)[np.arange(c.size), num_ranks - np.maximum(short, 1)]
+            share += key >= np.where(short > 0, nth_key, np.iinfo(np.int64).max)[:, None]
         left[cols] = w - share
         take[c] += share
     take[rep_expert.size :] += left  # masters take the rest
-    copy, src = np.nonzero(take)
+    flat = np.flatnonzero(take)  # (copy, source) pairs with tokens
+    copy, src = np.divmod(flat, num_ranks)
     # experts without replicas: whole to the master, written as an [R, E - K] block
     cold = np.flatnonzero(col < 0)
-    cold_load = load[:, cold]
-    out = np.empty((cold_load.size + src.size, 4), dtype=np.int64)
-    block = out[: cold_load.size].reshape(num_ranks, cold.size, 4)
+    num_cold = num_ranks * cold.size
+    out = np.empty((num_cold + src.size, 4), dtype=np.int64)
+    block = out[:num_cold].reshape(num_ranks, cold.size, 4)
     block[:, :, 0] = np.arange(num_ranks)[:, None]
     block[:, :, 1] = cold
     block[:, :, 2] = master_rank[cold]
-    block[:, :, 3] = cold_load
-    out[cold_load.size :] = np.stack([src, c_exp[copy], c_rank[copy], take[copy, src]], axis=1)
-    return out if cold_load.all() else out[out[:, 3] > 0]
+    np.take(load, cold, axis=1, out=block[:, :, 3], mode="clip")
+    out[num_cold:, 0] = src
+    out[num_cold:, 1] = c_exp[copy]
+    out[num_cold:, 2] = c_rank[copy]
+    out[num_cold:, 3] = take.ravel()[flat]
+    return out if block[:, :, 3].all() else out[out[:, 3] > 0]
 
 
 def _nth_of_group(values: np.ndarray) -> np.ndarray:
