@@ -56,6 +56,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 NAMESPACE = "expertmesh"
 _TOKENS, _WEIGHTS, _MIGRATION = (KINDS.index(k) for k in ("tokens", "weights", "migration"))
+REPORT_TIMEOUT_S = 30.0  # a worker waits this long for a restarting controller to take a report
+CONTROLLER_RESTARTS = 5  # Ray restarts the controller actor this many times
+CONTROLLER_WAIT_S = 120.0  # the driver waits this long for a restarting controller
 
 
 class RuntimeSettings(BaseModel):
@@ -173,12 +176,17 @@ class WorkerActor:
     def phase(self, name: str, layer: int, *inbox: Any, arg: Any = None) -> Any:
         out = self.state.phase(name, layer, list(inbox), arg)
         if name == "red5" and self._report_ref is not None:
-            ray.get(self._report_ref)  # the step's load reached the controller before stats
+            try:  # the step's load reached the controller before stats
+                ray.get(self._report_ref, timeout=REPORT_TIMEOUT_S)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                # the controller died or is restarting: this step's load is lost, the step
+                # itself is not (training goes on under the committed plan)
+                log.warning("rank %d: load report of step %d lost", self.rank, self.state.step)
             self._report_ref = None
         return out if len(out) > 1 else out[0]
 
     def call(self, method: str, *args: Any) -> Any:
-        if method not in ("prepare", "prepare_end", "commit", "abort", "stats"):
+        if method not in ("prepare", "prepare_end", "commit", "abort", "stats", "plan_state"):
             raise ValueError(f"unknown worker method {method!r}")
         return getattr(self.state, method)(*args)
 
@@ -212,13 +220,26 @@ class RayExecutor:
 class ControllerActor:
     """Thin actor over :class:`ControllerCore`: gather, call the core, apply the result."""
 
-    def __init__(self, settings: RuntimeSettings) -> None:
+    def __init__(self, settings: RuntimeSettings, store_path: str | None = None) -> None:
         self.workers: list[Any] = []
         self.surfaces: Any = None  # expertmesh.controller.server.Surfaces while serving
-        self.reset(settings)
+        if store_path is None:  # on the controller's node; the job id survives restarts
+            job = ray.get_runtime_context().get_job_id()
+            store_path = os.path.join(tempfile.gettempdir(), f"expertmesh-{job}", "plans.sqlite")
+        self.store_path = store_path
+        self.store: Any = None
+        self._crash_at: str | None = None
+        self.restarted = False
+        self.reconciled: dict[str, list[int]] = {}
+        restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        self.reset(settings, recover=restarted)
 
-    def reset(self, settings: RuntimeSettings) -> None:
-        """A fresh core (no plans, empty windows) for ``settings``; not while serving."""
+    def reset(self, settings: RuntimeSettings, *, recover: bool = False) -> None:
+        """A fresh core (no plans, empty windows) for ``settings``; not while serving.
+
+        ``recover`` (after Ray restarted this actor): the core takes the newest committed
+        plan and the policy settings from the SQLite store, and the first :meth:`control`
+        reconciles the workers with it before anything else (:meth:`_reconcile`)."""
         if self.surfaces is not None:
             raise ValueError("stop the surfaces before resetting the controller")
         self.settings = settings
@@ -236,12 +257,78 @@ class ControllerActor:
         self.errors = 0
         self.phase_seconds: dict[str, float] = {}
         self.placements = _initial_placements(self.topology, settings.lm)
+        self._needs_reconcile = False
+        from expertmesh.controller.store import SqlitePlanStore
+
+        if self.store is not None:
+            self.store.close()
+        if not recover:
+            for suffix in ("", "-wal", "-shm"):
+                Path(self.store_path + suffix).unlink(missing_ok=True)
+        self.store = SqlitePlanStore(self.store_path)
+        if recover:
+            pv = self.store.recover(self.core)
+            if pv is not None:
+                self.placements = [lp.placement for lp in pv.layers]
+            self.restarted = True
+            self._needs_reconcile = True
+            log.warning("controller restarted; recovered plan %s", pv and pv.version)
+        else:
+            self.store.save_settings(self.core.settings)
+        self.core.attach_store(self.store)
 
     def attach(self, workers: list[Any]) -> int:
         self.workers = workers
         for r in range(len(workers)):
             self.telemetry.set_worker_state(r, True)
         return len(workers)
+
+    def inject_crash(self, at: str) -> None:
+        """Fault injection: exit the process (as a crash would) during the next plan
+        application, ``at`` ``"prepared"`` (every worker holds the plan ready, nothing is
+        committed) or ``"committed"`` (the store has the commit, no worker has it yet)."""
+        if at not in ("prepared", "committed"):
+            raise ValueError(f"unknown crash point {at!r}")
+        self._crash_at = at
+
+    def _maybe_crash(self, at: str) -> None:
+        if self._crash_at == at:
+            log.error("injected crash at %s", at)
+            os._exit(1)
+
+    def _reconcile(self) -> None:
+        """After a restart: bring every worker to the recovered committed plan.
+
+        A worker holding a prepared plan that the store committed commits it (the crash
+        came between the store and the workers); any other prepared plan is aborted (it was
+        never committed); a worker on the committed version keeps it. Nothing is ever
+        half-applied: the tokens check refuses mixed versions, so every worker must agree."""
+        ranks = self.topology.num_ranks
+        if not self.workers:
+            self.workers = [ray.get_actor(f"worker-{r}", namespace=NAMESPACE) for r in range(ranks)]
+            for r in range(ranks):
+                self.telemetry.set_worker_state(r, True)
+        c = self.core.committed
+        version = c.version if c is not None else 0
+        states = ray.get([w.call.remote("plan_state") for w in self.workers])
+        done: dict[str, list[int]] = {"completed": [], "rolled_back": [], "kept": []}
+        for r, (w, (have, pending, ready)) in enumerate(zip(self.workers, states, strict=True)):
+            if have == version:
+                if pending is not None:
+                    ray.get(w.call.remote("abort", pending))
+                    done["rolled_back"].append(r)
+                else:
+                    done["kept"].append(r)
+            elif pending == version and ready:
+                ray.get(w.call.remote("commit", version))
+                done["completed"].append(r)
+            else:
+                raise RuntimeError(
+                    f"worker {r} is on plan {have} (prepared {pending}); the store has {version}"
+                )
+        self.reconciled = done
+        self._needs_reconcile = False
+        log.warning("workers reconciled with plan %d: %s", version, done)
 
     def set_worker_state(self, rank: int, up: bool) -> None:
         self.telemetry.set_worker_state(rank, up)
@@ -283,6 +370,14 @@ class ControllerActor:
         counted as weights. Never raises."""
         d = self.topology.num_dcs
         migration = np.zeros((d, d), np.int64)
+        if self._needs_reconcile:
+            try:
+                self._reconcile()
+            except Exception as err:
+                self.errors += 1
+                log.exception("reconciling the workers after a restart failed")
+                return {"version": 0, "error": f"reconcile: {_last_line(err)}",
+                        "migration_bytes": migration.tolist()}  # fmt: skip
         out = self._plan_and_apply(step, migration)
         out["migration_bytes"] = migration.tolist()
         try:
@@ -320,6 +415,7 @@ class ControllerActor:
             )
             sent = self._timed("prepare", lambda: apply_plan(ex, pv.version, layers, rounds))
             migration += sent
+            self._maybe_crash("prepared")
             self._timed("commit", lambda: self._commit(ex, pv.version))
         except Exception as err:
             self.errors += 1
@@ -336,7 +432,8 @@ class ControllerActor:
         return out
 
     def _commit(self, ex: RayExecutor, version: int) -> None:
-        self.core.commit(version)
+        self.core.commit(version)  # saved to the store, when there is one
+        self._maybe_crash("committed")
         ex.call_all("commit", version)
 
     def committed_plan(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None:
@@ -358,6 +455,8 @@ class ControllerActor:
             "errors": self.errors,
             "reports_received": self.core.reports_received,
             "reports_rejected": self.core.reports_rejected,
+            "restarted": self.restarted,
+            "reconciled": self.reconciled,
             **self.phase_seconds,
         }
 
@@ -405,6 +504,7 @@ class Runtime:
         self.shaper: LinkShaper | None = None
         self._bytes = np.zeros((len(KINDS), self.topology.num_dcs, self.topology.num_dcs), np.int64)
         self.step = -1
+        self.controller_failures: list[int] = []  # steps after which the controller was lost
 
     def __enter__(self) -> Runtime:
         self.start()
@@ -443,9 +543,9 @@ class Runtime:
             _check_dc_nodes([dc.name for dc in dcs])
         head = {"label_selector": {"dc": dcs[0].name}}
         self.controller = (
-            _actor(ControllerActor, num_cpus=0, max_concurrency=8)
+            _actor(ControllerActor, num_cpus=0, max_concurrency=8, max_restarts=CONTROLLER_RESTARTS)
             .options(name="controller", **head)
-            .remote(s)
+            .remote(s, None if self.address else os.path.join(self._tmp, "plans.sqlite"))
         )
         worker_cls = _actor(WorkerActor, num_cpus=0)
         placements = [(p.phy2log, p.master) for p in _initial_placements(self.topology, s.lm)]
@@ -481,6 +581,7 @@ class Runtime:
         self.shaper.reset()
         self._bytes[:] = 0
         self.step = -1
+        self.controller_failures = []
 
     def node_dcs(self) -> list[str]:
         """DC label of the node each worker runs on."""
@@ -509,7 +610,17 @@ class Runtime:
             "weight_bytes": delta[_WEIGHTS],
         }
         t1 = time.perf_counter()
-        ctl = ray.get(self.controller.control.remote(self.step, record))
+        try:
+            if self.controller_failures:
+                self._ask("status")  # wait for a restarting controller (no turn is skipped)
+            ctl = ray.get(self.controller.control.remote(self.step, record))
+        except ray.exceptions.RayActorError as err:
+            # the controller died (Ray restarts it; it recovers from its store and reconciles
+            # the workers on its next turn): this step trained on the committed plan
+            log.warning("controller lost after step %d: %s", self.step, _last_line(err))
+            self.controller_failures.append(self.step)
+            d = self.topology.num_dcs
+            ctl = {"error": f"controller: {type(err).__name__}", "migration_bytes": [[0] * d] * d}
         control_s = time.perf_counter() - t1
         migration = np.asarray(ctl["migration_bytes"], np.int64)
         self._bytes[_MIGRATION] += migration  # counted here, not in the next step's delta
@@ -543,17 +654,28 @@ class Runtime:
                 except Exception:
                     log.exception("could not mark worker %d down", r)
 
+    def _ask(self, method: str, *args: Any) -> Any:
+        """A read-only call on the controller, retried while Ray restarts it."""
+        deadline = time.monotonic() + CONTROLLER_WAIT_S
+        while True:
+            try:
+                return ray.get(getattr(self.controller, method).remote(*args))
+            except ray.exceptions.ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
     def committed_plan(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None:
         """Per layer ``(phy2log, master, route)`` of the committed plan, or None."""
-        plan = ray.get(self.controller.committed_plan.remote())
+        plan = self._ask("committed_plan")
         return None if plan is None else list(plan)
 
     def metrics(self) -> str:
         """The controller's Prometheus exposition."""
-        return bytes(ray.get(self.controller.metrics.remote())).decode()
+        return bytes(self._ask("metrics")).decode()
 
     def status(self) -> dict[str, Any]:
-        return dict(ray.get(self.controller.status.remote()))
+        return dict(self._ask("status"))
 
     def shutdown(self) -> None:
         if ray.is_initialized():

@@ -674,6 +674,13 @@ class RankState:
         self.experts, self.opt, self.layers = experts, opt, pend["layers"]
         self.version, self._pending = version, None
 
+    def plan_state(self) -> tuple[int, int | None, bool]:
+        """``(committed version, prepared version or None, whether it is ready)``."""
+        pend = self._pending
+        if pend is None:
+            return self.version, None, False
+        return self.version, int(pend["version"]), bool(pend.get("ready"))
+
     def abort(self, version: int) -> None:
         """Drop prepared plan ``version`` (rollback); the committed plan stays."""
         if self._pending is not None and self._pending["version"] == version:
