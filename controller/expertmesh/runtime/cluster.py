@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -282,6 +283,16 @@ class ControllerActor:
         for r in range(len(workers)):
             self.telemetry.set_worker_state(r, True)
         return len(workers)
+
+    def drop_store(self) -> None:
+        """Close the plan store and delete its files (the run is over)."""
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+        for suffix in ("", "-wal", "-shm"):
+            Path(self.store_path + suffix).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            Path(self.store_path).parent.rmdir()
 
     def inject_crash(self, at: str) -> None:
         """Fault injection: exit the process (as a crash would) during the next plan
@@ -685,6 +696,11 @@ class Runtime:
                 except Exception:
                     log.exception("stopping the surfaces failed")
                 self.surfaces = None
+            if self.address is not None and getattr(self, "controller", None) is not None:
+                try:
+                    ray.get(self.controller.drop_store.remote(), timeout=30)
+                except Exception:
+                    log.exception("removing the controller's plan store failed")
             ray.shutdown()
         if self.cluster is not None:
             self.cluster.shutdown()
