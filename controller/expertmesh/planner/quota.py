@@ -187,19 +187,28 @@ def _walk(
     start: list[int] = []
     end: list[int] = []
     k = 0
-    for d in range(len(stop)):
+    for d, (t, top) in enumerate(zip(limit, stop, strict=True)):
         u = stop[d - 1] if d else 0
-        reached[d] = u == stop[d]
-        for i in range(first[d], first[d + 1]):  # by M ascending: stop at the first full
-            if reached[d] or limit[d] <= bases[i]:
+        if u == top:
+            reached[d] = True
+            continue
+        lo, hi = first[d], first[d + 1]  # receivers by M ascending
+        for r, m, f in zip(ranks[lo:hi], bases[lo:hi], slots[lo:hi], strict=True):
+            if m >= t:  # full already, and so are the rest
                 break
             while ends[k] <= u:  # k: the first piece ending after u
                 k += 1
-            close = min(u + limit[d] - bases[i], ends[min(k + slots[i] - 1, last)], stop[d])
-            rank.append(ranks[i])
+            close = u + t - m
+            kf = k + f - 1  # the f-th piece end after u closes it: out of slots
+            if kf < last and ends[kf] < close:
+                close = ends[kf]
+            rank.append(r)
             start.append(u)
+            if close >= top:
+                end.append(top)
+                reached[d] = True
+                break
             end.append(close)
-            reached[d] = close == stop[d]
             u = close
     return np.array(reached), (rank, start, end)
 
@@ -212,21 +221,25 @@ def _search(pb: _Problem) -> tuple[np.ndarray, _Fit]:
     the midpoint) until one succeeds, then bisect: the answer is usually a few tokens
     above the bound.
     """
-    lo, hi = pb.lower - 1, pb.upper.copy()
-    gap = np.ones_like(lo)
-    galloping = np.ones(lo.shape, dtype=bool)
-    fit = None  # the fit of the last probe, reused when it is the answer
-    while (open_ := hi - lo > 1).any():
-        probe = np.where(galloping, np.minimum(lo + gap, (lo + hi) // 2), (lo + hi) // 2)
-        probe = np.where(open_, probe, hi)
-        fit = _fit(pb, probe)
-        hi = np.where(open_ & fit.feasible, probe, hi)
-        lo = np.where(open_ & ~fit.feasible, probe, lo)
-        galloping &= ~fit.feasible
-        gap *= 2
-    if fit is None or not np.array_equal(probe, hi):
-        fit = _fit(pb, hi)
-    return hi, fit
+    lo, hi = (pb.lower - 1).tolist(), pb.upper.tolist()  # per domain, plain ints
+    gap, galloping = [1] * len(lo), [True] * len(lo)
+    fit, probe = None, hi
+    while any(b - a > 1 for a, b in zip(lo, hi, strict=True)):
+        probe = [
+            b if b - a <= 1 else min(a + g, (a + b) // 2) if gal else (a + b) // 2
+            for a, b, g, gal in zip(lo, hi, gap, galloping, strict=True)
+        ]
+        fit = _fit(pb, np.array(probe, dtype=np.int64))
+        for d, ok in enumerate(fit.feasible.tolist()):
+            if hi[d] - lo[d] <= 1:
+                continue
+            if ok:
+                hi[d], galloping[d] = probe[d], False
+            else:
+                lo[d], gap[d] = probe[d], 2 * gap[d]
+    if fit is None or probe != hi:  # the last probe is the answer unless it failed somewhere
+        fit = _fit(pb, np.array(hi, dtype=np.int64))
+    return np.array(hi, dtype=np.int64), fit
 
 
 def _overlaps(fit: _Fit) -> tuple[np.ndarray, ...]:
