@@ -94,14 +94,13 @@ def route_locality(
     col[hot] = np.arange(hot.size)
     # copies of the hot experts: replicas in line order, then the masters
     c_exp, c_rank = np.concatenate([rep_expert, hot]), np.concatenate([rep_rank, master_rank[hot]])
-    given = np.bincount(col[rep_expert], weights=rep_tokens, minlength=hot.size).astype(np.int64)
-    c_need = np.concatenate([rep_tokens, load[:, hot].sum(axis=0) - given])  # [C]
-    c_col = col[c_exp]
     left = load[:, hot].T.copy()  # [K, R] tokens of each source not yet given to a copy
+    given = np.bincount(col[rep_expert], weights=rep_tokens, minlength=hot.size).astype(np.int64)
+    c_need = np.concatenate([rep_tokens, left.sum(axis=1) - given])  # [C]
+    c_col = col[c_exp]
     take = np.zeros((c_exp.size, num_ranks), dtype=np.int64)  # [C, R]
-    own = np.minimum(c_need, left[c_col, c_rank])  # own rank first
+    own = np.minimum(c_need, left[c_col, c_rank])  # own rank first (added to take below)
     left[c_col, c_rank] -= own
-    take[np.arange(c_exp.size), c_rank] = own
     c_need -= own
     rank_desc = np.arange(num_ranks - 1, -1, -1)  # [R] breaks remainder ties to the lower rank
     nth = _nth_of_group(rep_expert)  # replica j of its expert, [N]
@@ -116,8 +115,9 @@ def route_locality(
             nth_key = np.sort(key, axis=1)[np.arange(c.size), num_ranks - np.maximum(short, 1)]
             share += key >= np.where(short > 0, nth_key, np.iinfo(np.int64).max)[:, None]
         left[cols] = w - share
-        take[c] += share
+        take[c] = share  # nothing from its own rank: that is empty or not needed any more
     take[rep_expert.size :] += left  # masters take the rest
+    take[np.arange(c_exp.size), c_rank] += own
     flat = np.flatnonzero(take)  # (copy, source) pairs with tokens
     copy, src = np.divmod(flat, num_ranks)
     # experts without replicas: whole to the master, written as an [R, E - K] block
