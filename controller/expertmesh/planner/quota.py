@@ -7,8 +7,9 @@ replicas on free slots of ranks of the same domain, so that no rank computes mor
 than ``T``; ``T`` is the smallest integer for which the rule below succeeds, per
 domain, searched from a lower bound up to the static max (which always succeeds).
 All copies of an expert live in its master's domain: tokens of other domains, which
-hold no copy, go there (the only cross-domain traffic ``quota`` makes). Design,
-measurements and limits: ``docs/quota.md``.
+hold no copy, go there (the only cross-domain traffic ``quota`` makes). With
+``max_replicas_per_expert`` the rule is not always monotone in ``T``; the search then
+returns a ``T`` whose ``T - 1`` fails. Design, measurements, limits: ``docs/quota.md``.
 
 **The rule for a quota T** (per domain; ``refs.quota_fit_ref`` is it in plain loops):
 
