@@ -45,6 +45,9 @@ class PolicyContext:
     - ``history``: [W, R, E] loads of the previous ``W`` microbatches of this layer,
       oldest first; ``W`` may be 0 at the first step.
     - ``previous``: the plan this layer ran at the previous step, or ``None``.
+    - ``dead_ranks``: ranks that take no copy and no token (a dead worker, a DC cut off);
+      :func:`expertmesh.planner.runner.plan_layer` plans them out for every policy
+      (:mod:`expertmesh.planner.membership`); a policy itself never sees any.
     """
 
     topology: Topology
@@ -54,6 +57,7 @@ class PolicyContext:
     load: np.ndarray
     history: np.ndarray
     previous: LayerPlan | None = None
+    dead_ranks: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # Every policy may rely on these; ValueError here instead of an IndexError deep inside.
@@ -68,6 +72,10 @@ class PolicyContext:
             raise ValueError(f"history must hold integer token counts, got dtype {hist.dtype}")
         if hist.size and hist.min() < 0:
             raise ValueError("history has negative token counts")
+        dead = tuple(sorted({int(r) for r in self.dead_ranks}))
+        if dead and (dead[0] < 0 or dead[-1] >= num_ranks or len(dead) == num_ranks):
+            raise ValueError(f"dead_ranks must be some of the {num_ranks} ranks, got {dead}")
+        object.__setattr__(self, "dead_ranks", dead)
         prev = self.previous
         if prev is not None and (
             prev.phy2log.shape != (num_ranks, self.topology.slots_per_rank)

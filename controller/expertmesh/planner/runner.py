@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from expertmesh.planner.membership import expand_plan, live_mask, survivor_context
 from expertmesh.planner.migration import align_placement, plan_migration
 from expertmesh.planner.model import ModelSpec
 from expertmesh.planner.plan import LayerPlan, check_trace
@@ -76,7 +77,14 @@ class TracePlan:
 
 
 def plan_layer(policy: Policy, ctx: PolicyContext, relabel_ranks: bool | None = None) -> LayerPlan:
-    """Place, align to the previous placement, route, and plan the migration for one layer."""
+    """Place, align to the previous placement, route, and plan the migration for one layer.
+
+    With ``ctx.dead_ranks`` the survivors plan (:mod:`expertmesh.planner.membership`) and the
+    plan comes back over every rank, nothing on the dead ones."""
+    if ctx.dead_ranks:
+        sub = survivor_context(ctx, ctx.dead_ranks)
+        lp = plan_layer(policy, sub, relabel_ranks)
+        return expand_plan(lp, live_mask(ctx.topology.num_ranks, ctx.dead_ranks))
     t0 = time.perf_counter()
     placement = policy.place(ctx)
     if ctx.previous is not None and placement is not ctx.previous.placement:
