@@ -39,15 +39,20 @@ __all__ = [
     "read_plan",
     "read_topology",
     "read_trace",
+    "read_yaml",
     "validate_plan",
     "write_plan",
     "write_topology",
     "write_trace",
 ]
 
-MAX_ARRAY_BYTES = 8 << 30  # one array in an .npz; more is refused before reading
+# One array in an .npz; more is refused before reading (EXPERTMESH_MAX_ARRAY_BYTES overrides).
+MAX_ARRAY_BYTES = int(os.environ.get("EXPERTMESH_MAX_ARRAY_BYTES", str(4 << 30)))
+VERIFY_ABOVE_BYTES = 64 << 20  # larger members are measured before numpy allocates them
 MAX_META_CHARS = 16 << 20
 MAX_YAML_BYTES = 16 << 20
+MAX_YAML_NODES = 1 << 20  # nodes of a YAML document with its aliases expanded
+MAX_YAML_DEPTH = 64  # nested mappings and sequences
 MAX_MEMBERS = 32
 MAX_RANKS = 1 << 20
 ROUTE_COLUMNS = ("step", "layer", "src_rank", "expert", "dst_rank", "tokens")
@@ -153,6 +158,8 @@ def _read_npz(
             return {key: np.asarray(npz[key]) for key in members}
     except _Bad as err:
         raise ValueError(f"{path}: {err}") from None
+    except MemoryError:
+        raise ValueError(f"{path}: a {kind} array does not fit in memory") from None
     except (zipfile.BadZipFile, zlib.error, EOFError, ValueError, KeyError) as err:
         msg = " ".join(str(err).split()) or type(err).__name__
         raise ValueError(f"{path}: corrupt or truncated {kind} file ({msg})") from None
@@ -174,13 +181,23 @@ def _check_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, key: str) -> None:
     if dtype.hasobject:
         raise _Bad(f"array {key!r} holds Python objects (dtype {dtype}); they are never loaded")
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes > MAX_ARRAY_BYTES:
+    limit = MAX_META_CHARS * 4 if key == "meta" else MAX_ARRAY_BYTES
+    if nbytes > limit:
         raise _Bad(
             f"array {key!r} of shape {tuple(shape)} needs {nbytes} bytes, more than the "
-            f"limit of {MAX_ARRAY_BYTES}"
+            f"limit of {limit}"
         )
     if info.file_size < header + nbytes:
         raise _Bad(f"array {key!r} is truncated ({info.file_size - header} of {nbytes} bytes)")
+    if nbytes > VERIFY_ABOVE_BYTES:
+        # numpy allocates the declared size before reading; the zip header's sizes may lie,
+        # so count what the member really holds (streamed, nothing kept) before that
+        real = 0
+        with zf.open(info) as f:
+            while chunk := f.read(1 << 20):
+                real += len(chunk)
+        if real < header + nbytes:
+            raise _Bad(f"array {key!r} is truncated ({real - header} of {nbytes} bytes)")
 
 
 def _write_npz(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
@@ -223,6 +240,8 @@ def _parse_meta(arrays: dict[str, np.ndarray]) -> dict[str, Any]:
         meta = json.loads(text)
     except json.JSONDecodeError as err:
         raise _Bad(f"'meta' is not valid JSON ({err.msg} at char {err.pos})") from None
+    except RecursionError:
+        raise _Bad("'meta' JSON is nested too deeply") from None
     if not isinstance(meta, dict):
         raise _Bad(f"'meta' must be a JSON object, got {type(meta).__name__}")
     return meta
@@ -315,24 +334,88 @@ def write_trace(
 # ---------------------------------------------------------------------------
 
 
-def read_topology(path: str | os.PathLike[str]) -> Topology:
-    """Read a topology YAML file (``yaml.safe_load``) into a validated :class:`Topology`."""
+def read_yaml(path: str | os.PathLike[str], kind: str = "YAML") -> Any:
+    """Read a YAML file as hostile: at most ``MAX_YAML_BYTES``, UTF-8, ``yaml.safe_load``'s
+    types only, at most ``MAX_YAML_NODES`` nodes once aliases are expanded (a "billion
+    laughs" file is refused before anything walks it) and nesting that the parser can hold.
+    ``ValueError`` (or ``FileNotFoundError``) with one line that starts with the path."""
     p = Path(path)
-    _check_exists(p, "topology")
+    _check_exists(p, kind)
     size = p.stat().st_size
     if size > MAX_YAML_BYTES:
-        raise ValueError(f"{p}: {size} bytes, more than a topology file may have")
+        raise ValueError(f"{p}: {size} bytes, more than a {kind} file may have")
     try:
         text = p.read_bytes().decode("utf-8")
     except UnicodeDecodeError:
-        raise ValueError(f"{p}: not a UTF-8 text file, so not a topology YAML") from None
+        raise ValueError(f"{p}: not a UTF-8 text file, so not a {kind} file") from None
+    loader = yaml.SafeLoader(text)
     try:
-        data = yaml.safe_load(text)
+        _check_depth(text)
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        nodes = _expanded_nodes(node)
+        if nodes > MAX_YAML_NODES:
+            raise ValueError(
+                f"{nodes} YAML nodes once aliases are expanded, more than the limit of "
+                f"{MAX_YAML_NODES} (an alias bomb?)"
+            )
+        return loader.construct_document(node)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         problem = getattr(err, "problem", None) or type(err).__name__
         raise ValueError(f"{p}: not valid YAML: {problem}{where}") from None
+    except RecursionError:
+        raise ValueError(f"{p}: YAML nested too deeply") from None
+    except ValueError as err:
+        raise ValueError(f"{p}: {err}") from None
+    finally:
+        loader.dispose()
+
+
+def _check_depth(text: str) -> None:
+    # The parser is a state machine, the composer recurses: measure nesting on the events
+    # first so that no document reaches Python's recursion limit.
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_YAML_DEPTH:
+                raise ValueError(f"YAML nested deeper than {MAX_YAML_DEPTH} levels")
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+
+
+def _expanded_nodes(root: yaml.Node) -> int:
+    """Nodes of the document with every alias expanded (aliases share node objects), counted
+    without expanding them: per distinct node, 1 + its children's counts (memoized, iterative;
+    capped so the count itself stays small)."""
+    cap = MAX_YAML_NODES + 1
+    memo: dict[int, int] = {}
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        if id(node) in memo:
+            continue
+        if isinstance(node, yaml.MappingNode):
+            kids = [x for pair in node.value for x in pair]
+        elif isinstance(node, yaml.SequenceNode):
+            kids = list(node.value)
+        else:
+            kids = []
+        if done:
+            memo[id(node)] = min(cap, 1 + sum(memo[id(k)] for k in kids))
+        else:
+            stack.append((node, True))
+            stack.extend((k, False) for k in kids if id(k) not in memo)
+    return memo[id(root)]
+
+
+def read_topology(path: str | os.PathLike[str]) -> Topology:
+    """Read a topology YAML file (:func:`read_yaml`) into a validated :class:`Topology`."""
+    p = Path(path)
+    data = read_yaml(p, "topology")
     try:
         topo = Topology.from_dict(data)
     except ValueError as err:

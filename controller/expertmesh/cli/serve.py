@@ -16,8 +16,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from expertmesh.cli.main import UsageError
 
 DEFAULT_TOPOLOGY = Path(__file__).resolve().parents[3] / "deploy" / "topologies" / "two-dc.yaml"
@@ -84,10 +82,10 @@ def _settings_from(args: argparse.Namespace) -> Any:
 
 def build_core(args: argparse.Namespace) -> Any:
     from expertmesh.controller.core import ControllerCore, ControllerSettings, Trigger
-    from expertmesh.planner import ModelSpec, Topology
+    from expertmesh.formats import read_topology
+    from expertmesh.planner import ModelSpec
 
-    path = args.topology or DEFAULT_TOPOLOGY
-    topo = Topology.from_dict(yaml.safe_load(path.read_text()))
+    topo = read_topology(args.topology or DEFAULT_TOPOLOGY)
     experts = args.experts or topo.num_ranks * topo.masters_per_rank
     model = ModelSpec(
         num_layers=args.layers,

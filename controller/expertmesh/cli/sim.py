@@ -21,11 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import ValidationError
 
 from expertmesh.cli.main import UsageError
-from expertmesh.formats import read_topology, read_trace
+from expertmesh.formats import read_topology, read_trace, read_yaml
 from expertmesh.planner.costmodel import CostSettings
 from expertmesh.planner.model import ModelSpec
 from expertmesh.planner.topology import Topology
@@ -119,10 +118,7 @@ def _run_args(p: argparse.ArgumentParser) -> None:
 
 
 def _read_yaml(path: Path) -> Any:
-    try:
-        return yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise UsageError(f"{path}: not valid YAML ({' '.join(str(err).split())[:120]})") from None
+    return read_yaml(path, "YAML")  # hostile-safe: size, UTF-8, alias bombs, depth
 
 
 def _topology(args: argparse.Namespace) -> Topology:
