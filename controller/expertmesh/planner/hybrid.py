@@ -537,7 +537,9 @@ class HybridPolicy(Policy):
 
     def place(self, ctx: PolicyContext) -> Placement:
         prev = ctx.previous.placement if ctx.previous is not None else None
-        if prev is not None and ctx.step % self.cfg.period:
+        # re-plan every period, and at step 1: the first microbatch of history replaces the
+        # uniform guess step 0 had to make
+        if prev is not None and ctx.step % self.cfg.period and ctx.step != 1:
             return prev
         t = ctx.topology
         masters = (
