@@ -258,6 +258,9 @@ def _summary(rows: list[dict[str, Any]], status: dict[str, Any], settings: Any) 
         "median_step_seconds": statistics.median(r["step_seconds"] for r in rows),
         "plan_version": status["version"],
         "controller_errors": status["errors"],
+        "retried_steps": status.get("retried_steps", []),
+        "dead_ranks": status.get("dead_ranks", []),
+        "recoveries": status.get("recoveries", []),
         "topology": settings.topology,
         "lm": settings.lm.model_dump(),
     }

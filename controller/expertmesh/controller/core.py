@@ -197,6 +197,7 @@ class ControllerCore:
         self._versions: dict[int, PlanVersion] = {}
         self._committed: PlanVersion | None = None
         self._last_plan_step: int | None = None
+        self._dead = np.zeros(topology.num_ranks, bool)  # ranks planned out (dead, cut off)
         self.reports_received = 0
         self.reports_rejected = 0
         self.pending_dropped = 0  # incomplete steps dropped to keep MAX_PENDING_STEPS
@@ -226,6 +227,27 @@ class ControllerCore:
         """Save every commit from now on to ``store`` (replaces any previous one)."""
         with self._lock:
             self._store = store
+
+    # ---- membership ----
+
+    @property
+    def dead_ranks(self) -> tuple[int, ...]:
+        """Ranks the plans leave out (dead workers, DCs cut off)."""
+        return tuple(np.flatnonzero(self._dead).tolist())
+
+    def set_dead_ranks(self, ranks: list[int] | tuple[int, ...]) -> None:
+        """Plan without ``ranks`` from now on (every other rank's report completes a step);
+        partial loads being assembled are dropped. ``ValueError`` on an unknown rank or all."""
+        dead = np.zeros(self.topology.num_ranks, bool)
+        for r in ranks:
+            if not 0 <= int(r) < self.topology.num_ranks:
+                raise ValueError(f"unknown rank {r}; the topology has {self.topology.num_ranks}")
+            dead[int(r)] = True
+        if dead.all():
+            raise ValueError("every rank would be dead")
+        with self._lock:
+            self._dead = dead
+            self._pending.clear()
 
     # ---- load reports ----
 
@@ -259,7 +281,7 @@ class ControllerCore:
             )
         acc, seen = pending
         acc[rank], seen[rank] = row, True
-        if not seen.all():
+        if not (seen | self._dead).all():
             return False
         del self._pending[key]
         self._windows[layer].append((step, acc))
@@ -495,9 +517,15 @@ class ControllerCore:
             jobs = []
             for layer in range(self.model.num_layers):
                 w = self._windows[layer]
-                if not w:
+                if not w and not self._dead.any():
                     raise ValueError(f"layer {layer} has no complete load yet")
-                load = w[-1][1]
+                # a recovery before any complete load plans on an empty one
+                load = (
+                    w[-1][1]
+                    if w
+                    else np.zeros((self.topology.num_ranks, self.model.num_experts), np.int64)
+                )
+                load = np.where(self._dead[:, None], 0, load)
                 before_ctx = self._context(layer, load, committed.step) if committed else None
                 jobs.append((layer, load, self._context(layer, load, step), before_ctx))
         layers, before, after = [], [], []
@@ -590,6 +618,7 @@ class ControllerCore:
             load=load,
             history=np.stack(win) if win else np.zeros(shape, np.int64),
             previous=self._committed.layers[layer] if self._committed else None,
+            dead_ranks=self.dead_ranks,
         )
 
     def _policy_route(self, ctx: PolicyContext, prev: LayerPlan) -> np.ndarray:

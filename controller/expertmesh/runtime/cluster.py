@@ -40,9 +40,10 @@ from expertmesh.controller.settings import SurfaceSettings
 from expertmesh.controller.telemetry import Telemetry
 from expertmesh.planner import Placement, Topology, imbalance
 from expertmesh.planner.static import static_placement
-from expertmesh.workers.engine import apply_plan, migration_rounds, train_step
-from expertmesh.workers.model import Corpus, LMConfig
-from expertmesh.workers.rank import KINDS, RankState
+from expertmesh.runtime.actors import RayExecutor, WorkerActor
+from expertmesh.workers.engine import apply_plan, migration_rounds, recovery_rounds, train_step
+from expertmesh.workers.model import LMConfig
+from expertmesh.workers.rank import KINDS
 from expertmesh.workers.shaper import LinkShaper
 
 __all__ = [
@@ -52,14 +53,15 @@ __all__ = [
     "RuntimeSettings",
     "StepResult",
     "WorkerActor",
+    "weights_digest",
 ]
 
 log = logging.getLogger(__name__)
 NAMESPACE = "expertmesh"
 _TOKENS, _WEIGHTS, _MIGRATION = (KINDS.index(k) for k in ("tokens", "weights", "migration"))
-REPORT_TIMEOUT_S = 30.0  # a worker waits this long for a restarting controller to take a report
 CONTROLLER_RESTARTS = 5  # Ray restarts the controller actor this many times
 CONTROLLER_WAIT_S = 120.0  # the driver waits this long for a restarting controller
+PING_TIMEOUT_S = 5.0  # a worker that does not answer a ping in this time is taken for dead
 
 
 class RuntimeSettings(BaseModel):
@@ -84,6 +86,12 @@ class RuntimeSettings(BaseModel):
     )
     surfaces: SurfaceSettings | None = Field(
         default=None, description="REST/dashboard/metrics and gRPC from the controller (None: off)"
+    )
+    checkpoint_every: int = Field(
+        default=5,
+        ge=0,
+        description="the driver keeps an in-memory copy of every master (weights, Adam state) "
+        "every this many steps, besides the initial one (0: the initial one only)",
     )
 
 
@@ -122,100 +130,6 @@ def _source_roots() -> str:
     if proto.is_dir():
         roots.append(proto)
     return os.pathsep.join(dict.fromkeys(str(r) for r in roots))
-
-
-class WorkerActor:
-    """One rank: a thin wrapper over :class:`RankState`."""
-
-    def __init__(
-        self,
-        rank: int,
-        settings: RuntimeSettings,
-        placements: list[tuple[np.ndarray, np.ndarray]],
-        shaper_path: str,
-        controller: Any,
-    ) -> None:
-        self.rank = rank
-        self.controller = controller
-        self.shaper_path = shaper_path
-        self._report_ref: Any = None
-        self.shaper: LinkShaper | None = None
-        self.reset(settings, placements)
-
-    def reset(
-        self, settings: RuntimeSettings, placements: list[tuple[np.ndarray, np.ndarray]]
-    ) -> None:
-        """A fresh rank (initial weights, plan version 0) for ``settings``."""
-        topo = Topology.from_dict(settings.topology)
-        corpus = Corpus.load(settings.corpus, settings.corpus_bytes)
-        if self.shaper is not None:
-            self.shaper.close()
-        # the shared bucket file exists only where the runtime emulates DCs on one machine
-        path = self.shaper_path if settings.shaper else None
-        self.shaper = LinkShaper.from_topology(topo, enabled=True, path=path)
-        self._loads: dict[int, np.ndarray] = {}
-        num_layers = settings.lm.num_layers
-
-        def report(step: int, layer: int, rank: int, load: np.ndarray) -> None:
-            # one message per step with every layer's load (not one per layer)
-            self._loads[layer] = load
-            if len(self._loads) == num_layers:
-                rows = np.stack([self._loads[i] for i in range(num_layers)])  # [L, E]
-                self._report_ref = self.controller.report_loads.remote(step, rank, rows)
-                self._loads = {}
-
-        self.state = RankState(
-            self.rank,
-            topo,
-            settings.lm,
-            corpus,
-            [Placement(p, m) for p, m in placements],
-            reserve=self.shaper.reserve if settings.shaper else None,
-            report=report,
-        )
-
-    def phase(self, name: str, layer: int, *inbox: Any, arg: Any = None) -> Any:
-        out = self.state.phase(name, layer, list(inbox), arg)
-        if name == "red5" and self._report_ref is not None:
-            try:  # the step's load reached the controller before stats
-                ray.get(self._report_ref, timeout=REPORT_TIMEOUT_S)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                # the controller died or is restarting: this step's load is lost, the step
-                # itself is not (training goes on under the committed plan)
-                log.warning("rank %d: load report of step %d lost", self.rank, self.state.step)
-            self._report_ref = None
-        return out if len(out) > 1 else out[0]
-
-    def call(self, method: str, *args: Any) -> Any:
-        if method not in ("prepare", "prepare_end", "commit", "abort", "stats", "plan_state"):
-            raise ValueError(f"unknown worker method {method!r}")
-        return getattr(self.state, method)(*args)
-
-    def ping(self) -> dict[str, Any]:
-        return {"rank": self.state.rank, "node": ray.get_runtime_context().get_node_id()}
-
-
-class RayExecutor:
-    """:class:`expertmesh.workers.engine.Executor` over worker actors (packets as refs)."""
-
-    def __init__(self, workers: list[Any]) -> None:
-        self.workers = workers
-        self.num_ranks = len(workers)
-
-    def phase(self, name: str, layer: int, outs: list[list[Any]] | None, arg: Any = None) -> Any:
-        n = self.num_ranks
-        res = []
-        for q, w in enumerate(self.workers):
-            inbox = [outs[p][q] for p in range(n)] if outs else []
-            refs = w.phase.options(num_returns=n).remote(name, layer, *inbox, arg=arg)
-            res.append(refs if n > 1 else [refs])
-        return res
-
-    def call_all(self, method: str, *args: Any) -> list[Any]:
-        return list(ray.get([w.call.remote(method, *args) for w in self.workers]))
-
-    def results(self, outs: list[list[Any]]) -> list[Any]:
-        return list(ray.get([outs[q][q] for q in range(self.num_ranks)]))
 
 
 class ControllerActor:
@@ -258,6 +172,7 @@ class ControllerActor:
         self.errors = 0
         self.phase_seconds: dict[str, float] = {}
         self.placements = _initial_placements(self.topology, settings.lm)
+        self.live = np.ones(self.topology.num_ranks, bool)
         self._needs_reconcile = False
         from expertmesh.controller.store import SqlitePlanStore
 
@@ -419,7 +334,7 @@ class ControllerActor:
         )
         new = [lp.placement for lp in pv.layers]
         layers = [(p.phy2log, p.master, lp.route) for p, lp in zip(new, pv.layers, strict=True)]
-        ex = RayExecutor(self.workers)
+        ex = RayExecutor(self.workers, self.live)
         try:
             rounds = migration_rounds(
                 self.placements, new, [lp.migration for lp in pv.layers], self.topology
@@ -441,6 +356,68 @@ class ControllerActor:
         out["version"] = pv.version
         out["migration_transfers"] = sum(len(r) for r in rounds)
         return out
+
+    def recover(
+        self, dead: list[int], step: int, checkpoint: dict[tuple[int, int], Any]
+    ) -> dict[str, Any]:
+        """Ranks ``dead`` died: plan without them and apply it on the survivors.
+
+        Copies the survivors lack come from a live replica (exact weights); what no
+        survivor holds (an expert whose every copy died) and the Adam state of masters that
+        died come from ``checkpoint`` ((layer, expert) -> (weights, m, v), the driver's
+        last). Raises when the plan cannot be applied (the run cannot go on)."""
+        for r in dead:
+            self.live[r] = False
+            self.telemetry.set_worker_state(r, False)
+        self.core.set_dead_ranks(np.flatnonzero(~self.live).tolist())
+        pv = self.core.plan(step)
+        new = [lp.placement for lp in pv.layers]
+        layers = [(p.phy2log, p.master, lp.route) for p, lp in zip(new, pv.layers, strict=True)]
+        rounds, restore = recovery_rounds(self.placements, new, self.live, self.topology)
+        lost_masters = [
+            (layer, e)
+            for layer, p in enumerate(self.placements)
+            for e in np.flatnonzero(~self.live[p.master_rank()]).tolist()
+        ]
+        ex = RayExecutor(self.workers, self.live)
+        ex.call_all("prepare", pv.version, layers)
+        seeds: dict[int, tuple[dict[Any, Any], dict[Any, Any]]] = {}
+        for layer, e, r, kind in restore:
+            w, m, v = checkpoint[(layer, e)]
+            ws, opts = seeds.setdefault(r, ({}, {}))
+            if kind == "w":
+                ws[(layer, e)] = w
+            else:
+                opts[(layer, e)] = (m, v)
+        ray.get([self.workers[r].call.remote("seed", *sv) for r, sv in seeds.items()])
+        outs = None
+        for rnd in [*rounds, []]:
+            outs = ex.phase("mig", 0, outs, rnd)
+        sent = np.sum(ex.call_all("prepare_end", pv.version), axis=0)
+        self._commit(ex, pv.version)
+        self.placements = new
+        digests = self._digests(lost_masters, new)
+        from_ckpt = {(layer, e) for layer, e, _, kind in restore if kind == "w"}
+        return {
+            "version": pv.version,
+            "dead": np.flatnonzero(~self.live).tolist(),
+            "lost_masters": len(lost_masters),
+            "restored_from_replica": sum(1 for k in lost_masters if k not in from_ckpt),
+            "restored_from_checkpoint": sum(1 for k in lost_masters if k in from_ckpt),
+            "migration_bytes": np.asarray(sent).tolist(),
+            "restored_digests": digests,
+        }
+
+    def _digests(self, keys: list[tuple[int, int]], new: list[Placement]) -> dict[str, str]:
+        """sha256 of the weights each ``(layer, expert)``'s master holds now, by
+        ``"layer/expert"`` (to check a restored master bit for bit)."""
+        refs = {
+            f"{layer}/{e}": self.workers[int(new[layer].master_rank()[e])].call.remote(
+                "expert_weights", layer, e
+            )
+            for layer, e in keys
+        }
+        return {k: weights_digest(ray.get(ref)) for k, ref in refs.items()}
 
     def _commit(self, ex: RayExecutor, version: int) -> None:
         self.core.commit(version)  # saved to the store, when there is one
@@ -470,6 +447,17 @@ class ControllerActor:
             "reconciled": self.reconciled,
             **self.phase_seconds,
         }
+
+
+def weights_digest(weights: list[np.ndarray]) -> str:
+    """sha256 over an expert's weight arrays (dtype, shape and bytes)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for a in weights:
+        h.update(f"{a.dtype}{a.shape}".encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
 
 
 def _last_line(err: BaseException) -> str:
@@ -516,6 +504,12 @@ class Runtime:
         self._bytes = np.zeros((len(KINDS), self.topology.num_dcs, self.topology.num_dcs), np.int64)
         self.step = -1
         self.controller_failures: list[int] = []  # steps after which the controller was lost
+        self.live = np.ones(self.topology.num_ranks, bool)
+        self._rank_bytes = np.zeros((self.topology.num_ranks, *self._bytes.shape), np.int64)
+        self.retried_steps: list[int] = []  # steps that failed (a worker died) and ran again
+        self.recoveries: list[dict[str, Any]] = []  # what each recovery did, with its timing
+        self.checkpoint: dict[tuple[int, int], Any] = {}
+        self.checkpoint_step = -1  # the step after which the checkpoint was taken
 
     def __enter__(self) -> Runtime:
         self.start()
@@ -570,6 +564,7 @@ class Runtime:
         self.nodes = ray.get([w.ping.remote() for w in self.workers])
         ray.get(self.controller.attach.remote(self.workers))
         self.executor = RayExecutor(self.workers)
+        self._take_checkpoint()
         if s.surfaces is not None:
             self.surfaces = ray.get(self.controller.start_surfaces.remote())
 
@@ -591,8 +586,13 @@ class Runtime:
         assert self.shaper is not None
         self.shaper.reset()
         self._bytes[:] = 0
+        self._rank_bytes[:] = 0
         self.step = -1
         self.controller_failures = []
+        if not self.live.all():
+            raise ValueError("reset needs every worker alive; start a new runtime")
+        self.retried_steps, self.recoveries = [], []
+        self._take_checkpoint()
 
     def node_dcs(self) -> list[str]:
         """DC label of the node each worker runs on."""
@@ -606,12 +606,20 @@ class Runtime:
         try:
             stats = train_step(self.executor, self.step, self.settings.lm.num_layers)
         except ray.exceptions.RayActorError:
-            self._mark_dead_workers()
-            raise
+            # a worker died during the step: the survivors undo it, the controller replans
+            # without the dead and restores their masters, and the step runs again
+            self.recover(rollback=True)
+            self.retried_steps.append(self.step)
+            t0 = time.perf_counter()
+            stats = train_step(self.executor, self.step, self.settings.lm.num_layers)
         step_s = time.perf_counter() - t0
-        total = np.sum([np.asarray(s["bytes"]) for s in stats], axis=0)  # [K, D, D]
+        for s_ in stats:  # cumulative per rank; a dead rank's last count stays in the sum
+            self._rank_bytes[s_["rank"]] = np.asarray(s_["bytes"])
+        total = self._rank_bytes.sum(axis=0)  # [K, D, D]
         delta, self._bytes = total - self._bytes, total
-        computed = np.stack([np.asarray(s["computed"]) for s in stats])  # [R, L]
+        computed = np.zeros((self.topology.num_ranks, self.settings.lm.num_layers), np.int64)
+        for s_ in stats:
+            computed[s_["rank"]] = np.asarray(s_["computed"])  # [R, L]; dead ranks 0
         loss = float(sum(s["loss"] for s in stats))
         record = {
             "seconds": step_s,
@@ -636,6 +644,9 @@ class Runtime:
         migration = np.asarray(ctl["migration_bytes"], np.int64)
         self._bytes[_MIGRATION] += migration  # counted here, not in the next step's delta
         pairs = np.stack([delta[_TOKENS], delta[_WEIGHTS], migration]).astype(np.int64)
+        every = self.settings.checkpoint_every
+        if every and (self.step + 1) % every == 0:
+            self._take_checkpoint()
         return StepResult(
             step=self.step,
             loss=loss,
@@ -653,6 +664,63 @@ class Runtime:
             tokens_per_layer_rank=computed.T.tolist(),
             error=ctl.get("error"),
         )
+
+    def _take_checkpoint(self) -> None:
+        """Copy every master (weights, Adam state) from the live workers to the driver."""
+        ckpt: dict[tuple[int, int], Any] = {}
+        try:
+            parts = self.executor.call_all("checkpoint")
+        except ray.exceptions.RayActorError:  # a worker died: keep the last; the step notices
+            log.warning("checkpoint after step %d skipped: a worker died", self.step)
+            return
+        for part in parts:
+            ckpt.update(part)
+        self.checkpoint, self.checkpoint_step = ckpt, self.step
+
+    def dead_workers(self) -> list[int]:
+        """Live-marked workers that no longer answer a ping (within ``PING_TIMEOUT_S``)."""
+        refs = {r: self.workers[r].ping.remote() for r in np.flatnonzero(self.live).tolist()}
+        dead = []
+        for r, ref in refs.items():
+            try:
+                ray.get(ref, timeout=PING_TIMEOUT_S)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                dead.append(r)
+        return dead
+
+    def recover(self, *, rollback: bool = True) -> dict[str, Any]:
+        """Find the dead workers, undo the current step on the survivors (``rollback``; off
+        when the death came between steps: every survivor finished the step), and have the
+        controller plan without the dead and restore their masters (from a live replica,
+        else from the driver's last checkpoint). Returns what the controller did, with
+        ``seconds``. Raises RuntimeError when no worker died (the failure was something else)."""
+        t0 = time.perf_counter()
+        dead = self.dead_workers()
+        if not dead:
+            raise RuntimeError(f"step {self.step} failed but every worker answers")
+        self.live[dead] = False
+        log.warning("workers %s died at step %d; recovering", dead, self.step)
+        self.executor = RayExecutor(self.workers, self.live)
+        steps = set(self.executor.call_all("rollback_step") if rollback else [self.step])
+        if len(steps) != 1:
+            raise RuntimeError(f"survivors disagree on the last step after rollback: {steps}")
+        self.executor.call_all("set_live", self.live.tolist())
+        out = dict(
+            ray.get(self.controller.recover.remote(dead, int(steps.pop()) + 1, self.checkpoint))
+        )
+        out.update(step=self.step, checkpoint_step=self.checkpoint_step,
+                   seconds=time.perf_counter() - t0)  # fmt: skip
+        self.recoveries.append(out)
+        return out
+
+    def inject_worker_exit(self, rank: int, step: int, phase: str) -> None:
+        """Fault injection: worker ``rank`` exits when ``phase`` of ``step`` starts."""
+        ray.get(self.workers[rank].inject_exit.remote(step, phase))
+
+    def expert_weights(self, rank: int, layer: int, expert: int) -> list[np.ndarray] | None:
+        """Rank ``rank``'s copy of ``expert`` of ``layer``, or None."""
+        w = ray.get(self.workers[rank].call.remote("expert_weights", layer, expert))
+        return None if w is None else list(w)
 
     def _mark_dead_workers(self) -> None:
         """Tell the controller which workers no longer answer (best effort)."""
@@ -686,7 +754,14 @@ class Runtime:
         return bytes(self._ask("metrics")).decode()
 
     def status(self) -> dict[str, Any]:
-        return dict(self._ask("status"))
+        """The controller's status plus the driver's fault record: ``retried_steps`` (steps
+        that failed because a worker died and ran again), ``dead_ranks``, ``recoveries``."""
+        out = dict(self._ask("status"))
+        out["retried_steps"] = list(self.retried_steps)
+        out["dead_ranks"] = np.flatnonzero(~self.live).tolist()
+        out["recoveries"] = [{k: v for k, v in r.items() if k != "migration_bytes"}
+                             for r in self.recoveries]  # fmt: skip
+        return out
 
     def shutdown(self) -> None:
         if ray.is_initialized():

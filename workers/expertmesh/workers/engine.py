@@ -32,6 +32,7 @@ __all__ = [
     "Transfer",
     "apply_plan",
     "migration_rounds",
+    "recovery_rounds",
     "train_step",
 ]
 
@@ -154,3 +155,39 @@ def migration_rounds(
     if extra:
         out.append(extra)
     return out
+
+
+def recovery_rounds(
+    old: list[Placement], new: list[Placement], live: np.ndarray, topology: Topology
+) -> tuple[list[list[Transfer]], list[tuple[int, int, int, str]]]:
+    """The transfers that turn ``old`` into ``new`` after the ranks not ``live`` [R] died.
+
+    A copy ``new`` needs is sent from the nearest live holder in ``old`` (a replica, exact
+    weights); a master whose old master is alive gets its Adam state from it. What no live
+    rank has is listed in the second value as ``(layer, expert, rank, "w" | "opt")``: the
+    weights of an expert with no live copy, and the Adam state of a master whose old master
+    died; the caller restores those from a checkpoint. Returns ``(rounds, restore)``."""
+    if not len(old) == len(new):
+        raise ValueError("old and new need one entry per layer")
+    live = np.asarray(live, dtype=bool)
+    transfers: list[Transfer] = []
+    restore: list[tuple[int, int, int, str]] = []
+    for layer, (a, b) in enumerate(zip(old, new, strict=True)):
+        if (b.phy2log[~live] >= 0).any():
+            raise ValueError(f"layer {layer}: the new placement has copies on dead ranks")
+        have = a.holds() & live[:, None]  # [R, E]
+        want = b.holds()
+        for r, e in zip(*np.nonzero(want & ~have), strict=True):
+            src = np.flatnonzero(have[:, e])
+            if src.size:
+                near = src[np.argmin(topology.distance(src, np.full_like(src, r)))]
+                transfers.append((layer, int(e), int(near), int(r), "w"))
+            else:
+                restore.append((layer, int(e), int(r), "w"))
+        am, bm = a.master_rank(), b.master_rank()
+        for e in np.flatnonzero(am != bm).tolist():
+            if live[am[e]]:
+                transfers.append((layer, e, int(am[e]), int(bm[e]), "opt"))
+            else:
+                restore.append((layer, e, int(bm[e]), "opt"))
+    return ([transfers] if transfers else []), restore

@@ -103,9 +103,9 @@ class RankState:
         torch.set_num_threads(1)
         self.rank, self.topology, self.cfg, self.corpus = rank, topology, cfg, corpus
         self.R = topology.num_ranks
-        self.rank_dc = topology.rank_dc
-        self.dc = int(self.rank_dc[rank])
-        self.dc_ranks = [np.asarray(r) for r in topology.dc_ranks]
+        self.dc = int(topology.rank_dc[rank])
+        self.set_live([True] * self.R)
+        self._snap: dict[str, Any] | None = None
         self._reserve = reserve
         self._report = report
         self.dense = DenseModel(cfg)
@@ -124,6 +124,81 @@ class RankState:
         self.shaped_seconds = 0.0
         self._pending: dict[str, Any] | None = None
         self._reset_step()
+
+    # ---- membership and step rollback ----
+
+    def set_live(self, live: list[bool]) -> None:
+        """Take part only with the ``live`` [R] ranks: the others (dead, or in a DC cut off)
+        get no packet, lead no DC and count in no loss; a DC without live ranks is skipped."""
+        mask = np.asarray(live, dtype=bool)
+        if mask.shape != (self.R,) or not mask[self.rank]:
+            raise ValueError(f"live must be [{self.R}] bools with this rank ({self.rank}) live")
+        self.live = mask
+        self.rank_dc = np.where(mask, self.topology.rank_dc, -1)  # -1: not taking part
+        self.dc_ranks = [np.flatnonzero(self.rank_dc == d) for d in range(self.topology.num_dcs)]
+
+    def _snapshot(self) -> dict[str, Any]:
+        """Copies of everything a step changes (weights, optimizer state, step counters)."""
+
+        def cl(ts: Any) -> list[torch.Tensor]:
+            return [t.detach().clone() for t in ts]
+
+        return {
+            "step": self.step,
+            "opt_step": self.opt_step,
+            "dense": cl(self._dparams()),
+            "dense_state": [(m.clone(), v.clone()) for m, v in self.dense_state],
+            "experts": [{e: cl(w) for e, w in mine.items()} for mine in self.experts],
+            "opt": [{e: (cl(m), cl(v)) for e, (m, v) in o.items()} for o in self.opt],
+        }
+
+    def rollback_step(self) -> int:
+        """Undo the step begun last (it failed on another rank): weights, optimizer state and
+        the step counter go back to before it, so the step can run again. Returns the step
+        number now committed (a no-op when no step was begun since the last rollback)."""
+        snap, self._snap = self._snap, None
+        if snap is None:
+            return self.step
+        with torch.no_grad():
+            for p, t in zip(self._dparams(), snap["dense"], strict=True):
+                p.copy_(t)
+                p.grad = None
+        self.dense_state = snap["dense_state"]
+        self.experts = [
+            {e: self._param((w[0], w[1], w[2])) for e, w in mine.items()}
+            for mine in snap["experts"]
+        ]
+        self.opt = snap["opt"]
+        self.step, self.opt_step = snap["step"], snap["opt_step"]
+        self._reset_step()
+        return int(self.step)
+
+    def checkpoint(self) -> dict[tuple[int, int], tuple[Any, Any, Any]]:
+        """The masters this rank holds: ``(layer, expert) -> (weights, adam m, adam v)``."""
+        out = {}
+        for lyr, o in enumerate(self.opt):
+            for e, (m, v) in o.items():
+                w = self.experts[lyr][e]
+                out[(lyr, e)] = (
+                    [t.detach().clone() for t in w],
+                    [t.clone() for t in m],
+                    [t.clone() for t in v],
+                )
+        return out
+
+    def expert_weights(self, layer: int, expert: int) -> list[np.ndarray] | None:
+        """This rank's copy of ``expert`` of ``layer`` (numpy), or None."""
+        w = self.experts[layer].get(expert)
+        return None if w is None else [t.detach().numpy().copy() for t in w]
+
+    def seed(self, weights: dict[tuple[int, int], Any], opt: dict[tuple[int, int], Any]) -> None:
+        """Recovery: expert weights and master Adam states (from a checkpoint) for the plan
+        being prepared, as if a migration had delivered them."""
+        pend = self._pending
+        if pend is None:
+            raise ValueError("no plan is being prepared")
+        pend["w"].update(weights)
+        pend["opt"].update(opt)
 
     # ---- helpers ----
 
@@ -195,6 +270,7 @@ class RankState:
     def begin_step(self, step: int) -> None:
         if step <= self.step:
             raise ValueError(f"step {step} is not after step {self.step}")
+        self._snap = self._snapshot()
         self.step = step
         self._reset_step()
         for p in self._dparams():
@@ -389,7 +465,7 @@ class RankState:
         h = st["a"] + y.reshape(st["a"].shape)
         if layer + 1 < self.cfg.num_layers:
             return self._layer_start(layer + 1, h)
-        total = self.cfg.tokens_per_rank * self.R
+        total = self.cfg.tokens_per_rank * int(self.live.sum())
         loss = self.dense.loss_sum(h, self._targets) / total
         self.loss_sum = float(loss.detach())
         loss.backward(retain_graph=True)
@@ -500,7 +576,7 @@ class RankState:
                         a + b for a, b in zip(self._dense_sum, pkt["dg"], strict=True)
                     ]
             for b in range(self.topology.num_dcs):
-                if b != self.dc:
+                if b != self.dc and self.dc_ranks[b].size:
                     lead = int(self.dc_ranks[b][0])
                     out[lead] = out[lead] or {}
                     out[lead]["ds"] = (self.dc, self._dense_sum)
@@ -533,8 +609,9 @@ class RankState:
             for pkt in inbox:
                 if pkt is not None and "ds" in pkt:
                     sums[int(pkt["ds"][0])] = pkt["ds"][1]
-            total = sums[0]  # summed in DC order: every leader gets the same bits
-            for b in range(1, self.topology.num_dcs):
+            order = [b for b in range(self.topology.num_dcs) if self.dc_ranks[b].size]
+            total = sums[order[0]]  # summed in DC order: every leader gets the same bits
+            for b in order[1:]:
                 total = [x + c for x, c in zip(total, sums[b], strict=True)]
             self._dense_step(total)
             for q in self.dc_ranks[self.dc].tolist():
