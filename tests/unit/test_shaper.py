@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from expertmesh.planner import Topology
-from expertmesh.workers.shaper import LinkShaper
+from expertmesh.workers.shaper import LinkDown, LinkShaper
 
 
 class FakeClock:
@@ -114,3 +114,34 @@ def test_shared_shaper_counts_every_byte_under_concurrent_senders(tmp_path) -> N
     assert shapers[0].messages[0, 1] == 2000
     for s in shapers:
         s.close()
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_cut_drops_a_pair_both_ways_until_healed(tmp_path, enabled: bool) -> None:
+    """A cut made through one shaper (the driver) refuses messages booked through another
+    (a worker) on that pair only, in both directions; heal brings the link back."""
+    clock = FakeClock()
+    topo = Topology.generate(3, 1).with_inter_dc(0.08, 20.0)
+    path = str(tmp_path / "links")
+    driver = LinkShaper.from_topology(topo, clock=clock, path=path)
+    worker = LinkShaper.from_topology(topo, clock=clock, path=path, enabled=enabled)
+    assert driver.links_up().all()
+    driver.cut(0, 2)
+    up = worker.links_up()
+    assert not up[0, 2] and not up[2, 0] and up[0, 1] and up[1, 2] and up.diagonal().all()
+    for a, b in [(0, 2), (2, 0)]:
+        with pytest.raises(LinkDown, match="cut"):
+            worker.reserve(a, b, 100)
+    assert worker.totals()[0, 2] == 0  # a refused message is not counted
+    worker.reserve(0, 1, 100)  # other pairs and the DC itself work
+    worker.reserve(2, 2, 100)
+    driver.heal(2, 0)
+    assert worker.links_up().all()
+    worker.reserve(0, 2, 100)
+    assert worker.totals()[0, 2] == 100
+    with pytest.raises(ValueError, match="pair"):
+        driver.cut(1, 1)
+    with pytest.raises(ValueError, match="pair"):
+        driver.heal(0, 3)
+    driver.close()
+    worker.close()

@@ -62,11 +62,14 @@ class Executor(Protocol):
 
 
 class LocalExecutor:
-    """Every rank in this process, phases run rank by rank (for tests and the reference)."""
+    """Every rank in this process, phases run rank by rank (for tests and the reference).
 
-    def __init__(self, ranks: list[RankState]) -> None:
+    Ranks not ``live`` are never run; their packets are ``None``."""
+
+    def __init__(self, ranks: list[RankState], live: np.ndarray | None = None) -> None:
         self.ranks = ranks
         self.num_ranks = len(ranks)
+        self.live = np.ones(self.num_ranks, bool) if live is None else np.asarray(live, bool)
 
     def phase(
         self, name: str, layer: int, outs: list[list[Any]] | None, arg: Any = None
@@ -74,14 +77,18 @@ class LocalExecutor:
         n = self.num_ranks
         return [
             r.phase(name, layer, [outs[p][q] for p in range(n)] if outs else [], arg)
+            if self.live[q]
+            else [None] * n
             for q, r in enumerate(self.ranks)
         ]
 
     def call_all(self, method: str, *args: Any) -> list[Any]:
-        return [getattr(r, method)(*args) for r in self.ranks]
+        return [
+            getattr(r, method)(*args) for r, ok in zip(self.ranks, self.live, strict=True) if ok
+        ]
 
     def results(self, outs: list[list[Any]]) -> list[Any]:
-        return [outs[q][q] for q in range(self.num_ranks)]
+        return [outs[q][q] for q in range(self.num_ranks) if self.live[q]]
 
 
 def train_step(ex: Executor, step: int, num_layers: int) -> list[dict[str, Any]]:

@@ -19,6 +19,11 @@ an ``flock`` on it, so booking costs microseconds and no message to a central
 actor (such a message per packet cost more than the traffic it shaped). The
 shared form needs every rank on one machine, which is what the shaper emulates;
 on real DCs it is off.
+
+A DC pair can be *cut* (:meth:`LinkShaper.cut`, both directions) and healed
+(:meth:`LinkShaper.heal`): a message booked on a cut pair raises :class:`LinkDown`
+(whether shaping is on or off), as a send on a dead WAN link would fail. Cuts live in
+the shared file too, so a cut made by the driver reaches every rank at once.
 """
 
 from __future__ import annotations
@@ -36,7 +41,11 @@ import numpy as np
 
 from expertmesh.planner.topology import Topology
 
-__all__ = ["LinkShaper"]
+__all__ = ["LinkDown", "LinkShaper"]
+
+
+class LinkDown(ConnectionError):
+    """A message was booked on a DC pair that is cut (:meth:`LinkShaper.cut`)."""
 
 
 class LinkShaper:
@@ -72,18 +81,19 @@ class LinkShaper:
         d2 = bw.size
         self._fd: int | None = None
         if path is None:
-            buf: Any = bytearray(3 * 8 * d2)
+            buf: Any = bytearray(4 * 8 * d2)
         else:
             self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
             with self._locked():
-                if os.fstat(self._fd).st_size != 3 * 8 * d2:
-                    os.ftruncate(self._fd, 3 * 8 * d2)
-            buf = mmap.mmap(self._fd, 3 * 8 * d2)
+                if os.fstat(self._fd).st_size != 4 * 8 * d2:
+                    os.ftruncate(self._fd, 4 * 8 * d2)
+            buf = mmap.mmap(self._fd, 4 * 8 * d2)
         self._buf = buf
         # [D, D] each: when each link is next free, bytes and messages sent per pair
         self._free_at = np.frombuffer(buf, np.float64, d2, 0).reshape(bw.shape)
         self.bytes = np.frombuffer(buf, np.int64, d2, 8 * d2).reshape(bw.shape)
         self.messages = np.frombuffer(buf, np.int64, d2, 16 * d2).reshape(bw.shape)
+        self._cut = np.frombuffer(buf, np.int64, d2, 24 * d2).reshape(bw.shape)  # 1: cut
 
     @classmethod
     def from_topology(
@@ -120,6 +130,7 @@ class LinkShaper:
             self._free_at[:] = 0.0
             self.bytes[:] = 0
             self.messages[:] = 0
+            self._cut[:] = 0
 
     def totals(self) -> np.ndarray:
         """[D, D] bytes sent per ordered DC pair so far (a copy)."""
@@ -131,7 +142,7 @@ class LinkShaper:
         if self._fd is None:
             return
         self._free_at = np.zeros((0, 0))
-        self.bytes = self.messages = np.zeros((0, 0), np.int64)
+        self.bytes = self.messages = self._cut = np.zeros((0, 0), np.int64)
         self._buf.close()
         os.close(self._fd)
         self._fd = None
@@ -140,9 +151,31 @@ class LinkShaper:
     def num_dcs(self) -> int:
         return int(self.bandwidth_Bps.shape[0])
 
+    def _pair(self, a: int, b: int) -> None:
+        if not (0 <= a < self.num_dcs and 0 <= b < self.num_dcs) or a == b:
+            raise ValueError(f"({a}, {b}) is not a pair of two of the {self.num_dcs} DCs")
+
+    def cut(self, a: int, b: int) -> None:
+        """Drop the link between DCs ``a`` and ``b`` (both directions) until :meth:`heal`."""
+        self._pair(a, b)
+        with self._locked():
+            self._cut[a, b] = self._cut[b, a] = 1
+
+    def heal(self, a: int, b: int) -> None:
+        """Bring the link between DCs ``a`` and ``b`` back."""
+        self._pair(a, b)
+        with self._locked():
+            self._cut[a, b] = self._cut[b, a] = 0
+
+    def links_up(self) -> np.ndarray:
+        """[D, D] bool: whether each DC pair's link works (the diagonal always does)."""
+        with self._locked():
+            return np.asarray(self._cut == 0)
+
     def reserve(self, src_dc: int, dst_dc: int, nbytes: int) -> float:
         """Book ``nbytes`` on link ``src_dc -> dst_dc``; returns the clock time at which the
-        message has arrived (now, if the shaper is off or both ends are in one DC)."""
+        message has arrived (now, if the shaper is off or both ends are in one DC).
+        :class:`LinkDown` if the pair is cut."""
         if not (0 <= src_dc < self.num_dcs and 0 <= dst_dc < self.num_dcs):
             raise ValueError(f"unknown DC pair ({src_dc}, {dst_dc})")
         if nbytes < 0:
@@ -151,6 +184,8 @@ class LinkShaper:
             now = self._clock()
             if src_dc == dst_dc:
                 return now
+            if self._cut[src_dc, dst_dc]:
+                raise LinkDown(f"the link between DC {src_dc} and DC {dst_dc} is cut")
             self.bytes[src_dc, dst_dc] += nbytes
             self.messages[src_dc, dst_dc] += 1
             if not self.enabled:
