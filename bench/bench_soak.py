@@ -76,6 +76,20 @@ def slope_mb_per_min(samples: list[tuple[float, float]], after_s: float = 0.0) -
     return float(slope)
 
 
+def floor_slope_mb_per_min(
+    samples: list[tuple[float, float]], after_s: float = 0.0
+) -> float | None:
+    """Least-squares slope (MB per minute) of the per-minute minima of the samples taken at or
+    after ``after_s``: the floor the controller returns to between plans, without the
+    transient peaks of planning (a leak raises the floor)."""
+    pts = np.array([p for p in samples if p[0] >= after_s], dtype=float).reshape(-1, 2)
+    if not len(pts):
+        return None
+    minute = np.floor(pts[:, 0] / 60.0)
+    floors = [(m, pts[minute == m, 1].min()) for m in np.unique(minute)]
+    return slope_mb_per_min([(m * 60.0, v) for m, v in floors]) if len(floors) >= 3 else None
+
+
 # ---- the ranks (a separate process) ----
 
 
@@ -387,6 +401,9 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
             "samples": len(samples),
             "slope_mb_per_min": slope_mb_per_min(samples),
             "slope_after_warmup_mb_per_min": slope_mb_per_min(samples, args.warmup_minutes * 60.0),
+            "floor_slope_after_warmup_mb_per_min": floor_slope_mb_per_min(
+                samples, args.warmup_minutes * 60.0
+            ),
             "warmup_minutes": args.warmup_minutes,
             "series": samples,
         },
@@ -428,8 +445,10 @@ def _report(res: dict[str, Any]) -> str:
         ("controller RSS first / last / max MB", f"{f(m['first_mb'], '.1f')} / {f(m['last_mb'], '.1f')} / {f(m['max_mb'], '.1f')}"),
         ("RSS slope, whole soak (MB/min)", f(m["slope_mb_per_min"], ".3f")),
         (f"RSS slope after {m['warmup_minutes']} min (MB/min)", f(m["slope_after_warmup_mb_per_min"], ".3f")),
+        ("slope of the per-minute RSS floor after warm-up (MB/min)", f(m["floor_slope_after_warmup_mb_per_min"], ".3f")),
         ("GET /plans/latest p50 / p99 / max ms", f"{r['p50_ms']:.1f} / {r['p99_ms']:.1f} / {r['max_ms']:.1f} ({r['requests_200']} requests)"),
         ("p99 < 50 ms", str(r["p99_ms"] < 50.0)),
+        ("requests over 50 ms", f"{len(r['slow'])} ({100 * len(r['slow']) / max(1, r['requests_200']):.1f}%)"),
         ("baseline (no ranks) p50 / p99 ms", f"{r['baseline_p50_ms']:.1f} / {r['baseline_p99_ms']:.1f} ({r['baseline_requests_200']} requests)"),
         ("p99 under soak / baseline p99", f"{r['p99_ms'] / r['baseline_p99_ms']:.1f}x"),
         ("step lag p99 (s)", f"{c['step_lag_p99_s']:.3f}"),
@@ -446,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dcs", type=int, default=4)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--experts", type=int, default=256, help="experts per layer (<= ranks)")
-    ap.add_argument("--step-hz", type=float, default=2.0, help="steps per second")
+    ap.add_argument("--step-hz", type=float, default=1.0, help="steps per second")
     ap.add_argument("--policy", default="eplb")
     ap.add_argument("--every", type=int, default=10, help="plan and commit every N steps")
     ap.add_argument("--bad-every", type=int, default=5, help="one hostile report per N steps")
