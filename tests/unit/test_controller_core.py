@@ -173,3 +173,33 @@ def test_finished_plans_beyond_keep_versions_leave_memory():
     assert saved == list(range(1, step + 2))  # every commit reached the store
     with pytest.raises(ValueError, match="unknown plan version"):
         core.get(1)
+
+
+def test_dead_ranks_complete_steps_and_get_nothing_in_plans():
+    core, _ = _core(policy="eplb")
+    rng = np.random.default_rng(1)
+    _report_step(core, 0, rng)
+    pv = core.plan(0)
+    core.commit(pv.version)
+    core.set_dead_ranks([1])
+    assert core.dead_ranks == (1,)
+    done = [
+        core.report_load(1, layer, rank, rng.integers(0, 20, 8))
+        for layer in range(2)
+        for rank in (0, 2, 3)  # rank 1 is dead: the others complete the step
+    ]
+    assert done[-1] and done[2]
+    pv = core.plan(1)
+    for lp in pv.layers:
+        assert (lp.phy2log[1] < 0).all()
+        assert (lp.placement.master_rank() != 1).all()
+        assert (lp.route[:, 2] != 1).all()
+    core.commit(pv.version)
+    core.set_dead_ranks([])  # rank 1 rejoins: the next plan is made afresh and uses it
+    _report_step(core, 2, rng)
+    pv = core.plan(2)
+    assert all((lp.phy2log[1] >= 0).any() for lp in pv.layers)
+    with pytest.raises(ValueError, match="unknown rank"):
+        core.set_dead_ranks([4])
+    with pytest.raises(ValueError, match="every rank"):
+        core.set_dead_ranks([0, 1, 2, 3])

@@ -198,6 +198,7 @@ class ControllerCore:
         self._committed: PlanVersion | None = None
         self._last_plan_step: int | None = None
         self._dead = np.zeros(topology.num_ranks, bool)  # ranks planned out (dead, cut off)
+        self._fresh = False  # membership changed: the next plan ignores the previous one
         self.reports_received = 0
         self.reports_rejected = 0
         self.pending_dropped = 0  # incomplete steps dropped to keep MAX_PENDING_STEPS
@@ -237,7 +238,9 @@ class ControllerCore:
 
     def set_dead_ranks(self, ranks: list[int] | tuple[int, ...]) -> None:
         """Plan without ``ranks`` from now on (every other rank's report completes a step);
-        partial loads being assembled are dropped. ``ValueError`` on an unknown rank or all."""
+        partial loads being assembled are dropped. After a change the next plan is made
+        afresh (not from the previous placement, which a policy might keep: ranks that
+        rejoin would get nothing). ``ValueError`` on an unknown rank or all."""
         dead = np.zeros(self.topology.num_ranks, bool)
         for r in ranks:
             if not 0 <= int(r) < self.topology.num_ranks:
@@ -246,6 +249,7 @@ class ControllerCore:
         if dead.all():
             raise ValueError("every rank would be dead")
         with self._lock:
+            self._fresh = self._fresh or not np.array_equal(dead, self._dead)
             self._dead = dead
             self._pending.clear()
 
@@ -527,7 +531,9 @@ class ControllerCore:
                 )
                 load = np.where(self._dead[:, None], 0, load)
                 before_ctx = self._context(layer, load, committed.step) if committed else None
-                jobs.append((layer, load, self._context(layer, load, step), before_ctx))
+                ctx = self._context(layer, load, step, fresh=self._fresh)
+                jobs.append((layer, load, ctx, before_ctx))
+            self._fresh = False
         layers, before, after = [], [], []
         for layer, load, ctx, before_ctx in jobs:
             lp = plan_layer(policy, ctx)
@@ -604,7 +610,9 @@ class ControllerCore:
             )
         return lp, before, imbalance(lp.rank_tokens())
 
-    def _context(self, layer: int, load: np.ndarray, step: int) -> PolicyContext:
+    def _context(
+        self, layer: int, load: np.ndarray, step: int, *, fresh: bool = False
+    ) -> PolicyContext:
         # History-based policies plan on the window up to and including the newest complete
         # load: by the time a plan applies, that microbatch is history too.
         hw = self._policy.history_window()
@@ -617,7 +625,7 @@ class ControllerCore:
             layer=layer,
             load=load,
             history=np.stack(win) if win else np.zeros(shape, np.int64),
-            previous=self._committed.layers[layer] if self._committed else None,
+            previous=self._committed.layers[layer] if self._committed and not fresh else None,
             dead_ranks=self.dead_ranks,
         )
 

@@ -98,6 +98,7 @@ class WorkerActor:
         if method not in (
             "prepare", "prepare_end", "commit", "abort", "stats", "plan_state",
             "rollback_step", "set_live", "checkpoint", "expert_weights", "seed",
+            "export_dense", "adopt",
         ):  # fmt: skip
             raise ValueError(f"unknown worker method {method!r}")
         return getattr(self.state, method)(*args)

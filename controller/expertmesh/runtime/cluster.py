@@ -41,6 +41,7 @@ from expertmesh.controller.telemetry import Telemetry
 from expertmesh.planner import Placement, Topology, imbalance
 from expertmesh.planner.static import static_placement
 from expertmesh.runtime.actors import RayExecutor, WorkerActor
+from expertmesh.runtime.faults import Membership
 from expertmesh.workers.engine import apply_plan, migration_rounds, recovery_rounds, train_step
 from expertmesh.workers.model import LMConfig
 from expertmesh.workers.rank import KINDS
@@ -61,7 +62,6 @@ NAMESPACE = "expertmesh"
 _TOKENS, _WEIGHTS, _MIGRATION = (KINDS.index(k) for k in ("tokens", "weights", "migration"))
 CONTROLLER_RESTARTS = 5  # Ray restarts the controller actor this many times
 CONTROLLER_WAIT_S = 120.0  # the driver waits this long for a restarting controller
-PING_TIMEOUT_S = 5.0  # a worker that does not answer a ping in this time is taken for dead
 
 
 class RuntimeSettings(BaseModel):
@@ -358,17 +358,19 @@ class ControllerActor:
         return out
 
     def recover(
-        self, dead: list[int], step: int, checkpoint: dict[tuple[int, int], Any]
+        self, excluded: list[int], step: int, checkpoint: dict[tuple[int, int], Any]
     ) -> dict[str, Any]:
-        """Ranks ``dead`` died: plan without them and apply it on the survivors.
+        """Ranks ``excluded`` (dead, or in a DC cut off) take no part from now on (the
+        others do, rejoining ones included): plan for the live ranks and apply it.
 
-        Copies the survivors lack come from a live replica (exact weights); what no
-        survivor holds (an expert whose every copy died) and the Adam state of masters that
-        died come from ``checkpoint`` ((layer, expert) -> (weights, m, v), the driver's
+        Copies the live ranks lack come from a live replica (exact weights); what no live
+        rank holds (an expert whose every copy left) and the Adam state of masters that
+        left come from ``checkpoint`` ((layer, expert) -> (weights, m, v), the driver's
         last). Raises when the plan cannot be applied (the run cannot go on)."""
-        for r in dead:
-            self.live[r] = False
-            self.telemetry.set_worker_state(r, False)
+        self.live[:] = True
+        self.live[list(excluded)] = False
+        for r in range(self.topology.num_ranks):
+            self.telemetry.set_worker_state(r, bool(self.live[r]))
         self.core.set_dead_ranks(np.flatnonzero(~self.live).tolist())
         pv = self.core.plan(step)
         new = [lp.placement for lp in pv.layers]
@@ -400,7 +402,7 @@ class ControllerActor:
         from_ckpt = {(layer, e) for layer, e, _, kind in restore if kind == "w"}
         return {
             "version": pv.version,
-            "dead": np.flatnonzero(~self.live).tolist(),
+            "excluded": np.flatnonzero(~self.live).tolist(),
             "lost_masters": len(lost_masters),
             "restored_from_replica": sum(1 for k in lost_masters if k not in from_ckpt),
             "restored_from_checkpoint": sum(1 for k in lost_masters if k in from_ckpt),
@@ -489,7 +491,7 @@ def _initial_placements(topology: Topology, lm: LMConfig) -> list[Placement]:
     return [p] * lm.num_layers
 
 
-class Runtime:
+class Runtime(Membership):
     """A local multi-DC Ray cluster training the demo model. Use as a context manager."""
 
     def __init__(self, settings: RuntimeSettings, *, address: str | None = None) -> None:
@@ -505,6 +507,8 @@ class Runtime:
         self.step = -1
         self.controller_failures: list[int] = []  # steps after which the controller was lost
         self.live = np.ones(self.topology.num_ranks, bool)
+        self.dead = np.zeros(self.topology.num_ranks, bool)
+        self.paused = np.zeros(self.topology.num_ranks, bool)
         self._rank_bytes = np.zeros((self.topology.num_ranks, *self._bytes.shape), np.int64)
         self.retried_steps: list[int] = []  # steps that failed (a worker died) and ran again
         self.recoveries: list[dict[str, Any]] = []  # what each recovery did, with its timing
@@ -605,10 +609,12 @@ class Runtime:
         t0 = time.perf_counter()
         try:
             stats = train_step(self.executor, self.step, self.settings.lm.num_layers)
-        except ray.exceptions.RayActorError:
-            # a worker died during the step: the survivors undo it, the controller replans
-            # without the dead and restores their masters, and the step runs again
-            self.recover(rollback=True)
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
+            # a worker died (or a link was cut) during the step: the ranks that go on undo
+            # it, the controller replans without the others and restores their masters, and
+            # the step runs again
+            if self.recover(rollback=True, reason="step failed", required=False) is None:
+                raise
             self.retried_steps.append(self.step)
             t0 = time.perf_counter()
             stats = train_step(self.executor, self.step, self.settings.lm.num_layers)
@@ -665,74 +671,6 @@ class Runtime:
             error=ctl.get("error"),
         )
 
-    def _take_checkpoint(self) -> None:
-        """Copy every master (weights, Adam state) from the live workers to the driver."""
-        ckpt: dict[tuple[int, int], Any] = {}
-        try:
-            parts = self.executor.call_all("checkpoint")
-        except ray.exceptions.RayActorError:  # a worker died: keep the last; the step notices
-            log.warning("checkpoint after step %d skipped: a worker died", self.step)
-            return
-        for part in parts:
-            ckpt.update(part)
-        self.checkpoint, self.checkpoint_step = ckpt, self.step
-
-    def dead_workers(self) -> list[int]:
-        """Live-marked workers that no longer answer a ping (within ``PING_TIMEOUT_S``)."""
-        refs = {r: self.workers[r].ping.remote() for r in np.flatnonzero(self.live).tolist()}
-        dead = []
-        for r, ref in refs.items():
-            try:
-                ray.get(ref, timeout=PING_TIMEOUT_S)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                dead.append(r)
-        return dead
-
-    def recover(self, *, rollback: bool = True) -> dict[str, Any]:
-        """Find the dead workers, undo the current step on the survivors (``rollback``; off
-        when the death came between steps: every survivor finished the step), and have the
-        controller plan without the dead and restore their masters (from a live replica,
-        else from the driver's last checkpoint). Returns what the controller did, with
-        ``seconds``. Raises RuntimeError when no worker died (the failure was something else)."""
-        t0 = time.perf_counter()
-        dead = self.dead_workers()
-        if not dead:
-            raise RuntimeError(f"step {self.step} failed but every worker answers")
-        self.live[dead] = False
-        log.warning("workers %s died at step %d; recovering", dead, self.step)
-        self.executor = RayExecutor(self.workers, self.live)
-        steps = set(self.executor.call_all("rollback_step") if rollback else [self.step])
-        if len(steps) != 1:
-            raise RuntimeError(f"survivors disagree on the last step after rollback: {steps}")
-        self.executor.call_all("set_live", self.live.tolist())
-        out = dict(
-            ray.get(self.controller.recover.remote(dead, int(steps.pop()) + 1, self.checkpoint))
-        )
-        out.update(step=self.step, checkpoint_step=self.checkpoint_step,
-                   seconds=time.perf_counter() - t0)  # fmt: skip
-        self.recoveries.append(out)
-        return out
-
-    def inject_worker_exit(self, rank: int, step: int, phase: str) -> None:
-        """Fault injection: worker ``rank`` exits when ``phase`` of ``step`` starts."""
-        ray.get(self.workers[rank].inject_exit.remote(step, phase))
-
-    def expert_weights(self, rank: int, layer: int, expert: int) -> list[np.ndarray] | None:
-        """Rank ``rank``'s copy of ``expert`` of ``layer``, or None."""
-        w = ray.get(self.workers[rank].call.remote("expert_weights", layer, expert))
-        return None if w is None else list(w)
-
-    def _mark_dead_workers(self) -> None:
-        """Tell the controller which workers no longer answer (best effort)."""
-        for r, w in enumerate(self.workers):
-            try:
-                ray.get(w.ping.remote(), timeout=5.0)
-            except Exception:
-                try:
-                    ray.get(self.controller.set_worker_state.remote(r, False), timeout=5.0)
-                except Exception:
-                    log.exception("could not mark worker %d down", r)
-
     def _ask(self, method: str, *args: Any) -> Any:
         """A read-only call on the controller, retried while Ray restarts it."""
         deadline = time.monotonic() + CONTROLLER_WAIT_S
@@ -758,7 +696,8 @@ class Runtime:
         that failed because a worker died and ran again), ``dead_ranks``, ``recoveries``."""
         out = dict(self._ask("status"))
         out["retried_steps"] = list(self.retried_steps)
-        out["dead_ranks"] = np.flatnonzero(~self.live).tolist()
+        out["dead_ranks"] = np.flatnonzero(self.dead).tolist()
+        out["paused_ranks"] = np.flatnonzero(self.paused).tolist()
         out["recoveries"] = [{k: v for k, v in r.items() if k != "migration_bytes"}
                              for r in self.recoveries]  # fmt: skip
         return out

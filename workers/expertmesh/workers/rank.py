@@ -44,6 +44,7 @@ from expertmesh.workers.moe import (
     expert_compute,
     relay_rank,
 )
+from expertmesh.workers.recovery import RankRecovery
 
 __all__ = ["KINDS", "LayerState", "RankState", "payload_nbytes"]
 
@@ -84,7 +85,7 @@ class LayerState:
         # one set of weights and computes both slots' tokens with it
 
 
-class RankState:
+class RankState(RankRecovery):
     """Everything one rank holds: dense weights, its experts, masters' Adam state, plans."""
 
     def __init__(
@@ -137,78 +138,7 @@ class RankState:
         self.rank_dc = np.where(mask, self.topology.rank_dc, -1)  # -1: not taking part
         self.dc_ranks = [np.flatnonzero(self.rank_dc == d) for d in range(self.topology.num_dcs)]
 
-    def _snapshot(self) -> dict[str, Any]:
-        """Copies of everything a step changes (weights, optimizer state, step counters)."""
-
-        def cl(ts: Any) -> list[torch.Tensor]:
-            return [t.detach().clone() for t in ts]
-
-        return {
-            "step": self.step,
-            "opt_step": self.opt_step,
-            "dense": cl(self._dparams()),
-            "dense_state": [(m.clone(), v.clone()) for m, v in self.dense_state],
-            "experts": [{e: cl(w) for e, w in mine.items()} for mine in self.experts],
-            "opt": [{e: (cl(m), cl(v)) for e, (m, v) in o.items()} for o in self.opt],
-        }
-
-    def rollback_step(self) -> int:
-        """Undo the step begun last (it failed on another rank): weights, optimizer state and
-        the step counter go back to before it, so the step can run again. Returns the step
-        number now committed (a no-op when no step was begun since the last rollback)."""
-        snap, self._snap = self._snap, None
-        if snap is None:
-            return self.step
-        with torch.no_grad():
-            for p, t in zip(self._dparams(), snap["dense"], strict=True):
-                p.copy_(t)
-                p.grad = None
-        self.dense_state = snap["dense_state"]
-        self.experts = [
-            {e: self._param((w[0], w[1], w[2])) for e, w in mine.items()}
-            for mine in snap["experts"]
-        ]
-        self.opt = snap["opt"]
-        self.step, self.opt_step = snap["step"], snap["opt_step"]
-        self._reset_step()
-        return int(self.step)
-
-    def checkpoint(self) -> dict[tuple[int, int], tuple[Any, Any, Any]]:
-        """The masters this rank holds: ``(layer, expert) -> (weights, adam m, adam v)``."""
-        out = {}
-        for lyr, o in enumerate(self.opt):
-            for e, (m, v) in o.items():
-                w = self.experts[lyr][e]
-                out[(lyr, e)] = (
-                    [t.detach().clone() for t in w],
-                    [t.clone() for t in m],
-                    [t.clone() for t in v],
-                )
-        return out
-
-    def expert_weights(self, layer: int, expert: int) -> list[np.ndarray] | None:
-        """This rank's copy of ``expert`` of ``layer`` (numpy), or None."""
-        w = self.experts[layer].get(expert)
-        return None if w is None else [t.detach().numpy().copy() for t in w]
-
-    def seed(self, weights: dict[tuple[int, int], Any], opt: dict[tuple[int, int], Any]) -> None:
-        """Recovery: expert weights and master Adam states (from a checkpoint) for the plan
-        being prepared, as if a migration had delivered them."""
-        pend = self._pending
-        if pend is None:
-            raise ValueError("no plan is being prepared")
-        pend["w"].update(weights)
-        pend["opt"].update(opt)
-
     # ---- helpers ----
-
-    def _dparams(self) -> list[torch.Tensor]:
-        return list(self.dense.parameters())
-
-    @staticmethod
-    def _param(w: ExpertWeights) -> ExpertWeights:
-        a, b, c = (t.detach().clone().requires_grad_(True) for t in w)
-        return a, b, c
 
     def _row(self, ls: LayerState) -> list[int]:
         row = ls.placement.phy2log[self.rank]
