@@ -50,6 +50,14 @@ def dc_cut() -> Iterator[dict[str, Any]]:
         out["after"] = [rt.run_step() for _ in range(AFTER)]
         out["plan_after"] = rt.committed_plan()
         out["status"] = rt.status()
+        # a cut the runtime was not told about (the shaper file only): the next step's first
+        # cross-DC packet fails, the runtime finds the cut, pauses DC 1 and retries the step
+        assert rt.shaper is not None
+        rt.shaper.cut(0, 1)
+        out["silent_step"] = rt.run_step()
+        out["silent"] = (list(rt.retried_steps), rt.status()["paused_ranks"])
+        rt.heal(0, 1)
+        out["final"] = rt.run_step()
         out["dense"] = [ray.get(w.call.remote("export_dense"))["dense"] for w in rt.workers]
         yield out
     finally:
@@ -90,3 +98,14 @@ def test_cut_dc_rejoins_when_the_link_heals(dc_cut: dict[str, Any]) -> None:
     first = dc_cut["dense"][0]
     for other in dc_cut["dense"][1:]:
         assert all(torch.equal(a, b) for a, b in zip(first, other, strict=True))
+
+
+def test_a_cut_noticed_mid_step_pauses_the_dc_and_retries(dc_cut: dict[str, Any]) -> None:
+    dc = dc_cut["dc"]
+    step = dc_cut["silent_step"]
+    retried, paused = dc_cut["silent"]
+    assert retried == [step.step] and paused == np.flatnonzero(dc == 1).tolist()
+    assert step.error is None and math.isfinite(step.loss)
+    assert all(step.tokens_per_rank[r] == 0 for r in np.flatnonzero(dc == 1))
+    final = dc_cut["final"]  # healed again: everyone trains
+    assert final.step == step.step + 1 and all(t > 0 for t in final.tokens_per_rank)
