@@ -195,3 +195,32 @@ def test_size_limits_on_both_surfaces():
             stub.GetPlan(pb.GetPlanRequest(), timeout=10)
         assert err.value.code() == grpc.StatusCode.NOT_FOUND  # still serving
         assert core.reports_received == core.reports_rejected == 1  # the 413; gRPC never read its
+
+
+def test_open_grpc_calls_are_bounded():
+    core = _core()
+    settings = SurfaceSettings(rest_port=0, grpc_port=0, max_concurrent_rpcs=3)
+    with Surfaces(core, settings) as s, grpc.insecure_channel(s.grpc_target) as ch:
+        stub = pb_grpc.ExpertMeshServiceStub(ch)
+        watchers = [stub.WatchPlans(pb.WatchPlansRequest()) for _ in range(3)]
+        try:
+            codes = set()
+            for _ in range(20):  # the watchers open asynchronously: retry until all three hold
+                try:
+                    stub.GetPlan(pb.GetPlanRequest(), timeout=5)
+                except grpc.RpcError as err:
+                    codes.add(err.code())
+                    if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        break
+            assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes
+        finally:
+            for w in watchers:
+                w.cancel()
+        for _ in range(50):  # the slots free up once the watchers are gone
+            try:
+                stub.GetPlan(pb.GetPlanRequest(), timeout=5)
+            except grpc.RpcError as err:
+                if err.code() == grpc.StatusCode.NOT_FOUND:
+                    break
+        else:
+            raise AssertionError("the server did not serve again after the watchers left")

@@ -252,6 +252,9 @@ class GrpcServer:
     async def _serve(self, host: str, port: int) -> None:
         size = self.settings.max_message_bytes
         server = grpc.aio.server(
+            # beyond this many open calls (report streams, plan watchers) new ones get
+            # RESOURCE_EXHAUSTED instead of memory
+            maximum_concurrent_rpcs=self.settings.max_concurrent_rpcs,
             options=[
                 ("grpc.max_receive_message_length", size),
                 ("grpc.max_send_message_length", size),

@@ -44,6 +44,9 @@ class SurfaceSettings(BaseSettings):
     plan_retention: int = Field(default=1000, ge=1, le=10_000_000, description="plans kept")
     dashboard_dir: Path = Field(default=_REPO_WEB, description="static files of the dashboard")
     grpc_workers: int = Field(default=16, ge=1, le=1024, description="gRPC handler threads")
+    max_concurrent_rpcs: int = Field(
+        default=8192, ge=1, le=1_000_000, description="open gRPC calls (streams included)"
+    )
 
     def token_value(self) -> str | None:
         if self.token is None:
