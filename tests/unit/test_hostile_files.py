@@ -212,3 +212,18 @@ def test_meta_json_round_trip_still_works(good):
     assert meta == {"top_k": 2, "hidden": 16}
     assert json.loads(json.dumps(meta)) == meta
     assert yaml.safe_load(Path(good / "topo.yaml").read_text())["dcs"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--policy-settings", "[" * 5000 + "]" * 5000, "--seconds", "0"],
+        ["plan", "--trace", "t.npz", "--topology", "t.yaml", "--policy", "static", "--out",
+         "o.npz", "--set", "period=" + "[" * 5000 + "]" * 5000],
+    ],
+)  # fmt: skip
+def test_deep_json_on_the_command_line_is_one_line(good, capsys, argv, monkeypatch):
+    monkeypatch.chdir(good)
+    (good / "t.npz").write_bytes((good / "trace.npz").read_bytes())
+    (good / "t.yaml").write_bytes((good / "topo.yaml").read_bytes())
+    _run_refused(argv, capsys)

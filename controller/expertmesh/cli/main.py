@@ -58,6 +58,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError) as err:
         print(f"expertmesh {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 2
+    except RecursionError:  # e.g. JSON or YAML given on the command line, nested too deeply
+        print(f"expertmesh {args.command}: error: input nested too deeply", file=sys.stderr)
+        return 2
+    except MemoryError:
+        print(f"expertmesh {args.command}: error: input too large for memory", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
