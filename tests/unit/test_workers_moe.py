@@ -21,7 +21,7 @@ from expertmesh.workers.engine import (
 )
 from expertmesh.workers.model import Corpus, DenseModel, LMConfig, init_expert
 from expertmesh.workers.moe import assign_destinations, largest_remainder, reference_moe
-from expertmesh.workers.rank import LayerState, RankState
+from expertmesh.workers.rank import LayerState, RankState, from_wire, to_wire
 
 CFG = LMConfig(
     num_layers=2, num_experts=6, top_k=2, hidden=8, ffn_hidden=8, seq_len=8, batch=2, seed=3
@@ -214,3 +214,43 @@ def test_largest_remainder_sums_and_stays_close(total: int, weights: list[int]) 
     assert out.sum() == total
     exact = total * np.array(weights) / sum(weights)
     assert (np.abs(out - exact) < 1).all()
+
+
+def test_packets_travel_as_numpy_and_come_back_as_writable_tensors() -> None:
+    y = torch.arange(12.0).reshape(6, 2)
+    pkt = {"v": 1, "x": y[1:3], "ew": {(0, 2): [torch.ones(2, requires_grad=True)]}, "t": (y[0],)}
+    wire = to_wire(pkt)
+    assert isinstance(wire["x"], np.ndarray) and wire["x"].shape == (2, 2)
+    frozen = wire["x"].copy()
+    frozen.setflags(write=False)  # as Ray hands out arrays it deserialized in place
+    back = from_wire({**wire, "x": frozen})
+    assert isinstance(back["x"], torch.Tensor) and back["x"].tolist() == [[2.0, 3.0], [4.0, 5.0]]
+    back["x"] += 1  # writable (a copy of the read-only array)
+    assert isinstance(back["ew"][(0, 2)][0], torch.Tensor) and isinstance(back["t"], tuple)
+    assert back["v"] == 1
+
+
+def test_stats_report_what_was_dispatched_and_crossed() -> None:
+    topo = _topology()
+    placement, route = random_plan(np.random.default_rng(7), topo, CFG.num_experts)
+    ranks = _ranks(topo, placement, route)
+    stats = train_step(LocalExecutor(ranks), 0, CFG.num_layers)
+    holds = placement.holds()
+    for layer in range(CFG.num_layers):
+        routed = np.concatenate([s["routed"][layer] for s in stats])  # [N, 4]
+        assert holds[routed[:, 2], routed[:, 1]].all()
+        got = np.bincount(routed[:, 2], weights=routed[:, 3], minlength=topo.num_ranks)
+        assert got.tolist() == [s["computed"][layer] for s in stats]
+        for s in stats:
+            mine = routed[routed[:, 0] == s["rank"]]
+            assert mine[:, 3].sum() == CFG.tokens_per_rank * CFG.top_k
+            cross = s["crossings"][layer]
+            dc = topo.rank_dc[s["rank"]]
+            assert cross[dc] == 0
+            for b in range(topo.num_dcs):
+                if b == dc:
+                    continue
+                a = mine[topo.rank_dc[mine[:, 2]] == b, 3].sum()
+                assert (a > 0) == (cross[b] > 0)
+                assert a / CFG.top_k <= cross[b] <= min(a, CFG.tokens_per_rank)
+            assert s["expert_seconds"][layer] > 0 or s["computed"][layer] == 0

@@ -514,6 +514,7 @@ class Runtime(Membership):
         self.recoveries: list[dict[str, Any]] = []  # what each recovery did, with its timing
         self.checkpoint: dict[tuple[int, int], Any] = {}
         self.checkpoint_step = -1  # the step after which the checkpoint was taken
+        self.last_stats: list[dict[str, Any]] = []  # each live rank's stats of the last step
 
     def __enter__(self) -> Runtime:
         self.start()
@@ -619,6 +620,7 @@ class Runtime(Membership):
             t0 = time.perf_counter()
             stats = train_step(self.executor, self.step, self.settings.lm.num_layers)
         step_s = time.perf_counter() - t0
+        self.last_stats = stats  # each live rank's RankState.stats() of this step
         for s_ in stats:  # cumulative per rank; a dead rank's last count stays in the sum
             self._rank_bytes[s_["rank"]] = np.asarray(s_["bytes"])
         total = self._rank_bytes.sum(axis=0)  # [K, D, D]

@@ -46,12 +46,39 @@ from expertmesh.workers.moe import (
 )
 from expertmesh.workers.recovery import RankRecovery
 
-__all__ = ["KINDS", "LayerState", "RankState", "payload_nbytes"]
+__all__ = ["KINDS", "LayerState", "RankState", "from_wire", "payload_nbytes", "to_wire"]
 
 KINDS = ("tokens", "weights", "migration")  # what crossed: activations, sync, plan moves
 Packet = Any
 Span = tuple[str, int, int, int, int, int, int]  # (kind, via, src, row0, rows, asn0, asns)
 Reserve = Callable[[int, int, int], float]  # (src_dc, dst_dc, nbytes) -> arrival clock time
+
+
+def to_wire(obj: Any) -> Any:
+    """A packet with every tensor as a numpy array (only the viewed rows, never the whole
+    storage a view shares)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().numpy()
+    if isinstance(obj, dict):
+        return {k: to_wire(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [to_wire(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(to_wire(v) for v in obj)
+    return obj
+
+
+def from_wire(obj: Any) -> Any:
+    """Inverse of :func:`to_wire`: arrays back to (writable) tensors."""
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(obj if obj.flags.writeable else obj.copy())
+    if isinstance(obj, dict):
+        return {k: from_wire(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [from_wire(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(from_wire(v) for v in obj)
+    return obj
 
 
 def payload_nbytes(obj: Any) -> int:
@@ -179,23 +206,29 @@ class RankState(RankRecovery):
         self.loss_sum = 0.0
         self.computed = np.zeros(self.cfg.num_layers, np.int64)
         self.load = np.zeros((self.cfg.num_layers, self.cfg.num_experts), np.int64)
+        self.expert_seconds = np.zeros(self.cfg.num_layers)  # forward + backward, wall
+        self.crossings = np.zeros((self.cfg.num_layers, self.topology.num_dcs), np.int64)
+        self.routed: list[np.ndarray] = [np.zeros((0, 4), np.int64)] * self.cfg.num_layers
 
     # ---- the phases of a training step ----
 
     def phase(self, name: str, layer: int, inbox: list[Packet], arg: Any = None) -> list[Packet]:
-        """Run phase ``name`` of ``layer`` on ``inbox`` [R]; returns the packets [R]."""
+        """Run phase ``name`` of ``layer`` on ``inbox`` [R]; returns the packets [R].
+
+        Packets travel as numpy arrays (pickling a numpy array costs a small fraction of
+        pickling a torch tensor); the phases work on tensors."""
         if len(inbox) not in (0, self.R):
             raise ValueError(f"inbox must hold {self.R} packets, got {len(inbox)}")
-        inbox = inbox or self._empty()
+        inbox = [from_wire(p) for p in inbox] if inbox else self._empty()
         if name == "mig":
-            return self._mig(inbox, arg or [])
+            return [to_wire(p) for p in self._mig(inbox, arg or [])]
         if name == "begin":
             self.begin_step(int(arg))
         fn = getattr(self, f"_ph_{name}", None)
         if fn is None:
             raise ValueError(f"unknown phase {name!r}")
         result: list[Packet] = fn(layer, inbox)
-        return result
+        return [to_wire(p) for p in result]
 
     def begin_step(self, step: int) -> None:
         if step <= self.step:
@@ -226,6 +259,7 @@ class RankState(RankRecovery):
             self._report(self.step, layer, self.rank, counts)
         ls = self.layers[layer]
         dst = assign_destinations(self.rank, idx_np, ls.route, ls.holds, self.rank_dc).reshape(-1)
+        self.routed[layer] = _route_rows(self.rank, idx_np.reshape(-1), dst, self.R)
         flat_e = torch.from_numpy(idx_np.reshape(-1))
         wf = w.detach().reshape(-1)
         tok = np.repeat(np.arange(u.shape[0]), self.cfg.top_k)
@@ -244,6 +278,7 @@ class RankState(RankRecovery):
             else:
                 relay = relay_rank(self.rank, b, self.rank_dc)
                 out[relay], sent[relay] = self._packet(ud, tok, in_b, flat_e, wf, dst)
+                self.crossings[layer, b] = sent[relay][0].numel()
         self._src[layer] = {"a": a, "u": u, "w": w, "sent": sent, "n": u.shape[0]}
         return self._ship(out, "tokens")
 
@@ -258,15 +293,17 @@ class RankState(RankRecovery):
     ) -> tuple[dict[str, Any], tuple[torch.Tensor, np.ndarray]]:
         uniq, pos = np.unique(tok[a_ids], return_inverse=True)
         ids = torch.from_numpy(a_ids)
+        # on the wire: per token its activation; per assignment its row and destination
+        # (int32), expert (int16) and gate weight (fp32); ids widen to int64 on arrival
         pkt = {
             "v": self.version,
             "x": ud[torch.from_numpy(uniq)],
-            "pos": torch.from_numpy(pos.astype(np.int64)),
-            "e": flat_e[ids],
+            "pos": torch.from_numpy(pos.astype(np.int32)),
+            "e": flat_e[ids].to(_ID),
             "w": wf[ids],
         }
         if dst is not None:
-            pkt["dst"] = torch.from_numpy(dst[a_ids])
+            pkt["dst"] = torch.from_numpy(dst[a_ids].astype(np.int32))
         return pkt, (torch.from_numpy(uniq), a_ids)
 
     def _ph_fan(self, layer: int, inbox: list[Packet]) -> list[Packet]:
@@ -283,11 +320,11 @@ class RankState(RankRecovery):
             dst = pkt["dst"].numpy()
             for q in np.unique(dst).tolist():
                 sel = np.flatnonzero(dst == q)
-                uniq, pos = np.unique(pkt["pos"].numpy()[sel], return_inverse=True)
+                uniq, pos = np.unique(pkt["pos"].numpy()[sel].astype(np.int64), return_inverse=True)
                 sub = {
                     "v": pkt["v"],
                     "x": pkt["x"][torch.from_numpy(uniq)],
-                    "pos": torch.from_numpy(pos.astype(np.int64)),
+                    "pos": torch.from_numpy(pos.astype(np.int32)),
                     "e": pkt["e"][torch.from_numpy(sel)],
                     "w": pkt["w"][torch.from_numpy(sel)],
                 }
@@ -316,22 +353,24 @@ class RankState(RankRecovery):
         for kind, via, src, pkt in items:
             u, m = int(pkt["x"].shape[0]), int(pkt["e"].shape[0])
             xs.append(pkt["x"])
-            pos.append(pkt["pos"] + row)
-            es.append(pkt["e"])
+            pos.append(pkt["pos"].long() + row)
+            es.append(pkt["e"].long())
             ws.append(pkt["w"])
             spans.append((kind, via, src, row, u, asn, m))
             row, asn = row + u, asn + m
         d = self.cfg.hidden
         x = torch.cat(xs) if xs else torch.zeros(0, d)
+        t0 = time.perf_counter()
         y, ctx = expert_compute(
             x, _cat(pos, torch.int64), _cat(es, torch.int64), _cat(ws, torch.float32),
             self.experts[layer],
         )  # fmt: skip
+        self.expert_seconds[layer] += time.perf_counter() - t0
         self.computed[layer] = asn
         self._expert[layer] = (ctx, spans)
         out = self._empty()
         for kind, via, src, r0, u, _, _ in spans:
-            self._answer(out, kind, via, src, y[r0 : r0 + u].clone())  # a view pickles all of y
+            self._answer(out, kind, via, src, y[r0 : r0 + u])
         return self._ship(out, "tokens")
 
     @staticmethod
@@ -430,10 +469,12 @@ class RankState(RankRecovery):
         for kind, via, src, r0, u, _, _ in spans:
             part = self._direct_in[layer][src] if kind == "direct" else inbox[via][src]
             g[r0 : r0 + u] = part
+        t0 = time.perf_counter()
         gx, gw = expert_backward(ctx, g)
+        self.expert_seconds[layer] += time.perf_counter() - t0
         out = self._empty()
         for kind, via, src, r0, u, a0, m in spans:
-            self._answer(out, kind, via, src, (gx[r0 : r0 + u].clone(), gw[a0 : a0 + m].clone()))
+            self._answer(out, kind, via, src, (gx[r0 : r0 + u], gw[a0 : a0 + m]))
         return self._ship(out, "tokens")
 
     def _ph_bgather(self, layer: int, inbox: list[Packet]) -> list[Packet]:
@@ -701,10 +742,25 @@ class RankState(RankRecovery):
             "loss": self.loss_sum,
             "computed": self.computed.copy(),  # [L] assignments computed per layer
             "load": self.load.copy(),  # [L, E]
+            "expert_seconds": self.expert_seconds.copy(),  # [L] in the experts, fwd + bwd
+            "crossings": self.crossings.copy(),  # [L, D] distinct tokens sent to each DC
+            "routed": [r.copy() for r in self.routed],  # per layer [N, 4] what was dispatched
             "bytes": self.bytes.copy(),  # [3, D, D] cumulative, by KINDS
             "shaped_seconds": self.shaped_seconds,
             "version": self.version,
         }
+
+
+_ID = torch.int16  # expert ids on the wire (LMConfig allows 4096 experts)
+
+
+def _route_rows(rank: int, experts: np.ndarray, dst: np.ndarray, num_ranks: int) -> np.ndarray:
+    """[N, 4] rows ``(rank, expert, dst_rank, assignments)`` of what ``rank`` dispatched:
+    ``experts`` and ``dst`` [m] per assignment."""
+    key, count = np.unique(experts.astype(np.int64) * num_ranks + dst, return_counts=True)
+    rows = np.empty((key.size, 4), np.int64)
+    rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3] = rank, key // num_ranks, key % num_ranks, count
+    return rows
 
 
 def _cat(ts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
