@@ -223,3 +223,14 @@ def test_even_traffic_refuses_experts_without_copies():
     pl = Placement(np.array([[0, -1], [0, -1]], np.int32), np.array([0, 1]))
     with pytest.raises(ValueError, match="no copy"):
         even_traffic(LOAD, pl, TOPO, 1)
+
+
+def test_message_seconds_are_paid_by_every_communication_phase():
+    o = 0.003
+    cs = CS.model_copy(update={"message_seconds": o})
+    c = step_cost(TOPO, TRAIN, _traffic(STATIC, model=TRAIN), settings=cs)
+    assert c.seconds == pytest.approx(0.084 + 0.012 + 0.120 + 0.012 + 4 * o)
+    assert c.phases["dispatch"] == pytest.approx(0.012 + o)
+    chunked = cs.model_copy(update={"pipeline_chunks": 2})
+    c = step_cost(TOPO, FWD, _traffic(STATIC), settings=chunked)
+    assert c.seconds == pytest.approx(0.060 + (0.012 + 2 * o + 0.012 + 2 * o) / 2)

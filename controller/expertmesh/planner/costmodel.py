@@ -79,6 +79,14 @@ class CostSettings(BaseModel):
         description="a token crosses a DC pair once however many of its experts are there "
         "(False: once per top-k assignment)",
     )
+    message_seconds: float = Field(
+        default=0.0,
+        ge=0,
+        le=60,
+        description="fixed software time of one communication phase (dispatch, combine and "
+        "their backward), per pipeline chunk, whatever it carries (0: hardware-bound "
+        "transport; the runtime benchmark calibrates it)",
+    )
 
 
 class TransferEncoding(BaseModel):
@@ -401,8 +409,10 @@ def step_cost(
         return float(t.max()) if t.size else 0.0
 
     pt, pb = streams.port_tail, streams.port_background
-    dispatch = max(link_phase(disp), port_phase(node_out, node_in, nic_out, nic_in))
-    combine = max(link_phase(comb), port_phase(node_in, node_out, nic_in, nic_out))
+    chunks = settings.pipeline_chunks
+    msg = settings.message_seconds * chunks  # every communication phase pays it
+    dispatch = max(link_phase(disp), port_phase(node_out, node_in, nic_out, nic_in)) + msg
+    combine = max(link_phase(comb), port_phase(node_in, node_out, nic_in, nic_out)) + msg
 
     # ---- compute ----
     flops_fwd = 2.0 * model.expert_params
@@ -411,14 +421,13 @@ def step_cost(
     mean_tokens = float(traffic.rank_tokens.mean()) if traffic.rank_tokens.size else 0.0
     imbalance = float(traffic.rank_tokens.max()) / mean_tokens if mean_tokens > 0 else 1.0
 
-    chunks = settings.pipeline_chunks
     phases = {"dispatch": dispatch, "compute_fwd": compute_fwd, "combine": combine}
     chain = _pipe((dispatch, compute_fwd, combine), chunks)
     if train:
         compute_bwd = 2.0 * compute_fwd
         # dispatch backward runs the combine direction; replica gradients share its links
         tail_only = combine
-        tail = max(
+        tail = msg + max(
             link_phase(comb + gtail),
             port_phase(
                 node_in + pt[:, _NODE_OUT],

@@ -1,0 +1,82 @@
+"""The whole-step model of the runtime's schedule against hand-computed cases."""
+
+import numpy as np
+import pytest
+
+from expertmesh.planner import ModelSpec, Placement, Topology
+from expertmesh.planner.costmodel import CostSettings, step_cost
+from expertmesh.planner.stepmodel import training_step_cost
+from expertmesh.planner.topology import DC, Link
+from expertmesh.planner.traffic import even_traffic
+
+# Two DCs of one rank each. WAN: 8 Gbit/s = 1e9 B/s, 10 ms. Node and NIC: no latency.
+TOPO = Topology(
+    dcs=(DC("a", 1, 1), DC("b", 1, 1)),
+    masters_per_rank=1,
+    spare_per_rank=1,
+    intra_node=Link(8000, 0.0),
+    intra_dc=Link(800, 0.0),
+    inter_dc=Link(8, 10.0),
+)
+# a token is 2,000 bytes; P = 30,000 params; fp32 weights and gradients: 120,000 B per copy
+MODEL = ModelSpec(
+    num_layers=2, num_experts=2, top_k=1, hidden=1000, ffn_hidden=10, weight_bytes=4, grad_bytes=4
+)
+CS = CostSettings(flops_per_second=1e9)
+STATIC = Placement(np.array([[0, -1], [1, -1]], np.int32), np.array([0, 2]))
+REPLICA = Placement(np.array([[0, 1], [1, -1]], np.int32), np.array([0, 2]))  # 1 copied to a
+LOAD = np.array([[0, 1000], [0, 0]])  # rank 0 sends 1,000 tokens to expert 1
+
+
+def _traffic(placement):
+    return even_traffic(LOAD, placement, TOPO, MODEL.top_k, domain="dc")
+
+
+def test_static_step_is_the_layers_chains_plus_the_dense_exchange():
+    t = training_step_cost(
+        TOPO, MODEL, [_traffic(STATIC)] * 2, [STATIC] * 2, dense_params=1000, settings=CS
+    )
+    # per layer: dispatch 12 ms, compute 60 ms, combine 12 ms; backward 12 + 120 + 12 ms
+    assert t.layers == pytest.approx([0.228, 0.228])
+    assert t.compute == pytest.approx(2 * 0.180)
+    # dense sums (4,000 B each way) cross in the gradient phase; nothing to refresh
+    assert t.gradient == pytest.approx(0.010 + 4000 / 1e9)
+    assert t.refresh == 0.0
+    assert t.seconds == pytest.approx(2 * 0.228 + 0.010 + 4e-6)
+    assert t.cross_dc_weight_bytes == pytest.approx(8000)
+    assert t.cross_dc_token_bytes == pytest.approx(2 * 4 * 1000 * 2000)
+
+
+def test_replicas_sync_in_their_own_phases():
+    t = training_step_cost(TOPO, MODEL, [_traffic(REPLICA)] * 2, [REPLICA] * 2, settings=CS)
+    assert t.cross_dc_token_bytes == 0
+    assert t.layers == pytest.approx([0.180, 0.180])  # compute only
+    # both layers' gradients (120,000 B each) a -> b, then both refreshes b -> a
+    assert t.gradient == pytest.approx(0.010 + 240_000 / 1e9)
+    assert t.refresh == pytest.approx(0.010 + 240_000 / 1e9)
+    assert t.seconds == pytest.approx(0.360 + 2 * 0.01024)
+
+
+def test_message_seconds_add_once_per_phase():
+    o = 0.002
+    args = (TOPO, MODEL, [_traffic(REPLICA), _traffic(STATIC)], [REPLICA, STATIC])
+    base = training_step_cost(*args, dense_params=10, settings=CS)
+    cs = CS.model_copy(update={"message_seconds": o})
+    t = training_step_cost(*args, dense_params=10, settings=cs)
+    assert t.seconds - base.seconds == pytest.approx((4 * 2 + 2) * o)
+    assert t.messages == pytest.approx(10 * o)
+    layer = step_cost(TOPO, MODEL, _traffic(STATIC), None, cs)
+    assert t.layers[1] == pytest.approx(layer.seconds)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="per layer"):
+        training_step_cost(TOPO, MODEL, [_traffic(STATIC)], [STATIC])
+    fwd = MODEL.model_copy(update={"training": False})
+    with pytest.raises(ValueError, match="training"):
+        training_step_cost(TOPO, fwd, [_traffic(STATIC)] * 2, [STATIC] * 2)
+    accum = CostSettings(microbatches_per_update=2)
+    with pytest.raises(ValueError, match="microbatches"):
+        training_step_cost(TOPO, MODEL, [_traffic(STATIC)] * 2, [STATIC] * 2, settings=accum)
+    with pytest.raises(ValueError, match="dense"):
+        training_step_cost(TOPO, MODEL, [_traffic(STATIC)] * 2, [STATIC] * 2, dense_params=-1)
