@@ -9,7 +9,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 
 .DEFAULT_GOAL := help
 .PHONY: help setup demo demo-planner test test-unit test-integration lint fmt typecheck bench \
-	bench-planner bench-migration bench-soak clean serve proto emulate-up emulate-down emulate-status ci-deps results
+	bench-planner bench-migration bench-soak bench-runtime clean serve proto emulate-up emulate-down emulate-status ci-deps results
 
 help: ## list the verbs
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -57,7 +57,7 @@ fmt: setup ## apply ruff's formatting and safe fixes
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-bench: bench-planner bench-migration bench-api ## every benchmark
+bench: bench-planner bench-migration bench-api bench-runtime ## every benchmark
 
 serve: setup ## controller + REST/dashboard (127.0.0.1:8700) + gRPC (127.0.0.1:8701), no Ray workers
 	$(VENV)/bin/expertmesh serve --topology deploy/topologies/two-dc.yaml
@@ -81,6 +81,10 @@ bench-planner: setup ## planner: quota/eplb vs DeepSeek EPLB at EP64 (table + ra
 
 results: setup ## docs/results.md: simulator sweeps (bandwidth, DC count) + 1,000-DC run (~15 min)
 	$(PY) bench/results.py
+
+bench-runtime: setup ## runtime: static/eplb/quota/hybrid training on Ray, 2-3 DCs at 1 Gbit/s-20 Mbit/s, vs the cost model
+	@mkdir -p $(OUT)
+	$(PY) bench/bench_runtime.py --json $(OUT)/bench-runtime.json
 
 bench-migration: setup ## migration: copies kept, relay rounds, modeled time, plan speed (EP64 to 8,000 ranks)
 	$(PY) bench/bench_migration.py
