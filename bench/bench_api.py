@@ -35,7 +35,10 @@ from expertmesh.planner import ModelSpec, Topology
 def _core(ranks: int, experts: int, layers: int, window: int) -> ControllerCore:
     topo = Topology.generate(dcs=4, ranks_per_dc=ranks // 4, masters=1, spare=1)
     model = ModelSpec(num_layers=layers, num_experts=experts, top_k=8)
-    return ControllerCore(topo, model, ControllerSettings(window=window))
+    # The simulated ranks stream unsynchronized, up to the whole run apart (a real EP group
+    # is lock-stepped by its all-to-all): keep every step pending so none is evicted.
+    settings = ControllerSettings(window=window, max_pending_steps=max(16, window))
+    return ControllerCore(topo, model, settings)
 
 
 def _run_child(target: Any, args: tuple[Any, ...]) -> Any:

@@ -9,7 +9,7 @@ step, duplicate), or a hostile ``Solve``/``GetPlan``. Properties:
 - counters reconcile: the server's received grows by the reports it read, applied
   (received - rejected) by the good reports before the hostile one, nothing else;
 - the server keeps serving: a valid report and a health check succeed afterwards;
-- partial loads stay bounded (``ControllerCore.MAX_PENDING_STEPS`` per layer).
+- partial loads stay bounded (``ControllerSettings.max_pending_steps`` per layer).
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ def test_hostile_report_streams(live: Live, kind: str, data: st.DataObject) -> N
     for layer in range(L):
         newest = core.layer_newest_step(layer)
         assert newest == windows[layer] or newest == live.next_step - 1
-    assert len(core._pending) <= L * core.MAX_PENDING_STEPS
+    assert len(core._pending) <= L * core.settings.max_pending_steps
     _still_serving(live)
 
 
@@ -233,13 +233,13 @@ def test_far_future_steps_cannot_grow_memory(live: Live) -> None:
     base = live.next_step + 10_000
     dropped = core.pending_dropped
     extra = 20
-    for i in range(core.MAX_PENDING_STEPS + extra):
+    for i in range(core.settings.max_pending_steps + extra):
         code, _ = _call(live, [[_good(base + i, 1, 0)]])
         assert code == grpc.StatusCode.OK
-    assert sum(1 for k in core._pending if k[1] == 1) == core.MAX_PENDING_STEPS
+    assert sum(1 for k in core._pending if k[1] == 1) == core.settings.max_pending_steps
     assert core.pending_dropped >= dropped + extra
     assert (base, 1) not in core._pending  # the oldest went first
-    live.next_step = base + core.MAX_PENDING_STEPS + extra
+    live.next_step = base + core.settings.max_pending_steps + extra
     # completing a newer step frees the older partial loads of the layer
     code, resp = _call(live, [[_good(live.next_step, 1, r) for r in range(R)]])
     assert code == grpc.StatusCode.OK and resp.completed == 1

@@ -141,7 +141,7 @@ def test_bad_policy_leaves_settings_unchanged():
 
 def test_incomplete_steps_are_bounded_per_layer():
     core, _ = _core()
-    cap = core.MAX_PENDING_STEPS
+    cap = core.settings.max_pending_steps
     for step in range(1, cap + 11):  # rank 0 only: no step ever completes
         core.report_load(step, 0, 0, np.ones(8, np.int64))
     core.report_load(5, 1, 0, np.ones(8, np.int64))  # another layer keeps its own

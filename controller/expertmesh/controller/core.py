@@ -85,6 +85,13 @@ class ControllerSettings(BaseModel):
     )
     trigger: Trigger = Trigger()
     window: int = Field(default=16, ge=1, le=4096, description="complete loads kept per layer")
+    max_pending_steps: int = Field(
+        default=16,
+        ge=1,
+        le=4096,
+        description="incomplete steps kept per layer while their reports arrive; past this the "
+        "oldest is dropped and counted (ranks of one EP group run in lock-step, so a few suffice)",
+    )
 
 
 class PlanState(StrEnum):
@@ -167,7 +174,6 @@ class ControllerCore:
     # Incomplete steps kept per layer. A partial load costs [R, E] int64 whatever the report
     # size, so reports of many steps that never complete (a dead rank, a hostile client)
     # must not grow memory: the oldest incomplete step of the layer is dropped instead.
-    MAX_PENDING_STEPS = 16
     # Finished plans (committed before the current one, rolled back) kept in memory.
     KEEP_VERSIONS = 2
 
@@ -201,7 +207,7 @@ class ControllerCore:
         self._fresh = False  # membership changed: the next plan ignores the previous one
         self.reports_received = 0
         self.reports_rejected = 0
-        self.pending_dropped = 0  # incomplete steps dropped to keep MAX_PENDING_STEPS
+        self.pending_dropped = 0  # incomplete steps dropped past max_pending_steps
         self.listeners: list[Callable[[str, PlanVersion], None]] = []
 
     # ---- settings ----
@@ -367,7 +373,7 @@ class ControllerCore:
     def _make_pending_room(self, layer: int) -> None:
         # caller holds the lock and is about to add an incomplete step of ``layer``
         steps = [k[0] for k in self._pending if k[1] == layer]
-        if len(steps) >= self.MAX_PENDING_STEPS:
+        if len(steps) >= self._settings.max_pending_steps:
             del self._pending[(min(steps), layer)]
             self.pending_dropped += 1
 
