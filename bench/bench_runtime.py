@@ -10,12 +10,13 @@ no plan) with the same seed, so the losses of all policies must match.
 
 Per run: ``--steps`` steps; the controller plans after step 0 and every
 ``--every`` steps (eplb and hybrid with ``period = window = --every``); step 0
-runs on static EP for every policy and is not measured; the median of the
-others is reported with its ratio to ``static`` measured in the same group.
+runs on static EP for every policy and is not measured. ``--repeats`` rounds per
+(DCs, bandwidth), the policy order rotated each round; medians pool the rounds'
+measured steps, and ratios are to ``static``'s pooled median of the same group.
 
-Calibration (before every (DCs, bandwidth) group, stated in the output): static
-on free links (1e4 Gbit/s, 0 ms) for ``--calib-steps`` steps. From it the cost
-model's two machine constants: the per-rank expert compute rate ``F`` (expert
+Calibration (before every round, stated in the output; one unused warm-up run
+after the cluster starts): static on free links (1e4 Gbit/s, 0 ms) for
+``--calib-steps`` steps. From it the cost model's two machine constants: the per-rank expert compute rate ``F`` (expert
 FLOPs over the seconds the ranks spent in their experts) and the per-phase
 message overhead ``o`` (what the measured step has beyond the model with
 ``o = 0``, over the ``4 L + 2`` phases that pay it). ``hybrid`` plans with the
@@ -186,6 +187,12 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         t_up = time.perf_counter()
         with Runtime(base) as rt:
             print(f"{dcs} DCs: cluster up in {time.perf_counter() - t_up:.1f}s", flush=True)
+            warm = _run(rt, base, args.calib_steps)  # first runs on fresh workers are slower
+            print(
+                f"  warm-up (not used): static on free links, median step "
+                f"{statistics.median(s.step_seconds for s in warm.steps[1:]):.3f}s",
+                flush=True,
+            )
             for gbps in args.gbps:
                 topo = _topology(dcs, gbps, args.latency_ms, lm.num_experts)
                 done: dict[str, list[tuple[Run, list[float]]]] = {p: [] for p in policies}
