@@ -168,6 +168,7 @@ def _yaml_commands(bad: Path, g: Path) -> list[list[str]]:
         ["sim", "sweep", "--config", str(bad), "--out", o, "--no-progress"],
         ["serve", "--topology", str(bad), "--rest-port", "0", "--grpc-port", "0",
          "--seconds", "0"],
+        ["demo", "--topology", str(bad), "--steps", "1", "--exit"],
     ]  # fmt: skip
 
 

@@ -19,8 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from expertmesh.formats import read_topology
 from expertmesh.planner import Topology, available_policies
 
 __all__ = ["add_parser", "build_settings"]
@@ -111,7 +110,7 @@ def build_settings(args: argparse.Namespace) -> Any:
     if args.steps < 1:
         raise ValueError("--steps must be >= 1")
     if args.topology is not None:
-        topo = Topology.from_dict(yaml.safe_load(args.topology.read_text()))
+        topo = read_topology(args.topology)  # hostile-safe: size, UTF-8, alias bombs, depth
     else:
         topo = Topology.generate(
             args.dcs, args.ranks_per_dc, masters=args.masters, spare=args.spare
