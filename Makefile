@@ -79,7 +79,7 @@ bench-soak: setup ## soak: 1,000 ranks stream reports to `expertmesh serve` for 
 bench-planner: setup ## planner: quota/eplb vs DeepSeek EPLB at EP64 (table + ratios)
 	$(PY) bench/bench_planner.py
 
-results: setup ## docs/results.md: simulator sweeps (bandwidth, DC count) + 1,000-DC run (~15 min)
+results: setup ## docs/results.md: simulator sweeps (bandwidth, DC count), 1,000-DC run, growth with DCs (~20 min)
 	$(PY) bench/results.py
 
 bench-runtime: setup ## runtime: static/eplb/quota/hybrid training on Ray, 2-3 DCs at 1 Gbit/s-20 Mbit/s, vs the cost model

@@ -5,7 +5,9 @@
 2. Sensitivity at the most constrained bandwidth: tokens per rank x microbatches per
    optimizer update (the two knobs that set how much a copy is worth).
 3. Scale: ``expertmesh sim --dcs 1000 --ranks-per-dc 8 --steps 100`` with every policy,
-   run in a child process pinned to one BLAS thread; its CPU time and peak RSS.
+   run in a child process pinned to one BLAS thread; its CPU time and peak RSS; the same
+   run at 125, 250 and 500 DCs gives how CPU, memory and each policy's solve time grow
+   with the number of DCs (a log-log slope: 1 is linear).
 
 Then the issue's claims are checked against these numbers and written down as they
 are (holds / does not hold). Ratios are against ``static`` measured in the same run.
@@ -19,9 +21,9 @@ import argparse
 import csv
 import math
 import os
-import resource
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -86,23 +88,69 @@ def scale_run(out: Path, steps: int, dcs: int, policies: list[str]) -> dict[str,
         "--steps", str(steps), "--policies", ",".join(policies), "--out", str(out),
         "--no-progress",
     ]  # fmt: skip
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)  # this child's own CPU time and peak RSS
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        err.seek(0)
+        stderr = err.read()
     wall = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
-        raise SystemExit(f"scale run failed: {proc.stderr.strip()}")
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        raise SystemExit(f"scale run failed: {stderr.strip()}")
+    cpu = usage.ru_utime + usage.ru_stime
     rows = list(csv.DictReader((out / "steps.csv").open()))
     return {
         "cmd": " ".join(["expertmesh", *cmd[3:]]).replace(str(out), "OUT"),
         "wall": wall,
         "cpu": cpu,
-        "rss_gb": after.ru_maxrss / 1e6,  # KiB on Linux
+        "rss_gb": usage.ru_maxrss / 1e6,  # KiB on Linux
         "rows": rows,
         "summary": (out / "summary.md").read_text(),
     }
+
+
+GROWTH_DCS = (125, 250, 500)  # with the 1,000-DC run: how the cost grows with DCs
+
+
+def growth(runs: dict[int, dict[str, Any]]) -> list[str]:
+    """A table of CPU, peak RSS and per-policy solve time against DCs, with the log-log
+    slope between the smallest and the largest count (1.0 = linear in DCs)."""
+    counts = sorted(runs)
+    policies = list(dict.fromkeys(r["policy"] for r in runs[counts[-1]]["rows"]))
+    solve = {
+        d: {p: sum(float(r["solve_seconds"]) for r in runs[d]["rows"] if r["policy"] == p)
+            for p in policies}
+        for d in counts
+    }  # fmt: skip
+    lines = [
+        "| DCs | ranks | CPU s | peak RSS GB | "
+        + " | ".join(f"{p} solve s" for p in policies)
+        + " |",
+        "|---:|---:|---:|---:|" + "---:|" * len(policies),
+    ]
+    for d in counts:
+        cells = " | ".join(f"{solve[d][p]:.2f}" for p in policies)
+        lines.append(
+            f"| {d} | {8 * d} | {runs[d]['cpu']:.0f} | {runs[d]['rss_gb']:.2f} | {cells} |"
+        )
+    lo, hi = counts[0], counts[-1]
+
+    def slope(a: float, b: float) -> str:
+        if a <= 0 or b <= 0:
+            return "n/a"
+        return f"{math.log(b / a) / math.log(hi / lo):.2f}"
+
+    parts = [f"CPU {slope(runs[lo]['cpu'], runs[hi]['cpu'])}",
+             f"peak RSS {slope(runs[lo]['rss_gb'], runs[hi]['rss_gb'])}"]  # fmt: skip
+    parts += [f"{p} solve {slope(solve[lo][p], solve[hi][p])}" for p in policies if p != "static"]
+    lines += [
+        "",
+        f"Log-log slope from {lo} to {hi} DCs (1.00 = linear in DCs, 2.00 = quadratic): "
+        + ", ".join(parts)
+        + ".",
+    ]
+    return lines
 
 
 def _x(v: float) -> str:
@@ -172,6 +220,7 @@ def write_doc(
     sens: list[dict[str, Any]],
     scale: dict[str, Any] | None,
     figdir: Path,
+    grown: dict[int, dict[str, Any]] | None = None,
 ) -> None:
     rel = figdir.relative_to(path.parent)
     sweep_md = (figdir / "sweep.md").read_text().replace("](speedup", f"]({rel}/speedup")
@@ -223,6 +272,17 @@ def write_doc(
             f"![]({rel}/step_times.png)",
             "",
         ]
+    if grown:
+        lines += [
+            "### How the cost grows with the number of DCs",
+            "",
+            "The same command at each DC count (8 ranks per DC, 100 steps, every policy, one",
+            "process, one BLAS thread); solve s is the policy's planning time summed over the",
+            "run, CPU s and RSS the whole process (trace generation and the cost model included):",
+            "",
+            *growth(grown),
+            "",
+        ]
     lines += ["## The configuration", "", "```yaml", cfg_text.strip(), "```", ""]
     path.write_text("\n".join(lines))
 
@@ -245,13 +305,18 @@ def main(argv: list[str] | None = None) -> int:
                     f"hybrid {p.result.speedup('hybrid'):.2f}x", file=sys.stderr))  # fmt: skip
     write_sweep(pts, figdir, config.policies)
     sens = sensitivity(config, args.quick) if config.bandwidth is not None else []
-    scale = None
+    scale, grown = None, None
     if not args.no_scale:
         steps, dcs = (4, 32) if args.quick else (100, 1000)
         scale = scale_run(figdir / "scale", steps, dcs, list(config.policies))
         for f in ("step_times.png",):
             (figdir / f).write_bytes((figdir / "scale" / f).read_bytes())
-    write_doc(args.out, config, pts, sens, scale, figdir)
+        smaller = (8, 16) if args.quick else GROWTH_DCS
+        with tempfile.TemporaryDirectory() as tmp:  # only the figures go into the doc
+            pol = list(config.policies)
+            grown = {d: scale_run(Path(tmp) / str(d), steps, d, pol) for d in smaller}
+        grown[dcs] = scale
+    write_doc(args.out, config, pts, sens, scale, figdir, grown)
     print(f"wrote {args.out} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     return 0
 
