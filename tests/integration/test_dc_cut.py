@@ -13,55 +13,35 @@ import pytest
 import ray
 import torch
 
-from expertmesh.controller.core import Trigger
-from expertmesh.planner import Topology
-from expertmesh.runtime.cluster import Runtime, RuntimeSettings
-from expertmesh.workers.model import LMConfig
+from expertmesh.runtime.cluster import Runtime
 
-LM = LMConfig(num_layers=2, num_experts=8, top_k=2, hidden=16, ffn_hidden=16, batch=4, seq_len=32)
 BEFORE, DURING, AFTER = 3, 3, 3
 
 
-def _settings() -> RuntimeSettings:
-    topo = Topology.generate(2, 2, masters=2, spare=2).with_inter_dc(0.5, 2.0)
-    return RuntimeSettings(
-        topology=topo.to_dict(),
-        lm=LM,
-        policy="eplb",
-        trigger=Trigger(mode="every_step"),
-        corpus_bytes=200_000,
-        checkpoint_every=2,
-    )
-
-
 @pytest.fixture(scope="module")
-def dc_cut() -> Iterator[dict[str, Any]]:
-    rt = Runtime(_settings())
-    try:
-        rt.start()
-        out: dict[str, Any] = {"dc": rt.topology.rank_dc.copy()}
-        out["before"] = [rt.run_step() for _ in range(BEFORE)]
-        out["cut"] = rt.cut(0, 1)
-        out["plan_cut"] = rt.committed_plan()
-        out["during"] = [rt.run_step() for _ in range(DURING)]
-        out["plan_during"] = rt.committed_plan()
-        out["status_cut"] = rt.status()
-        out["heal"] = rt.heal(1, 0)
-        out["after"] = [rt.run_step() for _ in range(AFTER)]
-        out["plan_after"] = rt.committed_plan()
-        out["status"] = rt.status()
-        # a cut the runtime was not told about (the shaper file only): the next step's first
-        # cross-DC packet fails, the runtime finds the cut, pauses DC 1 and retries the step
-        assert rt.shaper is not None
-        rt.shaper.cut(0, 1)
-        out["silent_step"] = rt.run_step()
-        out["silent"] = (list(rt.retried_steps), rt.status()["paused_ranks"])
-        rt.heal(0, 1)
-        out["final"] = rt.run_step()
-        out["dense"] = [ray.get(w.call.remote("export_dense"))["dense"] for w in rt.workers]
-        yield out
-    finally:
-        rt.shutdown()
+def dc_cut(fault_runtime: Runtime) -> Iterator[dict[str, Any]]:
+    rt = fault_runtime
+    out: dict[str, Any] = {"dc": rt.topology.rank_dc.copy()}
+    out["before"] = [rt.run_step() for _ in range(BEFORE)]
+    out["cut"] = rt.cut(0, 1)
+    out["plan_cut"] = rt.committed_plan()
+    out["during"] = [rt.run_step() for _ in range(DURING)]
+    out["plan_during"] = rt.committed_plan()
+    out["status_cut"] = rt.status()
+    out["heal"] = rt.heal(1, 0)
+    out["after"] = [rt.run_step() for _ in range(AFTER)]
+    out["plan_after"] = rt.committed_plan()
+    out["status"] = rt.status()
+    # a cut the runtime was not told about (the shaper file only): the next step's first
+    # cross-DC packet fails, the runtime finds the cut, pauses DC 1 and retries the step
+    assert rt.shaper is not None
+    rt.shaper.cut(0, 1)
+    out["silent_step"] = rt.run_step()
+    out["silent"] = (list(rt.retried_steps), rt.status()["paused_ranks"])
+    rt.heal(0, 1)
+    out["final"] = rt.run_step()
+    out["dense"] = [ray.get(w.call.remote("export_dense"))["dense"] for w in rt.workers]
+    yield out
 
 
 def test_cut_dc_pauses_and_nothing_crosses_the_cut(dc_cut: dict[str, Any]) -> None:

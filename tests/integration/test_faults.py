@@ -5,32 +5,16 @@ a lost step, a skipped optimizer update or a half-applied plan would change them
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 import ray
 
-from expertmesh.controller.core import Trigger
-from expertmesh.planner import Topology
-from expertmesh.runtime.cluster import NAMESPACE, Runtime, RuntimeSettings
-from expertmesh.workers.model import LMConfig
+from expertmesh.runtime.cluster import NAMESPACE, Runtime
 
-LM = LMConfig(num_layers=2, num_experts=8, top_k=2, hidden=16, ffn_hidden=16, batch=4, seq_len=32)
 STEPS = 7
 CRASH = {2: "prepared", 5: "committed"}  # crash the controller while applying this step's plan
-
-
-def _settings() -> RuntimeSettings:
-    topo = Topology.generate(2, 2, masters=2, spare=2).with_inter_dc(0.5, 2.0)
-    return RuntimeSettings(
-        topology=topo.to_dict(),
-        lm=LM,
-        policy="eplb",
-        trigger=Trigger(mode="every_step"),
-        corpus_bytes=200_000,
-    )
 
 
 def _worker_plans(num_ranks: int) -> list[tuple[int, Any, bool]]:
@@ -39,27 +23,23 @@ def _worker_plans(num_ranks: int) -> list[tuple[int, Any, bool]]:
 
 
 @pytest.fixture(scope="module")
-def controller_crashes() -> Iterator[dict[str, Any]]:
-    rt = Runtime(_settings())
-    try:
-        rt.start()
-        base = [rt.run_step() for _ in range(STEPS)]
-        rt.reset(_settings())
-        steps, statuses = [], []
-        for i in range(STEPS):
-            if i in CRASH:
-                ray.get(rt.controller.inject_crash.remote(CRASH[i]))
-            steps.append(rt.run_step())
-            statuses.append(rt.status())
-        yield {
-            "base": base,
-            "steps": steps,
-            "statuses": statuses,
-            "failures": list(rt.controller_failures),
-            "workers": _worker_plans(rt.topology.num_ranks),
-        }
-    finally:
-        rt.shutdown()
+def controller_crashes(fault_runtime: Runtime) -> dict[str, Any]:
+    rt = fault_runtime
+    base = [rt.run_step() for _ in range(STEPS)]
+    rt.reset(rt.settings)
+    steps, statuses = [], []
+    for i in range(STEPS):
+        if i in CRASH:
+            ray.get(rt.controller.inject_crash.remote(CRASH[i]))
+        steps.append(rt.run_step())
+        statuses.append(rt.status())
+    return {
+        "base": base,
+        "steps": steps,
+        "statuses": statuses,
+        "failures": list(rt.controller_failures),
+        "workers": _worker_plans(rt.topology.num_ranks),
+    }
 
 
 def test_controller_crashes_lose_no_step(controller_crashes: dict[str, Any]) -> None:

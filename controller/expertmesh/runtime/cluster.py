@@ -27,6 +27,7 @@ import shutil
 import tempfile
 import time
 import traceback
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,8 @@ from expertmesh.controller.telemetry import Telemetry
 from expertmesh.planner import Placement, Topology, imbalance
 from expertmesh.planner.static import static_placement
 from expertmesh.runtime.actors import RayExecutor, WorkerActor
-from expertmesh.runtime.faults import Membership
+from expertmesh.runtime.checkpoint import CheckpointDir
+from expertmesh.runtime.faults import NAME_WAIT_S, Membership
 from expertmesh.workers.engine import apply_plan, migration_rounds, recovery_rounds, train_step
 from expertmesh.workers.model import LMConfig
 from expertmesh.workers.rank import KINDS
@@ -90,8 +92,15 @@ class RuntimeSettings(BaseModel):
     checkpoint_every: int = Field(
         default=5,
         ge=0,
-        description="the driver keeps an in-memory copy of every master (weights, Adam state) "
-        "every this many steps, besides the initial one (0: the initial one only)",
+        description="the driver writes every master (weights, Adam state) to the checkpoint "
+        "directory every this many steps, besides the initial one (0: the initial one only)",
+    )
+    checkpoint_dir: str | None = Field(
+        default=None, description="expert checkpoints go here (None: the run's temp dir)"
+    )
+    checkpoint_keep: int = Field(default=3, ge=1, description="newest checkpoints kept on disk")
+    replace_dead_workers: bool = Field(
+        default=True, description="start a new worker for a dead rank in its DC; it rejoins"
     )
 
 
@@ -256,6 +265,10 @@ class ControllerActor:
         self._needs_reconcile = False
         log.warning("workers reconciled with plan %d: %s", version, done)
 
+    def replace_worker(self, rank: int, worker: Any) -> None:
+        """Rank ``rank`` runs on a new worker actor (it rejoins at the next recovery)."""
+        self.workers[rank] = worker
+
     def set_worker_state(self, rank: int, up: bool) -> None:
         self.telemetry.set_worker_state(rank, up)
 
@@ -365,8 +378,8 @@ class ControllerActor:
 
         Copies the live ranks lack come from a live replica (exact weights); what no live
         rank holds (an expert whose every copy left) and the Adam state of masters that
-        left come from ``checkpoint`` ((layer, expert) -> (weights, m, v), the driver's
-        last). Raises when the plan cannot be applied (the run cannot go on)."""
+        left come from ``checkpoint`` ((layer, expert) -> (weights, m, v), the newest on
+        disk). Raises when the plan cannot be applied (the run cannot go on)."""
         self.live[:] = True
         self.live[list(excluded)] = False
         for r in range(self.topology.num_ranks):
@@ -385,6 +398,8 @@ class ControllerActor:
         ex.call_all("prepare", pv.version, layers)
         seeds: dict[int, tuple[dict[Any, Any], dict[Any, Any]]] = {}
         for layer, e, r, kind in restore:
+            if (layer, e) not in checkpoint:
+                raise ValueError(f"expert {layer}/{e}: no live copy and no usable checkpoint")
             w, m, v = checkpoint[(layer, e)]
             ws, opts = seeds.setdefault(r, ({}, {}))
             if kind == "w":
@@ -406,6 +421,7 @@ class ControllerActor:
             "lost_masters": len(lost_masters),
             "restored_from_replica": sum(1 for k in lost_masters if k not in from_ckpt),
             "restored_from_checkpoint": sum(1 for k in lost_masters if k in from_ckpt),
+            "from_checkpoint": [f"{layer}/{e}" for layer, e in sorted(from_ckpt)],
             "migration_bytes": np.asarray(sent).tolist(),
             "restored_digests": digests,
         }
@@ -512,8 +528,14 @@ class Runtime(Membership):
         self._rank_bytes = np.zeros((self.topology.num_ranks, *self._bytes.shape), np.int64)
         self.retried_steps: list[int] = []  # steps that failed (a worker died) and ran again
         self.recoveries: list[dict[str, Any]] = []  # what each recovery did, with its timing
-        self.checkpoint: dict[tuple[int, int], Any] = {}
-        self.checkpoint_step = -1  # the step after which the checkpoint was taken
+        self.checkpoints: CheckpointDir | None = None  # the expert checkpoints on disk
+        self.checkpoint_log: list[dict[str, Any]] = []
+        self.run_id = uuid.uuid4().hex
+        self.replacements: list[dict[str, Any]] = []
+        self._starting: dict[int, tuple[Any, Any, float]] = {}
+        self._rank_base = np.zeros_like(self._rank_bytes)
+        self._worker_cls: Any = None
+        self._shaper_path = ""
         self.last_stats: list[dict[str, Any]] = []  # each live rank's stats of the last step
 
     def __enter__(self) -> Runtime:
@@ -557,21 +579,26 @@ class Runtime(Membership):
             .options(name="controller", **head)
             .remote(s, None if self.address else os.path.join(self._tmp, "plans.sqlite"))
         )
-        worker_cls = _actor(WorkerActor, num_cpus=0)
-        placements = [(p.phy2log, p.master) for p in _initial_placements(self.topology, s.lm)]
-        for r in range(self.topology.num_ranks):
-            dc_name = dcs[int(self.topology.rank_dc[r])].name
-            self.workers.append(
-                worker_cls.options(name=f"worker-{r}", label_selector={"dc": dc_name}).remote(
-                    r, s, placements, path, self.controller
-                )
-            )
+        self._shaper_path = path
+        self.workers = [self._spawn_worker(r) for r in range(self.topology.num_ranks)]
         self.nodes = ray.get([w.ping.remote() for w in self.workers])
         ray.get(self.controller.attach.remote(self.workers))
         self.executor = RayExecutor(self.workers)
-        self._take_checkpoint()
+        root = s.checkpoint_dir or os.path.join(self._tmp, "checkpoints")
+        self.checkpoints = CheckpointDir(root, keep=s.checkpoint_keep)
+        self._take_checkpoint(0)
         if s.surfaces is not None:
             self.surfaces = ray.get(self.controller.start_surfaces.remote())
+
+    def _spawn_worker(self, rank: int) -> Any:
+        """A new ``worker-<rank>`` actor on a node of the rank's DC (initial weights)."""
+        s, dc = self.settings, self.topology.dcs[int(self.topology.rank_dc[rank])].name
+        placements = [(p.phy2log, p.master) for p in _initial_placements(self.topology, s.lm)]
+        if self._worker_cls is None:
+            self._worker_cls = _actor(WorkerActor, num_cpus=0)
+        return self._worker_cls.options(name=f"worker-{rank}", label_selector={"dc": dc}).remote(
+            rank, s, placements, self._shaper_path, self.controller
+        )
 
     def reset(self, settings: RuntimeSettings) -> None:
         """Train afresh under ``settings`` on the running cluster (same DCs and ranks;
@@ -597,7 +624,8 @@ class Runtime(Membership):
         if not self.live.all():
             raise ValueError("reset needs every worker alive; start a new runtime")
         self.retried_steps, self.recoveries = [], []
-        self._take_checkpoint()
+        self.run_id, self.checkpoint_log = uuid.uuid4().hex, []
+        self._take_checkpoint(0)
 
     def node_dcs(self) -> list[str]:
         """DC label of the node each worker runs on."""
@@ -617,12 +645,13 @@ class Runtime(Membership):
             if self.recover(rollback=True, reason="step failed", required=False) is None:
                 raise
             self.retried_steps.append(self.step)
+            self.start_replacements()  # they start while the step runs again
             t0 = time.perf_counter()
             stats = train_step(self.executor, self.step, self.settings.lm.num_layers)
         step_s = time.perf_counter() - t0
         self.last_stats = stats  # each live rank's RankState.stats() of this step
         for s_ in stats:  # cumulative per rank; a dead rank's last count stays in the sum
-            self._rank_bytes[s_["rank"]] = np.asarray(s_["bytes"])
+            self._rank_bytes[s_["rank"]] = self._rank_base[s_["rank"]] + np.asarray(s_["bytes"])
         total = self._rank_bytes.sum(axis=0)  # [K, D, D]
         delta, self._bytes = total - self._bytes, total
         computed = np.zeros((self.topology.num_ranks, self.settings.lm.num_layers), np.int64)
@@ -652,9 +681,11 @@ class Runtime(Membership):
         migration = np.asarray(ctl["migration_bytes"], np.int64)
         self._bytes[_MIGRATION] += migration  # counted here, not in the next step's delta
         pairs = np.stack([delta[_TOKENS], delta[_WEIGHTS], migration]).astype(np.int64)
+        if self.dead.any() and (self.start_replacements(NAME_WAIT_S) or self._starting):
+            self.finish_replacements()  # dead ranks rejoin on new workers
         every = self.settings.checkpoint_every
         if every and (self.step + 1) % every == 0:
-            self._take_checkpoint()
+            self._take_checkpoint(int(ctl.get("version", stats[0]["version"])))
         return StepResult(
             step=self.step,
             loss=loss,
@@ -702,6 +733,8 @@ class Runtime(Membership):
         out["paused_ranks"] = np.flatnonzero(self.paused).tolist()
         out["recoveries"] = [{k: v for k, v in r.items() if k != "migration_bytes"}
                              for r in self.recoveries]  # fmt: skip
+        out["replacements"] = list(self.replacements)
+        out["checkpoints"] = list(self.checkpoint_log)
         return out
 
     def shutdown(self) -> None:

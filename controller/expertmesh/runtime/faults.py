@@ -20,6 +20,7 @@ down), so their masters are restored the same way as a dead rank's.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any
@@ -30,18 +31,24 @@ import ray
 from expertmesh.planner.membership import connected_dcs
 from expertmesh.planner.topology import Topology
 from expertmesh.runtime.actors import RayExecutor
+from expertmesh.runtime.checkpoint import CheckpointDir, CheckpointError
 
-__all__ = ["PING_TIMEOUT_S", "Membership"]
+__all__ = ["NAME_WAIT_S", "PING_TIMEOUT_S", "REPLACE_TIMEOUT_S", "Membership"]
 
 log = logging.getLogger(__name__)
 PING_TIMEOUT_S = 5.0  # a worker that does not answer a ping in this time is taken for dead
+REPLACE_TIMEOUT_S = 120.0  # a replacement worker that is not up in this time is given up
+NAME_WAIT_S = 30.0  # at a step's end, wait this long for Ray to release a dead worker's name
 
 
 class Membership:
-    """Mixin of :class:`~expertmesh.runtime.cluster.Runtime`: dead workers, DC cuts, heals."""
+    """Mixin of :class:`~expertmesh.runtime.cluster.Runtime`: dead workers, DC cuts, heals,
+    the expert checkpoint on disk and replacement workers."""
 
+    settings: Any
     topology: Topology
     workers: list[Any]
+    nodes: list[Any]
     controller: Any
     executor: RayExecutor
     shaper: Any
@@ -51,20 +58,58 @@ class Membership:
     paused: np.ndarray  # [R] bool: in a DC cut off from the controller's
     retried_steps: list[int]
     recoveries: list[dict[str, Any]]
-    checkpoint: dict[tuple[int, int], Any]
-    checkpoint_step: int
+    checkpoints: CheckpointDir | None
+    checkpoint_log: list[dict[str, Any]]  # every checkpoint written: step, bytes, timings
+    run_id: str
+    replacements: list[dict[str, Any]]  # every replacement worker started, and how it went
+    _starting: dict[int, tuple[Any, Any, float]]  # rank -> (actor, its ping, start clock)
+    _rank_bytes: np.ndarray  # [R, K, D, D] bytes each rank's workers counted, cumulative
+    _rank_base: np.ndarray  # [R, K, D, D] of those, by the workers a rank had before
 
-    def _take_checkpoint(self) -> None:
-        """Copy every master (weights, Adam state) from the live workers to the driver."""
-        ckpt: dict[tuple[int, int], Any] = {}
+    def _spawn_worker(self, rank: int) -> Any:
+        raise NotImplementedError
+
+    def _take_checkpoint(self, version: int) -> None:
+        """Write every master (weights, Adam state) of the live workers to the checkpoint
+        directory. A worker that died or a failed write skips it (the previous one stays)."""
+        if self.checkpoints is None:
+            return
+        t0 = time.perf_counter()
         try:
             parts = self.executor.call_all("checkpoint")
         except ray.exceptions.RayActorError:  # a worker died: keep the last; the step notices
             log.warning("checkpoint after step %d skipped: a worker died", self.step)
             return
+        experts: dict[tuple[int, int], Any] = {}
         for part in parts:
-            ckpt.update(part)
-        self.checkpoint, self.checkpoint_step = ckpt, self.step
+            experts.update(part)
+        t1 = time.perf_counter()
+        try:
+            ck = self.checkpoints.write(
+                experts, step=self.step, plan_version=version, run=self.run_id
+            )
+        except OSError as err:  # e.g. disk full: training goes on; recovery uses an older one
+            log.error("checkpoint after step %d not written: %s", self.step, err)
+            return
+        self.checkpoint_log.append({
+            "step": self.step, "path": str(ck.path), "bytes": ck.nbytes,
+            "gather_seconds": t1 - t0, "write_seconds": time.perf_counter() - t1,
+        })  # fmt: skip
+
+    def _load_checkpoint(self) -> tuple[dict[tuple[int, int], Any], dict[str, Any]]:
+        """The newest usable checkpoint of this run on disk (a refused one is logged and the
+        previous one used): its experts and ``{"checkpoint_step", "checkpoint", ...}``."""
+        if self.checkpoints is None:
+            return {}, {"checkpoint_step": None, "checkpoint": None}
+        t0 = time.perf_counter()
+        try:
+            ck = self.checkpoints.load_latest(run=self.run_id)
+        except CheckpointError as err:
+            log.error("recovery without a checkpoint: %s", err)
+            return {}, {"checkpoint_step": None, "checkpoint": None, "checkpoint_error": str(err)}
+        info = {"checkpoint_step": ck.step, "checkpoint": ck.path.name,
+                "checkpoint_load_seconds": time.perf_counter() - t0}  # fmt: skip
+        return dict(ck.experts), info
 
     def dead_workers(self) -> list[int]:
         """Live workers that no longer answer a ping (within ``PING_TIMEOUT_S``)."""
@@ -110,6 +155,7 @@ class Membership:
         paused = ~keep[self.topology.rank_dc] & ~self.dead
         live = ~self.dead & ~paused
         rejoin = live & ~self.live
+        self.paused = paused
         if np.array_equal(live, self.live):
             if required:
                 raise RuntimeError(f"step {self.step} failed but every live worker answers")
@@ -130,24 +176,85 @@ class Membership:
             src = self.workers[int(np.flatnonzero(stay)[0])]
             state = ray.get(src.call.remote("export_dense"))
             ray.get([self.workers[r].call.remote("adopt", state) for r in np.flatnonzero(rejoin)])
-        self.live, self.paused = live, paused
+        self.live = live
         self.executor = RayExecutor(self.workers, live)
         self.executor.call_all("set_live", live.tolist())
         excluded = np.flatnonzero(~live).tolist()
-        out = dict(
-            ray.get(self.controller.recover.remote(excluded, int(steps.pop()) + 1, self.checkpoint))
-        )
+        experts, ck_info = self._load_checkpoint()
+        out = dict(ray.get(self.controller.recover.remote(excluded, int(steps.pop()) + 1, experts)))
+        out.update(ck_info)
         out.update(
             reason=reason,
             step=self.step,
             dead=np.flatnonzero(self.dead).tolist(),
             paused=np.flatnonzero(paused).tolist(),
             rejoined=np.flatnonzero(rejoin).tolist(),
-            checkpoint_step=self.checkpoint_step,
             seconds=time.perf_counter() - t0,
         )
         self.recoveries.append(out)
         return out
+
+    def start_replacements(self, wait: float = 0.0) -> list[int]:
+        """Start a new ``worker-<rank>`` actor, pinned to the rank's DC, for every dead rank
+        not being replaced yet (``settings.replace_dead_workers``; only when the DC still
+        has an alive node). While Ray still holds the dead actor's name, retry for up to
+        ``wait`` seconds (else at the next call). They join at :meth:`finish_replacements`.
+        Returns the ranks started."""
+        if not self.settings.replace_dead_workers:
+            return []
+        tried = {int(x["rank"]) for x in self.replacements if x.get("error")}
+        todo = [r for r in np.flatnonzero(self.dead).tolist()
+                if r not in self._starting and r not in tried]  # fmt: skip
+        started: list[int] = []
+        deadline = time.monotonic() + wait
+        while todo:
+            r = todo.pop(0)
+            dc = self.topology.dcs[int(self.topology.rank_dc[r])].name
+            if not _dc_has_node(dc):
+                log.warning("rank %d not replaced: DC %s has no alive node", r, dc)
+                self.replacements.append({"rank": r, "step": self.step, "error": "no node"})
+                continue
+            try:
+                actor = self._spawn_worker(r)
+            except ValueError as err:  # the dead actor's name is not released yet
+                with contextlib.suppress(Exception):
+                    ray.kill(self.workers[r], no_restart=True)
+                if time.monotonic() < deadline:
+                    todo.append(r)
+                    time.sleep(0.2)
+                else:
+                    log.warning("rank %d not replaced yet: %s", r, err)
+                continue
+            self._starting[r] = (actor, actor.ping.remote(), time.perf_counter())
+            started.append(r)
+        return started
+
+    def finish_replacements(self) -> dict[str, Any] | None:
+        """Wait (up to ``REPLACE_TIMEOUT_S``) for the replacement workers started; those up
+        rejoin like a paused DC after a heal (a live rank's dense state and plan, then a plan
+        made afresh that gives them copies and masters). Returns the recovery, or None."""
+        ready = []
+        for r, (actor, ping, t0) in list(self._starting.items()):
+            del self._starting[r]
+            try:
+                node = ray.get(ping, timeout=REPLACE_TIMEOUT_S)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
+                log.error("replacement of rank %d failed: %s", r, err)
+                self.replacements.append({"rank": r, "step": self.step, "error": str(err)[:200]})
+                with contextlib.suppress(Exception):
+                    ray.kill(actor, no_restart=True)
+                continue
+            self.workers[r], self.nodes[r] = actor, node
+            ray.get(self.controller.replace_worker.remote(r, actor))
+            self._rank_base[r] = self._rank_bytes[r]  # the old worker's bytes stay counted
+            self.dead[r] = False
+            self.replacements.append(
+                {"rank": r, "step": self.step, "start_seconds": time.perf_counter() - t0}
+            )
+            ready.append(r)
+        if not ready:
+            return None
+        return self.recover(rollback=False, reason="replace", required=False)
 
     def inject_worker_exit(self, rank: int, step: int, phase: str) -> None:
         """Fault injection: worker ``rank`` exits when ``phase`` of ``step`` starts."""
@@ -157,3 +264,8 @@ class Membership:
         """Rank ``rank``'s copy of ``expert`` of ``layer``, or None."""
         w = ray.get(self.workers[rank].call.remote("expert_weights", layer, expert))
         return None if w is None else list(w)
+
+
+def _dc_has_node(name: str) -> bool:
+    """Whether an alive Ray node is labeled ``dc=<name>``."""
+    return any(n.get("Alive") and n.get("Labels", {}).get("dc") == name for n in ray.nodes())

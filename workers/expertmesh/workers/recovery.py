@@ -82,15 +82,16 @@ class RankRecovery:
         return int(self.step)
 
     def checkpoint(self) -> dict[tuple[int, int], tuple[Any, Any, Any]]:
-        """The masters this rank holds: ``(layer, expert) -> (weights, adam m, adam v)``."""
+        """The masters this rank holds: ``(layer, expert) -> (weights, adam m, adam v)``,
+        each a list of numpy copies (cheaper to ship than tensors)."""
         out = {}
         for lyr, o in enumerate(self.opt):
             for e, (m, v) in o.items():
                 w = self.experts[lyr][e]
                 out[(lyr, e)] = (
-                    [t.detach().clone() for t in w],
-                    [t.clone() for t in m],
-                    [t.clone() for t in v],
+                    [t.detach().numpy().copy() for t in w],
+                    [t.numpy().copy() for t in m],
+                    [t.numpy().copy() for t in v],
                 )
         return out
 
@@ -100,13 +101,17 @@ class RankRecovery:
         return None if w is None else [t.detach().numpy().copy() for t in w]
 
     def seed(self, weights: dict[tuple[int, int], Any], opt: dict[tuple[int, int], Any]) -> None:
-        """Recovery: expert weights and master Adam states (from a checkpoint) for the plan
-        being prepared, as if a migration had delivered them."""
+        """Recovery: expert weights and master Adam states (from a checkpoint; arrays or
+        tensors) for the plan being prepared, as if a migration had delivered them."""
         pend = self._pending
         if pend is None:
             raise ValueError("no plan is being prepared")
-        pend["w"].update(weights)
-        pend["opt"].update(opt)
+
+        def tensors(ts: Any) -> list[torch.Tensor]:  # numpy (from disk) or tensors
+            return [torch.tensor(np.asarray(t)) if not torch.is_tensor(t) else t for t in ts]
+
+        pend["w"].update({k: tensors(w) for k, w in weights.items()})
+        pend["opt"].update({k: (tensors(m), tensors(v)) for k, (m, v) in opt.items()})
 
     def export_dense(self) -> dict[str, Any]:
         """What a rank rejoining after a pause takes from a live one: dense weights and Adam
