@@ -34,3 +34,18 @@ def test_bad_demo_arguments_exit_2_with_one_line(capsys) -> None:
     assert "rest_port" in err and len(err.splitlines()) == 1
     with pytest.raises(ValueError, match="unknown policy"):
         _settings("--policy", "nope")
+
+
+def test_checkpoint_and_replacement_flags(tmp_path) -> None:
+    s = _settings()
+    assert (s.checkpoint_dir, s.checkpoint_every, s.checkpoint_keep) == (None, 5, 3)
+    assert s.replace_dead_workers is True
+    s = _settings("--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "2",
+                  "--checkpoint-keep", "4", "--no-replace")  # fmt: skip
+    assert (s.checkpoint_dir, s.checkpoint_every, s.checkpoint_keep) == (str(tmp_path / "ck"), 2, 4)
+    assert s.replace_dead_workers is False
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="not a directory"):
+        _settings("--checkpoint-dir", str(tmp_path / "file"))
+    with pytest.raises(ValueError, match="checkpoint-keep"):
+        _settings("--checkpoint-keep", "0")

@@ -68,6 +68,25 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--seq-len", type=int, default=64, help="bytes per sequence")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="write per-step results here")
+    p.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        help="write the expert checkpoints here (default: the run's temp dir, removed at exit)",
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=5,
+        help="steps between expert checkpoints (default 5; 0: the initial one only)",
+    )
+    p.add_argument(
+        "--checkpoint-keep", type=int, default=3, help="newest checkpoints kept (default 3)"
+    )
+    p.add_argument(
+        "--no-replace",
+        action="store_true",
+        help="do not replace a dead worker (its rank stays out)",
+    )
     p.add_argument("--host", help="address REST and gRPC bind to (default 127.0.0.1)")
     p.add_argument(
         "--rest-port",
@@ -118,6 +137,11 @@ def build_settings(args: argparse.Namespace) -> Any:
     if args.inter_dc_gbps is not None or args.inter_dc_latency_ms is not None:
         gbps = args.inter_dc_gbps if args.inter_dc_gbps is not None else topo.inter_dc.gbps
         topo = topo.with_inter_dc(gbps, args.inter_dc_latency_ms)
+    if args.checkpoint_every < 0 or args.checkpoint_keep < 1:
+        raise ValueError("--checkpoint-every must be >= 0 and --checkpoint-keep >= 1")
+    ckdir = args.checkpoint_dir
+    if ckdir is not None and ckdir.exists() and not ckdir.is_dir():
+        raise ValueError(f"--checkpoint-dir {args.checkpoint_dir} is not a directory")
     if args.corpus is not None and not args.corpus.is_file():
         raise FileNotFoundError(2, "No such file", str(args.corpus))
     lm = LMConfig(
@@ -142,6 +166,10 @@ def build_settings(args: argparse.Namespace) -> Any:
         shaper=not args.no_shaper,
         corpus=str(args.corpus) if args.corpus else None,
         surfaces=None if args.no_serve else _surface_settings(args),
+        checkpoint_every=args.checkpoint_every,
+        checkpoint_dir=str(args.checkpoint_dir) if args.checkpoint_dir else None,
+        checkpoint_keep=args.checkpoint_keep,
+        replace_dead_workers=not args.no_replace,
     )
 
 
@@ -249,6 +277,7 @@ def _mb(n: int) -> str:
 def _summary(rows: list[dict[str, Any]], status: dict[str, Any], settings: Any) -> dict[str, Any]:
     import statistics
 
+    writes = [c["write_seconds"] for c in status.get("checkpoints", [])]
     return {
         "policy": settings.policy,
         "steps": len(rows),
@@ -260,6 +289,9 @@ def _summary(rows: list[dict[str, Any]], status: dict[str, Any], settings: Any) 
         "retried_steps": status.get("retried_steps", []),
         "dead_ranks": status.get("dead_ranks", []),
         "recoveries": status.get("recoveries", []),
+        "replacements": status.get("replacements", []),
+        "checkpoints": status.get("checkpoints", []),
+        "checkpoint_write_ms_median": 1e3 * statistics.median(writes) if writes else None,
         "topology": settings.topology,
         "lm": settings.lm.model_dump(),
     }
