@@ -12,7 +12,8 @@ to `expertmesh serve` for --minutes (default 10) while plans commit.
 - Baseline in the same run: before the ranks start, the same poller measures the same
   server idle for --baseline-seconds (a committed plan exists by then only if
   the server recovered one, so the baseline polls answer 404 quickly: see the status counts).
-- This process samples the controller's RSS (/proc/PID/status) every --sample-seconds and
+- This process samples the controller's RSS (/proc/PID/status of the server and of its
+  planner processes, summed; the server alone as well) every --sample-seconds and
   fits a least-squares line (MB/min, over the whole soak and after the first
   --warmup-minutes), and polls GET /api/v1/plans/latest at --rest-hz on one keep-alive
   connection (latency p50/p99/max; target p99 < 50 ms).
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -64,6 +66,31 @@ def _rss_mb(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024.0
     raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (the controller's planner processes)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*/children"):
+            try:
+                kids = [int(x) for x in task.read_text().split()]
+            except OSError:
+                continue
+            out += kids
+            todo += kids
+    return out
+
+
+def _tree_rss_mb(pid: int) -> tuple[float, float]:
+    """(RSS of ``pid`` and every process below it, RSS of ``pid`` alone) in MB."""
+    own = _rss_mb(pid)
+    total = own
+    for child in _descendants(pid):
+        with contextlib.suppress(OSError, RuntimeError):  # exited meanwhile
+            total += _rss_mb(child)
+    return total, own
 
 
 def slope_mb_per_min(samples: list[tuple[float, float]], after_s: float = 0.0) -> float | None:
@@ -198,15 +225,19 @@ class _Sampler(threading.Thread):
     def __init__(self, pid: int, every: float, t0: float) -> None:
         super().__init__(daemon=True)
         self.pid, self.every, self.t0 = pid, every, t0
-        self.samples: list[tuple[float, float]] = []
+        self.samples: list[tuple[float, float]] = []  # (s, MB) server + planner processes
+        self.own: list[tuple[float, float]] = []  # (s, MB) the server process alone
         self.stop = threading.Event()
 
     def run(self) -> None:
         while not self.stop.is_set():
             try:
-                self.samples.append((time.monotonic() - self.t0, _rss_mb(self.pid)))
+                total, own = _tree_rss_mb(self.pid)
             except (OSError, RuntimeError):
                 return
+            at = time.monotonic() - self.t0
+            self.samples.append((at, total))
+            self.own.append((at, own))
             self.stop.wait(self.every)
 
 
@@ -304,6 +335,7 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
     experts = args.experts
     if not 1 <= experts <= topo.num_ranks:
         raise SystemExit("--experts must be in [1, --ranks] (one master slot per rank)")
+    load_before = os.getloadavg()
     token = secrets.token_urlsafe(16)
     rest_port, grpc_port = _free_port(), _free_port()
     url = f"http://127.0.0.1:{rest_port}"
@@ -318,6 +350,7 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
             "--trigger", "every_n", "--every", str(args.every),
             "--rest-port", str(rest_port), "--grpc-port", str(grpc_port),
             "--db", str(Path(tmp) / "plans.sqlite"),
+            "--planner-process" if args.planner_process else "--no-planner-process",
         ]  # fmt: skip
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -366,7 +399,7 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
                     proc.wait(10)
     lat = np.array(poller.lat_ms or [float("nan")])
     base = np.array(idle or [float("nan")])
-    samples = sampler.samples
+    samples, own = sampler.samples, sampler.own
     primed = args.layers  # the [R, E] step-0 reports over REST
     sent = client["good_sent"] + client["bad_sent"] + primed
     return {
@@ -377,6 +410,7 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
             "every": args.every,
             "minutes": args.minutes,
             "rest_hz": args.rest_hz,
+            "planner_process": args.planner_process,
         },
         "client": client,
         "server": server,
@@ -406,6 +440,15 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
             ),
             "warmup_minutes": args.warmup_minutes,
             "series": samples,
+            "server_only": {
+                "first_mb": own[0][1] if own else None,
+                "last_mb": own[-1][1] if own else None,
+                "max_mb": max(s[1] for s in own) if own else None,
+                "floor_slope_after_warmup_mb_per_min": floor_slope_mb_per_min(
+                    own, args.warmup_minutes * 60.0
+                ),
+                "series": own,
+            },
         },
         "rest_latest": {
             "requests_200": len(poller.lat_ms),
@@ -419,6 +462,7 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
             "baseline_p50_ms": float(np.percentile(base, 50)),
             "baseline_p99_ms": float(np.percentile(base, 99)),
         },
+        "loadavg_before": load_before,
         "loadavg": os.getloadavg(),
         "cpus": os.cpu_count(),
     }
@@ -426,6 +470,7 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
 
 def _report(res: dict[str, Any]) -> str:
     c, s, a, m, r = res["client"], res["server"], res["accounting"], res["rss"], res["rest_latest"]
+    o = m["server_only"]
     cfg = res["config"]
 
     def f(x: float | None, fmt: str = ".2f") -> str:
@@ -442,16 +487,20 @@ def _report(res: dict[str, Any]) -> str:
         ("hostile refused (INVALID_ARGUMENT)", str(c["bad_refused"])),
         ("reports lost", str(a["lost"])),
         ("accounting reconciles", str(a["reconciles"])),
-        ("controller RSS first / last / max MB", f"{f(m['first_mb'], '.1f')} / {f(m['last_mb'], '.1f')} / {f(m['max_mb'], '.1f')}"),
+        ("planner", "separate process" if cfg["planner_process"] else "in the server process"),
+        ("controller RSS first / last / max MB (server + planner)", f"{f(m['first_mb'], '.1f')} / {f(m['last_mb'], '.1f')} / {f(m['max_mb'], '.1f')}"),
+        ("server process alone: RSS first / last / max MB", f"{f(o['first_mb'], '.1f')} / {f(o['last_mb'], '.1f')} / {f(o['max_mb'], '.1f')}"),
         ("RSS slope, whole soak (MB/min)", f(m["slope_mb_per_min"], ".3f")),
         (f"RSS slope after {m['warmup_minutes']} min (MB/min)", f(m["slope_after_warmup_mb_per_min"], ".3f")),
         ("slope of the per-minute RSS floor after warm-up (MB/min)", f(m["floor_slope_after_warmup_mb_per_min"], ".3f")),
+        ("the same, server process alone (MB/min)", f(o["floor_slope_after_warmup_mb_per_min"], ".3f")),
         ("GET /plans/latest p50 / p99 / max ms", f"{r['p50_ms']:.1f} / {r['p99_ms']:.1f} / {r['max_ms']:.1f} ({r['requests_200']} requests)"),
         ("p99 < 50 ms", str(r["p99_ms"] < 50.0)),
         ("requests over 50 ms", f"{len(r['slow'])} ({100 * len(r['slow']) / max(1, r['requests_200']):.1f}%)"),
         ("baseline (no ranks) p50 / p99 ms", f"{r['baseline_p50_ms']:.1f} / {r['baseline_p99_ms']:.1f} ({r['baseline_requests_200']} requests)"),
         ("p99 under soak / baseline p99", f"{r['p99_ms'] / r['baseline_p99_ms']:.1f}x"),
         ("step lag p99 (s)", f"{c['step_lag_p99_s']:.3f}"),
+        ("load average (1, 5, 15 min) before", ", ".join(f"{x:.2f}" for x in res["loadavg_before"])),
         ("load average (1, 5, 15 min) at the end", ", ".join(f"{x:.2f}" for x in res["loadavg"])),
     ]  # fmt: skip
     out = ["| soak | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
@@ -475,6 +524,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--sample-seconds", type=float, default=5.0, help="RSS sampling period")
     ap.add_argument("--warmup-minutes", type=float, default=2.0)
+    ap.add_argument(
+        "--planner-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the controller plans in a separate process (serve's default); "
+        "--no-planner-process plans in the server process",
+    )
     ap.add_argument("--json", type=Path, default=None, help="write every figure here")
     ap.add_argument("--log", default=None, help="keep the controller's log here")
     args = ap.parse_args(argv)

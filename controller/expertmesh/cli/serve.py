@@ -57,6 +57,14 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--retention", type=int, default=None, help="committed plans kept")
     p.add_argument("--seconds", type=float, default=None, help="stop after this long")
+    p.add_argument(
+        "--planner-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compute plans in a separate, lower-priority process, so a long plan does not "
+        "slow REST and gRPC (default: on)",
+    )
+    p.add_argument("--plan-workers", type=int, default=1, help="planner processes")
     p.set_defaults(func=run)
 
 
@@ -81,7 +89,14 @@ def _settings_from(args: argparse.Namespace) -> Any:
 
 
 def build_core(args: argparse.Namespace) -> Any:
-    from expertmesh.controller.core import ControllerCore, ControllerSettings, Trigger
+    from pydantic import ValidationError
+
+    from expertmesh.controller.core import (
+        ControllerCore,
+        ControllerSettings,
+        PlannerSettings,
+        Trigger,
+    )
     from expertmesh.formats import read_topology
     from expertmesh.planner import ModelSpec
 
@@ -106,7 +121,12 @@ def build_core(args: argparse.Namespace) -> Any:
     settings = ControllerSettings(
         policy=args.policy or "static", policy_settings=settings_json, trigger=trigger
     )
-    return ControllerCore(topo, model, settings)
+    try:
+        planner = PlannerSettings(process=args.planner_process, workers=args.plan_workers)
+    except ValidationError as err:
+        e = err.errors()[0]
+        raise UsageError(f"--plan-workers: {e['msg']}") from None
+    return ControllerCore(topo, model, settings, planner=planner)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -135,6 +155,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"  REST       {surfaces.rest_url}/api/v1  (OpenAPI {surfaces.rest_url}/docs)")
         print(f"  metrics    {surfaces.rest_url}/metrics")
         print(f"  gRPC       {surfaces.grpc_target}  (expertmesh.v1.ExpertMeshService)")
+        planner = core.planner_settings
+        where = f"{planner.workers} process(es), nice +{planner.nice}"
+        print(f"  planner    {where if planner.process else 'in this process'}")
         if settings.token_value() is None:
             print("  writes     policy changes refused (no token); reports open on loopback")
         else:
@@ -149,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
         pass
     finally:
         surfaces.stop()
+        core.close()
     return 0
 
 

@@ -10,7 +10,9 @@ rank of a step has reported, the full ``[R, E]`` load enters the layer's window.
 runs the policy on every layer and returns a new :class:`PlanVersion` in state
 ``PREPARED``. The runtime moves weights, then calls :meth:`commit` (or
 :meth:`rollback`). Versions only grow; a commit of anything but the newest
-prepared version is refused.
+prepared version is refused. The policy itself runs through a planner
+(``controller/planning.py``): in the calling thread, or in separate planner
+processes when :class:`PlannerSettings` ``process`` is set (``expertmesh serve``).
 
 Thread-safe: every public method takes one lock, so REST and gRPC threads may
 call in while the control loop runs.
@@ -30,6 +32,15 @@ from typing import Any, Literal, Protocol
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from expertmesh.controller.planning import (
+    LayerJob,
+    Planner,
+    PlannerError,
+    PlannerSettings,
+    make_planner,
+    plan_jobs,
+    static_rank_tokens,
+)
 from expertmesh.planner import (
     LayerPlan,
     ModelSpec,
@@ -38,7 +49,6 @@ from expertmesh.planner import (
     check_load,
     imbalance,
     make_policy,
-    plan_layer,
 )
 
 __all__ = [
@@ -49,6 +59,8 @@ __all__ = [
     "PlanState",
     "PlanStore",
     "PlanVersion",
+    "PlannerError",
+    "PlannerSettings",
     "StaleReportError",
     "Trigger",
 ]
@@ -185,11 +197,14 @@ class ControllerCore:
         *,
         clock: Callable[[], float] = time.time,
         store: PlanStore | None = None,
+        planner: PlannerSettings | None = None,
     ) -> None:
         self.topology = topology
         self.model = model
         self._clock = clock
         self._store = store
+        self.planner_settings = planner or PlannerSettings()
+        self._planner: Planner = make_planner(topology, model, self.planner_settings)
         self._lock = threading.RLock()
         self._settings = ControllerSettings()
         self._policy = make_policy("static")
@@ -209,6 +224,10 @@ class ControllerCore:
         self.reports_rejected = 0
         self.pending_dropped = 0  # incomplete steps dropped past max_pending_steps
         self.listeners: list[Callable[[str, PlanVersion], None]] = []
+
+    def close(self) -> None:
+        """Stop the planner processes, if any (idempotent; a later plan starts them again)."""
+        self._planner.close()
 
     # ---- settings ----
 
@@ -480,7 +499,7 @@ class ControllerCore:
                 return None
             step, load = w[-1]
             if static or self._committed is None:
-                return _static_rank_tokens(load, self.topology)
+                return static_rank_tokens(load, self.topology)
             ctx = self._context(layer, load, step)
             return self._policy_route(ctx, self._committed.layers[layer])
 
@@ -521,9 +540,12 @@ class ControllerCore:
         """Run the policy on every layer's window now; returns a PREPARED version.
 
         The inputs are taken under the lock, the policy runs outside it (reports, queries
-        and commits go on meanwhile), and the version is numbered under the lock again."""
+        and commits go on meanwhile; in a planner process when ``PlannerSettings.process``),
+        and the version is numbered under the lock again. :class:`PlannerError` if the
+        planner process failed (nothing changes; the next plan gets a new one)."""
         with self._lock:
             policy, policy_name, committed = self._policy, self._settings.policy, self._committed
+            hw = policy.history_window()
             jobs = []
             for layer in range(self.model.num_layers):
                 w = self._windows[layer]
@@ -535,33 +557,34 @@ class ControllerCore:
                     if w
                     else np.zeros((self.topology.num_ranks, self.model.num_experts), np.int64)
                 )
-                load = np.where(self._dead[:, None], 0, load)
-                before_ctx = self._context(layer, load, committed.step) if committed else None
-                ctx = self._context(layer, load, step, fresh=self._fresh)
-                jobs.append((layer, load, ctx, before_ctx))
-            self._fresh = False
-        layers, before, after = [], [], []
-        for layer, load, ctx, before_ctx in jobs:
-            lp = plan_layer(policy, ctx)
-            layers.append(lp)
-            if committed is None or before_ctx is None:
-                before.append(_static_imbalance(load, self.topology))
-            else:
-                route = policy.route(before_ctx, committed.layers[layer].placement)
-                tokens = np.bincount(
-                    route[:, 2], weights=route[:, 3], minlength=self.topology.num_ranks
+                jobs.append(
+                    LayerJob(
+                        layer=layer,
+                        step=step,
+                        committed_step=committed.step if committed else step,
+                        load=np.where(self._dead[:, None], 0, load),
+                        history=self._history(layer, hw),
+                        committed=committed.layers[layer].placement if committed else None,
+                        fresh=self._fresh,
+                        dead_ranks=self.dead_ranks,
+                    )
                 )
-                before.append(imbalance(tokens))
-            after.append(imbalance(lp.rank_tokens()))
+            fresh, self._fresh = self._fresh, False
+        try:
+            results = self._planner.run(policy, jobs)
+        except BaseException:
+            with self._lock:
+                self._fresh = self._fresh or fresh  # the next plan must still start afresh
+            raise
         with self._lock:
             version = max(self._versions, default=0) + 1
             pv = PlanVersion(
                 version=version,
                 step=step,
                 policy=policy_name,
-                layers=layers,
-                imbalance_before=before,
-                imbalance_after=after,
+                layers=[r.plan for r in results],
+                imbalance_before=[r.imbalance_before for r in results],
+                imbalance_after=[r.imbalance_after for r in results],
                 created_at=self._clock(),
             )
             self._versions[version] = pv
@@ -592,46 +615,42 @@ class ControllerCore:
                 pol = self._policy
             else:
                 pol = make_policy(policy or self._settings.policy, policy_settings)
-            hw = pol.history_window()
-            win = [x for _, x in self._windows[layer]][-hw:] if hw else []
+            history = self._history(layer, pol.history_window())
             committed = self._committed if from_committed else None
-            prev = committed.layers[layer] if committed is not None else None
-        shape = (0, self.topology.num_ranks, self.model.num_experts)
-        ctx = PolicyContext(
-            topology=self.topology,
-            model=self.model,
-            step=committed.step + 1 if committed is not None else 0,
+        step = committed.step + 1 if committed is not None else 0
+        job = LayerJob(
             layer=layer,
+            step=step,
+            committed_step=step,
             load=full,
-            history=np.stack(win) if win else np.zeros(shape, np.int64),
-            previous=prev,
+            history=history,
+            committed=committed.layers[layer].placement if committed is not None else None,
+            fresh=False,
+            dead_ranks=(),
         )
-        lp = plan_layer(pol, ctx)
-        if prev is None:
-            before = _static_imbalance(full, self.topology)
-        else:
-            route = pol.route(ctx, prev.placement)
-            before = imbalance(
-                np.bincount(route[:, 2], weights=route[:, 3], minlength=self.topology.num_ranks)
-            )
-        return lp, before, imbalance(lp.rank_tokens())
+        # in this thread: a what-if must not queue behind (or delay) the controller's plans
+        (res,) = plan_jobs(pol, self.topology, self.model, [job])
+        return res.plan, res.imbalance_before, res.imbalance_after
 
-    def _context(
-        self, layer: int, load: np.ndarray, step: int, *, fresh: bool = False
-    ) -> PolicyContext:
-        # History-based policies plan on the window up to and including the newest complete
-        # load: by the time a plan applies, that microbatch is history too.
-        hw = self._policy.history_window()
+    def _history(self, layer: int, hw: int) -> np.ndarray:
+        """[W, R, E] the newest ``hw`` complete loads of ``layer`` (caller holds the lock).
+
+        History-based policies plan on the window up to and including the newest complete
+        load: by the time a plan applies, that microbatch is history too."""
         win = [x for _, x in self._windows[layer]][-hw:] if hw else []
-        shape = (0, self.topology.num_ranks, self.model.num_experts)
+        if not win:
+            return np.zeros((0, self.topology.num_ranks, self.model.num_experts), np.int64)
+        return np.stack(win)
+
+    def _context(self, layer: int, load: np.ndarray, step: int) -> PolicyContext:
         return PolicyContext(
             topology=self.topology,
             model=self.model,
             step=step,
             layer=layer,
             load=load,
-            history=np.stack(win) if win else np.zeros(shape, np.int64),
-            previous=self._committed.layers[layer] if self._committed and not fresh else None,
+            history=self._history(layer, self._policy.history_window()),
+            previous=self._committed.layers[layer] if self._committed else None,
             dead_ranks=self.dead_ranks,
         )
 
@@ -736,16 +755,5 @@ class ControllerCore:
                 )
 
 
-def _static_rank_tokens(load: np.ndarray, topology: Topology) -> np.ndarray:
-    """[R] tokens per rank of ``load`` [R, E] when every expert runs on its static master."""
-    from expertmesh.planner.static import static_placement
-
-    num_experts = load.shape[1]
-    p = static_placement(
-        topology.num_ranks, topology.slots_per_rank, num_experts, topology.masters_per_rank
-    )
-    return np.bincount(p.master_rank(), weights=load.sum(axis=0), minlength=topology.num_ranks)
-
-
 def _static_imbalance(load: np.ndarray, topology: Topology) -> float:
-    return imbalance(_static_rank_tokens(load, topology))
+    return imbalance(static_rank_tokens(load, topology))
