@@ -9,7 +9,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 
 .DEFAULT_GOAL := help
 .PHONY: help setup demo demo-planner test test-unit test-integration lint fmt typecheck bench \
-	bench-planner bench-migration bench-soak bench-runtime clean serve proto emulate-up emulate-down emulate-status ci-deps results
+	bench-planner bench-migration bench-soak bench-runtime bench-checkpoint clean serve proto emulate-up emulate-down emulate-status ci-deps results
 
 help: ## list the verbs
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -85,6 +85,10 @@ results: setup ## docs/results.md: simulator sweeps (bandwidth, DC count), 1,000
 bench-runtime: setup ## runtime: static/eplb/quota/hybrid training on Ray, 2-3 DCs at 1 Gbit/s-20 Mbit/s, vs the cost model
 	@mkdir -p $(OUT)
 	$(PY) bench/bench_runtime.py --json $(OUT)/bench-runtime.json
+
+bench-checkpoint: setup ## expert checkpoint of the demo model: ms to gather, write (fsync, rename) and load, vs a step
+	@mkdir -p $(OUT)
+	$(PY) bench/bench_checkpoint.py --json $(OUT)/bench-checkpoint.json
 
 bench-migration: setup ## migration: copies kept, relay rounds, modeled time, plan speed (EP64 to 8,000 ranks)
 	$(PY) bench/bench_migration.py

@@ -12,10 +12,13 @@ state, step counters).
 
 Every change runs :meth:`Membership.recover`: the survivors undo the step that failed (if
 one did), the controller plans with the non-live ranks planned out and restores the
-masters they held from a live replica (exact weights) or from the driver's last checkpoint
-(weights and Adam state, every ``checkpoint_every`` steps), and the step runs again
+masters they held from a live replica (exact weights) or from the newest usable expert
+checkpoint on disk (weights and Adam state, written by the driver every
+``checkpoint_every`` steps: :mod:`expertmesh.runtime.checkpoint`), and the step runs again
 (:attr:`retried_steps`). A paused DC's ranks are never a source during a cut (their link is
-down), so their masters are restored the same way as a dead rank's.
+down), so their masters are restored the same way as a dead rank's. A dead rank gets a new
+worker actor in its DC (``replace_dead_workers``), which rejoins like a paused DC after a
+heal (:meth:`Membership.start_replacements`, :meth:`Membership.finish_replacements`).
 """
 
 from __future__ import annotations
@@ -145,8 +148,8 @@ class Membership:
         """Bring the run to the current membership: find dead workers, pause DCs cut off,
         let healed DCs rejoin; undo the current step on the ranks that go on (``rollback``;
         off between steps), and have the controller plan for the live ranks and restore
-        the masters of those that left (from a live replica, else from the driver's last
-        checkpoint). Returns what the controller did, with ``seconds``; None when nothing
+        the masters of those that left (from a live replica, else from the newest usable
+        checkpoint on disk). Returns what the controller did, with ``seconds``; None when nothing
         changed (``required``: RuntimeError instead, the failure was something else)."""
         t0 = time.perf_counter()
         dead = self.dead_workers()
