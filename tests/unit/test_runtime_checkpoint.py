@@ -145,6 +145,16 @@ def test_no_usable_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
         ck.load(tmp_path / "not-a-checkpoint")
 
 
+def test_a_crashed_writers_leftovers_are_ignored(tmp_path: Path) -> None:
+    ck = CheckpointDir(tmp_path)
+    ck.write(_experts(0), step=1, plan_version=1, run="r")
+    (tmp_path / ".tmp-ckpt-000002-999").mkdir()  # a writer died before its rename
+    (tmp_path / ".tmp-ckpt-000002-999" / "experts.npz").write_bytes(b"half")
+    assert [p.name for p in ck.paths()] == ["ckpt-000001"]
+    assert ck.load_latest().step == 1
+    assert ck.write(_experts(1), step=3, plan_version=1, run="r").path.name == "ckpt-000002"
+
+
 def test_other_runs_are_skipped_when_asked(tmp_path: Path) -> None:
     ck = CheckpointDir(tmp_path)
     ck.write(_experts(0), step=1, plan_version=1, run="mine")

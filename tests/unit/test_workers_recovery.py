@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -12,6 +14,7 @@ from expertmesh.planner.model import ModelSpec
 from expertmesh.planner.policy import PolicyContext, make_policy
 from expertmesh.planner.runner import plan_layer
 from expertmesh.planner.static import static_placement
+from expertmesh.runtime.checkpoint import CheckpointDir
 from expertmesh.workers.engine import LocalExecutor, recovery_rounds, train_step
 from expertmesh.workers.model import Corpus, LMConfig
 from expertmesh.workers.rank import RankState
@@ -61,12 +64,15 @@ def test_rollback_undoes_a_step_and_the_rerun_matches() -> None:
 
 
 @pytest.mark.parametrize("dead", [(1,), (2, 3)])  # one rank; a whole DC
-def test_survivors_train_after_masters_restored(dead: tuple[int, ...]) -> None:
+def test_survivors_train_after_masters_restored(dead: tuple[int, ...], tmp_path: Path) -> None:
     ex = LocalExecutor(_ranks())
     train_step(ex, 0, CFG.num_layers)
-    ckpt: dict = {}
+    masters: dict = {}
     for part in ex.call_all("checkpoint"):
-        ckpt.update(part)
+        masters.update(part)
+    disk = CheckpointDir(tmp_path)  # through the checkpoint on disk, as the runtime does
+    disk.write(masters, step=0, plan_version=0, run="t")
+    ckpt = disk.load_latest(run="t").experts
     train_step(ex, 1, CFG.num_layers)  # dies during step 1 on the dead ranks: undo it
     ex.call_all("rollback_step")
     live = np.ones(TOPO.num_ranks, bool)
@@ -107,6 +113,11 @@ def test_survivors_train_after_masters_restored(dead: tuple[int, ...]) -> None:
         outs = ex.phase("mig", 0, outs, rnd)
     ex.call_all("prepare_end", 1)
     ex.call_all("commit", 1)
+    for lyr, e, r, kind in restore:  # what the checkpoint on disk held, bit for bit
+        if kind == "w":
+            got = ex.ranks[r].expert_weights(lyr, e)
+            assert got is not None
+            assert all(np.array_equal(a, b) for a, b in zip(got, ckpt[(lyr, e)][0], strict=True))
     losses = [s["loss"] for s in train_step(ex, 1, CFG.num_layers)]
     assert len(losses) == int(live.sum()) and all(np.isfinite(losses))
     masters = [k for r in np.flatnonzero(live) for k in ex.ranks[r].checkpoint()]
