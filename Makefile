@@ -57,7 +57,7 @@ fmt: setup ## apply ruff's formatting and safe fixes
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-bench: bench-planner bench-migration bench-api bench-runtime ## every benchmark
+bench: bench-planner bench-migration bench-api bench-runtime bench-checkpoint ## every benchmark (not the soak)
 
 serve: setup ## controller + REST/dashboard (127.0.0.1:8700) + gRPC (127.0.0.1:8701), no Ray workers
 	$(VENV)/bin/expertmesh serve --topology deploy/topologies/two-dc.yaml
