@@ -16,6 +16,7 @@ from expertmesh.workers.model import LMConfig
 POLICIES = [p for p in ("static", "eplb", "quota", "hybrid") if p in available_policies()]
 LM = LMConfig(num_layers=2, num_experts=8, top_k=2, hidden=16, ffn_hidden=16, batch=4, seq_len=32)
 STEPS = 4
+BF16 = {"encoding": {"weight_bytes": 2, "grad_bytes": 2}}  # hybrid's copies in bfloat16
 
 
 def _settings(policy: str) -> RuntimeSettings:
@@ -23,7 +24,8 @@ def _settings(policy: str) -> RuntimeSettings:
     return RuntimeSettings(
         topology=topo.to_dict(),
         lm=LM,
-        policy=policy,
+        policy=policy.removesuffix("-bf16"),
+        policy_settings=BF16 if policy.endswith("-bf16") else {},
         trigger=Trigger(mode="every_step"),
         corpus_bytes=200_000,
     )
@@ -32,7 +34,7 @@ def _settings(policy: str) -> RuntimeSettings:
 @pytest.fixture(scope="module")
 def runs() -> Iterator[dict[str, list]]:
     out: dict[str, list] = {}
-    for policy in POLICIES:
+    for policy in [*POLICIES, *(["hybrid-bf16"] if "hybrid" in POLICIES else [])]:
         rt = Runtime(_settings(policy))
         try:
             rt.start()
@@ -69,3 +71,18 @@ def test_policies_train_to_the_same_losses(runs: dict[str, list], policy: str) -
         assert pairs[2].sum() == s.cross_dc_migration_bytes
     if policy == "static":
         assert all(s.cross_dc_migration_bytes == 0 for s in steps)
+
+
+@pytest.mark.skipif("hybrid" not in POLICIES, reason="no hybrid policy")
+def test_bfloat16_copies_train_close_to_float32_with_fewer_weight_bytes(
+    runs: dict[str, list],
+) -> None:
+    steps, _, status = runs["hybrid-bf16"][:3]
+    fp32 = runs["hybrid"][0]
+    assert all(s.error is None for s in steps) and status["errors"] == 0
+    base = [s.loss for s in runs["static"][0]]
+    assert [s.loss for s in steps][0] == base[0]  # step 0: nothing sent in bfloat16 yet
+    np.testing.assert_allclose([s.loss for s in steps], base, rtol=1e-3)
+    # replicas from step 1 on: their gradients and refreshes cross in 2 bytes, not 4
+    assert steps[-1].plan_version >= 1 and fp32[-1].cross_dc_weight_bytes > 0
+    assert steps[-1].cross_dc_weight_bytes < 0.75 * fp32[-1].cross_dc_weight_bytes

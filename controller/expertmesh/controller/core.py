@@ -50,6 +50,8 @@ from expertmesh.planner import (
     imbalance,
     make_policy,
 )
+from expertmesh.planner.costmodel import TransferEncoding
+from expertmesh.planner.policy import Policy
 
 __all__ = [
     "BatchReportError",
@@ -137,6 +139,9 @@ class PlanVersion:
     state: PlanState = PlanState.PREPARED
     created_at: float = 0.0
     committed_at: float | None = None
+    #: how the plan's expert weights and gradients travel (the policy's; not stored: a
+    #: plan recovered from the store takes the recovered policy's)
+    encoding: TransferEncoding = field(default_factory=TransferEncoding)
 
     @property
     def migration_bytes(self) -> int:
@@ -586,6 +591,7 @@ class ControllerCore:
                 imbalance_before=[r.imbalance_before for r in results],
                 imbalance_after=[r.imbalance_after for r in results],
                 created_at=self._clock(),
+                encoding=_encoding(policy),
             )
             self._versions[version] = pv
             self._last_plan_step = step
@@ -706,6 +712,8 @@ class ControllerCore:
         with self._lock:
             if pv.state != PlanState.COMMITTED:
                 raise ValueError("only committed plans can be restored")
+            if pv.policy == self._settings.policy:
+                pv.encoding = _encoding(self._policy)
             self._versions[pv.version] = pv
             if self._committed is None or pv.version > self._committed.version:
                 self._committed = pv
@@ -753,6 +761,12 @@ class ControllerCore:
                 log.exception(
                     "plan listener %r failed on %s of plan %d", listener, event, pv.version
                 )
+
+
+def _encoding(policy: Policy) -> TransferEncoding:
+    """The transfer encoding ``policy`` plans with (float32 unless it has one)."""
+    enc = getattr(policy, "transfer_encoding", None)
+    return enc if isinstance(enc, TransferEncoding) else TransferEncoding()
 
 
 def _static_imbalance(load: np.ndarray, topology: Topology) -> float:

@@ -33,13 +33,13 @@ from typing import Any
 
 import numpy as np
 import ray
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray.cluster_utils import Cluster
 
 from expertmesh.controller.core import ControllerCore, ControllerSettings, Trigger
 from expertmesh.controller.settings import SurfaceSettings
 from expertmesh.controller.telemetry import Telemetry
-from expertmesh.planner import Placement, Topology, imbalance
+from expertmesh.planner import Placement, Topology, imbalance, make_policy
 from expertmesh.planner.static import static_placement
 from expertmesh.runtime.actors import RayExecutor, WorkerActor
 from expertmesh.runtime.checkpoint import CheckpointDir
@@ -48,6 +48,7 @@ from expertmesh.workers.engine import apply_plan, migration_rounds, recovery_rou
 from expertmesh.workers.model import LMConfig
 from expertmesh.workers.rank import KINDS
 from expertmesh.workers.shaper import LinkShaper
+from expertmesh.workers.wire import WireFormat
 
 __all__ = [
     "NAMESPACE",
@@ -102,6 +103,13 @@ class RuntimeSettings(BaseModel):
     replace_dead_workers: bool = Field(
         default=True, description="start a new worker for a dead rank in its DC; it rejoins"
     )
+
+    @model_validator(mode="after")
+    def _encoding_sendable(self) -> RuntimeSettings:
+        """The policy's transfer encoding must be one the workers can send."""
+        policy = make_policy(self.policy, self.policy_settings)
+        WireFormat.of(getattr(policy, "transfer_encoding", None))
+        return self
 
 
 class StepResult(BaseModel):
@@ -352,7 +360,9 @@ class ControllerActor:
             rounds = migration_rounds(
                 self.placements, new, [lp.migration for lp in pv.layers], self.topology
             )
-            sent = self._timed("prepare", lambda: apply_plan(ex, pv.version, layers, rounds))
+            sent = self._timed(
+                "prepare", lambda: apply_plan(ex, pv.version, layers, rounds, pv.encoding)
+            )
             migration += sent
             self._maybe_crash("prepared")
             self._timed("commit", lambda: self._commit(ex, pv.version))
@@ -395,7 +405,7 @@ class ControllerActor:
             for e in np.flatnonzero(~self.live[p.master_rank()]).tolist()
         ]
         ex = RayExecutor(self.workers, self.live)
-        ex.call_all("prepare", pv.version, layers)
+        ex.call_all("prepare", pv.version, layers, pv.encoding)
         seeds: dict[int, tuple[dict[Any, Any], dict[Any, Any]]] = {}
         for layer, e, r, kind in restore:
             if (layer, e) not in checkpoint:

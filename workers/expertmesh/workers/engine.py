@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from expertmesh.planner.costmodel import TransferEncoding
 from expertmesh.planner.plan import Migration, Placement
 from expertmesh.planner.topology import Topology
 from expertmesh.workers.rank import RankState
@@ -110,12 +111,14 @@ def apply_plan(
     version: int,
     layers: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
     rounds: list[list[Transfer]],
+    encoding: TransferEncoding | None = None,
 ) -> np.ndarray:
     """Prepare plan ``version`` on every rank (run the migration ``rounds``, then check each
-    rank holds what it needs). Commit is separate (:meth:`RankState.commit`).
+    rank holds what it needs). Commit is separate (:meth:`RankState.commit`). ``encoding``:
+    the plan's transfer encoding (None: float32), see :class:`~expertmesh.workers.wire.WireFormat`.
 
     Returns [D, D] bytes the migration sent between DCs."""
-    ex.call_all("prepare", version, layers)
+    ex.call_all("prepare", version, layers, encoding)
     outs = None
     for rnd in [*rounds, []]:
         outs = ex.phase("mig", 0, outs, rnd)

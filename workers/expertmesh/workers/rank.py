@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from expertmesh.planner.costmodel import TransferEncoding
 from expertmesh.planner.plan import Placement
 from expertmesh.planner.topology import Topology
 from expertmesh.workers.model import Corpus, DenseModel, ExpertWeights, LMConfig, init_expert
@@ -45,6 +46,7 @@ from expertmesh.workers.moe import (
     relay_rank,
 )
 from expertmesh.workers.recovery import RankRecovery
+from expertmesh.workers.wire import WireFormat, from_wire, payload_nbytes, to_wire, widen
 
 __all__ = ["KINDS", "LayerState", "RankState", "from_wire", "payload_nbytes", "to_wire"]
 
@@ -52,48 +54,6 @@ KINDS = ("tokens", "weights", "migration")  # what crossed: activations, sync, p
 Packet = Any
 Span = tuple[str, int, int, int, int, int, int]  # (kind, via, src, row0, rows, asn0, asns)
 Reserve = Callable[[int, int, int], float]  # (src_dc, dst_dc, nbytes) -> arrival clock time
-
-
-def to_wire(obj: Any) -> Any:
-    """A packet with every tensor as a numpy array (only the viewed rows, never the whole
-    storage a view shares)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().numpy()
-    if isinstance(obj, dict):
-        return {k: to_wire(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [to_wire(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(to_wire(v) for v in obj)
-    return obj
-
-
-def from_wire(obj: Any) -> Any:
-    """Inverse of :func:`to_wire`: arrays back to (writable) tensors."""
-    if isinstance(obj, np.ndarray):
-        return torch.from_numpy(obj if obj.flags.writeable else obj.copy())
-    if isinstance(obj, dict):
-        return {k: from_wire(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [from_wire(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(from_wire(v) for v in obj)
-    return obj
-
-
-def payload_nbytes(obj: Any) -> int:
-    """Bytes of the tensors and arrays in a packet (what crosses the wire)."""
-    if obj is None:
-        return 0
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, np.ndarray):
-        return int(obj.nbytes)
-    if isinstance(obj, dict):
-        return sum(payload_nbytes(v) for v in obj.values())
-    if isinstance(obj, list | tuple):
-        return sum(payload_nbytes(v) for v in obj)
-    return 8
 
 
 @dataclass(eq=False)
@@ -139,6 +99,7 @@ class RankState(RankRecovery):
         self.dense = DenseModel(cfg)
         self.dense_state = [(torch.zeros_like(p), torch.zeros_like(p)) for p in self._dparams()]
         self.version = 0
+        self.wire = WireFormat()  # the committed plan's transfer encoding of expert streams
         self.layers = [LayerState(p, np.zeros((0, 4), np.int64)) for p in placements]
         self.experts: list[dict[int, ExpertWeights]] = []
         self.opt: list[dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]]] = []
@@ -514,7 +475,7 @@ class RankState(RankRecovery):
                     self._acc[(lyr, e)] = g
                 elif g is not None:
                     out[target] = out[target] or {}
-                    out[target].setdefault("eg", {})[(lyr, e)] = g
+                    out[target].setdefault("eg", {})[(lyr, e)] = self.wire.send_grads(g)
         leader = int(self.dc_ranks[self.dc][0])
         dgrads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._dparams()]
         if leader == self.rank:
@@ -526,7 +487,8 @@ class RankState(RankRecovery):
 
     def _add_grads(self, inbox: list[Packet]) -> None:
         for pkt in inbox:
-            for key, g in ((pkt or {}).get("eg") or {}).items():
+            for key, sent in ((pkt or {}).get("eg") or {}).items():
+                g = widen(sent)  # summed in float32 whatever the wire carried
                 cur = self._acc.get(key)
                 self._acc[key] = g if cur is None else [a + b for a, b in zip(cur, g, strict=True)]
 
@@ -538,7 +500,7 @@ class RankState(RankRecovery):
             m = int(self.layers[lyr].master_rank[e])
             if m != self.rank and g is not None:
                 out[m] = out[m] or {}
-                out[m].setdefault("eg", {})[(lyr, e)] = g
+                out[m].setdefault("eg", {})[(lyr, e)] = self.wire.send_grads(g)
                 del self._acc[(lyr, e)]
         if int(self.dc_ranks[self.dc][0]) == self.rank:
             for pkt in inbox:
@@ -567,7 +529,7 @@ class RankState(RankRecovery):
                     for p, gp, mom, var in zip(w, g, m1, m2, strict=True):
                         adam_(p, gp, mom, var, self.opt_step, self.cfg.lr)
                 holders = np.flatnonzero(ls.holds[:, e])
-                fresh = [t.detach().clone() for t in w]
+                fresh = self.wire.send_weights(w)  # the master keeps float32
                 for h in holders.tolist():
                     if h == self.rank:
                         continue
@@ -627,10 +589,15 @@ class RankState(RankRecovery):
     # ---- two-phase plan application ----
 
     def prepare(
-        self, version: int, layers: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
+        self,
+        version: int,
+        layers: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+        encoding: TransferEncoding | None = None,
     ) -> None:
         """Start preparing plan ``version``: per layer ``(phy2log [R, S], master [E], route
-        [N, 4])``. Refuses a version not newer than the committed or a prepared one."""
+        [N, 4])``; ``encoding``: the plan's transfer encoding of expert streams (None:
+        float32), used by its migration and, once committed, by every step's replica sync.
+        Refuses a version not newer than the committed or a prepared one."""
         if version <= self.version:
             raise ValueError(f"plan {version} is not newer than committed plan {self.version}")
         if self._pending is not None and version < self._pending["version"]:
@@ -646,8 +613,10 @@ class RankState(RankRecovery):
         self._pending = {
             "version": version,
             "layers": new,
+            "wire": WireFormat.of(encoding),
             "w": {},
             "opt": {},
+            "wf": {},  # moved masters' float32 weights (when copies travel lossy)
             "bytes": self.bytes[KINDS.index("migration")].copy(),
         }
 
@@ -660,24 +629,29 @@ class RankState(RankRecovery):
         if pend is None:
             raise ValueError("no plan is being prepared")
         for pkt in inbox:
-            pend["w"].update((pkt or {}).get("mw", {}))
+            pend["w"].update((k, widen(w)) for k, w in (pkt or {}).get("mw", {}).items())
             pend["opt"].update((pkt or {}).get("mo", {}))
+            pend["wf"].update((pkt or {}).get("mf", {}))
         out = self._empty()
+        wire: WireFormat = pend["wire"]
         for lyr, e, src, dst, kind in transfers:
             if src != self.rank:
                 continue
             out[dst] = out[dst] or {"mw": {}, "mo": {}}
-            if kind == "opt":
+            if kind == "opt":  # a moving master's state: always float32
                 m, v = self.opt[lyr][e]
                 out[dst]["mo"][(lyr, e)] = ([t.clone() for t in m], [t.clone() for t in v])
+                if wire.lossy_weights:  # its weights too: the copy it got was rounded
+                    w32 = [t.detach().clone() for t in self.experts[lyr][e]]
+                    out[dst].setdefault("mf", {})[(lyr, e)] = w32
                 continue
             have = self.experts[lyr].get(e)
-            w = [t.detach().clone() for t in have] if have is not None else pend["w"].get((lyr, e))
+            w = have if have is not None else pend["w"].get((lyr, e))
             if w is None:
                 raise ValueError(
                     f"rank {self.rank} must send expert {e} of layer {lyr}; it has none"
                 )
-            out[dst]["mw"][(lyr, e)] = w
+            out[dst]["mw"][(lyr, e)] = wire.send_weights(w)
         return self._ship(out, "migration")
 
     def prepare_end(self, version: int) -> np.ndarray:
@@ -712,6 +686,8 @@ class RankState(RankRecovery):
             for e in self._row(ls):
                 old = self.experts[lyr].get(e)
                 mine[e] = old if old is not None else self._param(pend["w"][(lyr, e)])
+                if (lyr, e) in pend["wf"] and ls.master_rank[e] == self.rank:
+                    mine[e] = self._param(pend["wf"][(lyr, e)])  # a master stays float32
                 if ls.master_rank[e] == self.rank:
                     st = self.opt[lyr].get(e) or pend["opt"].get((lyr, e))
                     if st is None:
@@ -720,6 +696,7 @@ class RankState(RankRecovery):
             experts.append(mine)
             opt.append(state)
         self.experts, self.opt, self.layers = experts, opt, pend["layers"]
+        self.wire = pend["wire"]
         self.version, self._pending = version, None
 
     def plan_state(self) -> tuple[int, int | None, bool]:

@@ -33,6 +33,7 @@ class RankRecovery:
     layers: list[Any]
     _pending: dict[str, Any] | None
     _snap: dict[str, Any] | None
+    wire: Any  # WireFormat of the committed plan
 
     def _dparams(self) -> list[torch.Tensor]:
         return list(self.dense.parameters())
@@ -122,6 +123,7 @@ class RankRecovery:
             "opt_step": self.opt_step,
             "step": self.step,
             "version": self.version,
+            "wire": self.wire,
             "layers": [(ls.placement.phy2log, ls.placement.master, ls.route) for ls in self.layers],
         }
 
@@ -144,6 +146,7 @@ class RankRecovery:
                 p.copy_(t)
         self.dense_state = [(m.clone(), v.clone()) for m, v in state["dense_state"]]
         self.opt_step, self.step, self.version = state["opt_step"], state["step"], state["version"]
+        self.wire = state["wire"]
         self.layers = layers
         self.experts = [{} for _ in layers]
         self.opt = [{} for _ in layers]
