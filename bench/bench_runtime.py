@@ -10,21 +10,27 @@ no plan) with the same seed, so the losses of all policies must match.
 
 Per run: ``--steps`` steps; the controller plans after step 0 and every
 ``--every`` steps (eplb and hybrid with ``period = window = --every``); step 0
-runs on static EP for every policy and is not measured. ``--repeats`` rounds per
-(DCs, bandwidth), the policy order rotated each round; medians pool the rounds'
-measured steps, and ratios are to ``static``'s pooled median of the same group.
+runs on static EP for every policy and is not measured. ``hybrid-bf16`` is
+``hybrid`` with its transfer encoding at 2 bytes per weight and gradient:
+replica refreshes, copies and replica gradients travel in bfloat16 (masters,
+Adam state and dense gradients stay float32), so its losses differ from
+static's a little. ``--repeats`` rounds per (DCs, bandwidth), the policy order
+rotated each round; medians pool the rounds' measured steps, and ratios are to
+``static``'s pooled median of the same group.
 
 Calibration (before every round, stated in the output; one unused warm-up run
 after the cluster starts): static on free links (1e4 Gbit/s, 0 ms) for
-``--calib-steps`` steps. From it the cost model's two machine constants: the per-rank expert compute rate ``F`` (expert
-FLOPs over the seconds the ranks spent in their experts) and the per-phase
-message overhead ``o`` (what the measured step has beyond the model with
-``o = 0``, over the ``4 L + 2`` phases that pay it). ``hybrid`` plans with the
+``--calib-steps`` steps. From it the cost model's two machine constants: the
+per-rank expert compute rate ``F`` (expert FLOPs over the seconds the ranks
+spent in their experts) and the fixed time ``o`` of one Ray round (what the
+measured step has beyond the model with ``o = 0``, over the Ray rounds the step
+ran: ``StepLayout.rounds``, 21 for static). ``hybrid`` plans with the
 calibrated model (its ``cost`` setting). Prediction per measured step:
 :func:`expertmesh.planner.stepmodel.training_step_cost` on the step's realized
 token streams (routes and distinct tokens crossing each DC pair, as counted by
-the workers) and the placement it ran on; no measured time enters it except
-through ``F`` and ``o``. Reported: median predicted vs median measured.
+the workers), the placement and Ray rounds (``StepLayout``) it ran on and the
+plan's encoding; no measured time enters it except through ``F`` and ``o``.
+Reported: median predicted vs median measured.
 
     make bench-runtime      # or: python bench/bench_runtime.py [--quick] [--json out.json]
 """
@@ -51,14 +57,15 @@ for _root in ("controller", "workers", "proto"):
 
 from expertmesh.controller.core import Trigger  # noqa: E402 (after the source roots)
 from expertmesh.planner import Placement, Topology, available_policies  # noqa: E402
-from expertmesh.planner.costmodel import CostSettings  # noqa: E402
+from expertmesh.planner.costmodel import CostSettings, TransferEncoding  # noqa: E402
 from expertmesh.planner.static import static_placement  # noqa: E402
-from expertmesh.planner.stepmodel import training_step_cost  # noqa: E402
+from expertmesh.planner.stepmodel import StepLayout, training_step_cost  # noqa: E402
 from expertmesh.planner.traffic import traffic_from_route  # noqa: E402
 from expertmesh.runtime.cluster import Runtime, RuntimeSettings  # noqa: E402
 from expertmesh.workers.model import DenseModel, LMConfig  # noqa: E402
 
-POLICIES = ("static", "eplb", "quota", "hybrid")
+POLICIES = ("static", "eplb", "quota", "hybrid", "hybrid-bf16")
+BF16 = TransferEncoding(weight_bytes=2, grad_bytes=2)  # hybrid-bf16's expert streams
 FREE_GBPS, LATENCY_MS = 1e4, 20.0
 
 
@@ -71,13 +78,25 @@ def _topology(dcs: int, gbps: float, latency_ms: float, experts: int) -> Topolog
     return Topology.generate(dcs, 2, masters=masters, spare=spare).with_inter_dc(gbps, latency_ms)
 
 
-def _policy_settings(policy: str, every: int, cost: CostSettings | None) -> dict[str, Any]:
+def _policy(label: str) -> str:
+    """The registered policy a row label runs (``hybrid-bf16``: ``hybrid``)."""
+    return label.removesuffix("-bf16")
+
+
+def _encoding(label: str) -> TransferEncoding | None:
+    return BF16 if label.endswith("-bf16") else None
+
+
+def _policy_settings(label: str, every: int, cost: CostSettings | None) -> dict[str, Any]:
+    policy = _policy(label)
     if policy == "eplb":
         return {"period": every, "window": every}
     if policy == "hybrid":
         out: dict[str, Any] = {"period": every, "window": every}
         if cost is not None:
             out["cost"] = cost.model_dump()
+        if _encoding(label) is not None:
+            out["encoding"] = BF16.model_dump()
         return out
     return {}
 
@@ -89,7 +108,9 @@ class Run:
     steps: list[Any]  # StepResult
     stats: list[list[dict[str, Any]]]  # per step, per rank RankState.stats()
     placements: list[list[Placement]]  # per step, per layer: what the step ran on
+    layouts: list[StepLayout]  # per step: the rounds it ran
     seconds: float
+    encoding: TransferEncoding | None = None
 
 
 def _run(rt: Runtime, settings: RuntimeSettings, steps: int) -> Run:
@@ -99,10 +120,12 @@ def _run(rt: Runtime, settings: RuntimeSettings, steps: int) -> Run:
         topo.num_ranks, topo.slots_per_rank, lm.num_experts, topo.masters_per_rank
     )
     current = [start] * lm.num_layers
-    out = Run([], [], [], 0.0)
+    enc = settings.policy_settings.get("encoding")
+    out = Run([], [], [], [], 0.0, None if enc is None else TransferEncoding(**enc))
     t0 = time.perf_counter()
     for _ in range(steps):
         out.placements.append(current)
+        out.layouts.append(rt.layout or StepLayout.full(lm.num_layers))
         out.steps.append(rt.run_step())
         out.stats.append(rt.last_stats)
         plan = rt.committed_plan()
@@ -126,10 +149,17 @@ def _traffic(stats: list[dict[str, Any]], layer: int, topo: Topology, top_k: int
 def _predict(run: Run, topo: Topology, lm: LMConfig, dense: int, cost: CostSettings) -> list[float]:
     """Modeled seconds of every step of ``run``."""
     out = []
-    for stats, placements in zip(run.stats, run.placements, strict=True):
+    for stats, placements, layout in zip(run.stats, run.placements, run.layouts, strict=True):
         traffic = [_traffic(stats, layer, topo, lm.top_k) for layer in range(lm.num_layers)]
         t = training_step_cost(
-            topo, lm.spec(), traffic, placements, dense_params=dense, settings=cost
+            topo,
+            lm.spec(),
+            traffic,
+            placements,
+            dense_params=dense,
+            settings=cost,
+            encoding=run.encoding,
+            layout=layout,
         )
         out.append(t.seconds)
     return out
@@ -144,11 +174,11 @@ def _calibrate(run: Run, topo: Topology, lm: LMConfig, dense: int) -> CostSettin
     flops = work * per_assignment / secs
     base = CostSettings(flops_per_second=flops)
     model = _predict(run, topo, lm, dense, base)
-    phases = 4 * lm.num_layers + 2
-    gap = statistics.median(
-        r.step_seconds - m for r, m in zip(run.steps[1:], model[1:], strict=True)
+    per_round = statistics.median(
+        (r.step_seconds - m) / layout.rounds
+        for r, m, layout in zip(run.steps[1:], model[1:], run.layouts[1:], strict=True)
     )
-    return base.model_copy(update={"message_seconds": max(gap, 0.0) / phases})
+    return base.model_copy(update={"message_seconds": max(per_round, 0.0)})
 
 
 def _loss_gap(run: Run, base: Run) -> float:
@@ -172,7 +202,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     )
     dense = sum(p.numel() for p in DenseModel(lm).parameters())
     have = set(available_policies())
-    policies = [p for p in args.policies if p in have]
+    policies = [p for p in args.policies if _policy(p) in have]
     rows: list[dict[str, Any]] = []
     calibrations: list[dict[str, Any]] = []
     for dcs in args.dcs:
@@ -203,14 +233,14 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                         settings = base.model_copy(
                             update={
                                 "topology": topo.to_dict(),
-                                "policy": policy,
+                                "policy": _policy(policy),
                                 "policy_settings": _policy_settings(policy, args.every, cost),
                             }
                         )
                         run = _run(rt, settings, args.steps)
                         done[policy].append((run, _predict(run, topo, lm, dense, cost)))
                 for policy in args.policies:
-                    if policy not in have:
+                    if _policy(policy) not in have:
                         rows.append({"dcs": dcs, "gbps": gbps, "policy": policy, "missing": True})
                     else:
                         rows.append(_row(dcs, gbps, policy, done))
@@ -243,7 +273,7 @@ def _calibration(
     print(
         f"  calibration ({_fmt_gbps(gbps)} round): static on free links, median step "
         f"{cal['median_step_seconds']:.3f}s -> F = {cost.flops_per_second / 1e9:.2f} GFLOP/s "
-        f"per rank, o = {cost.message_seconds * 1e3:.1f} ms per phase "
+        f"per rank, o = {cost.message_seconds * 1e3:.1f} ms per Ray round "
         f"(load {cal['load_avg']:.1f})",
         flush=True,
     )
@@ -267,6 +297,9 @@ def _row(
         "median_step_seconds": med,
         "predicted_seconds": pred,
         "predicted_over_measured": pred / med,
+        "rounds_per_step": statistics.median(
+            layout.rounds for run, _ in runs for layout in run.layouts[1:]
+        ),
         "step_seconds": [[s.step_seconds for s in run.steps] for run, _ in runs],
         "predicted": [p for _, p in runs],
         "losses": [[s.loss for s in run.steps] for run, _ in runs],
@@ -292,26 +325,28 @@ def _line(r: dict[str, Any]) -> str:
     if r.get("missing"):
         return f"{r['dcs']} DCs {_fmt_gbps(r['gbps'])} {r['policy']}: not registered"
     return (
-        f"{r['dcs']} DCs {_fmt_gbps(r['gbps'])} {r['policy']:7s} median "
+        f"{r['dcs']} DCs {_fmt_gbps(r['gbps'])} {r['policy']:11s} median "
         f"{r['median_step_seconds']:.3f}s  x{r.get('speedup_vs_static', 1.0):.2f} vs static  "
         f"predicted {r['predicted_seconds']:.3f}s ({r['predicted_over_measured']:.2f})  "
         f"loss diff {r.get('loss_rel_diff_vs_static', 0.0):.1e}  WAN "
-        f"{r['token_mb_per_step']:.2f} MB tokens {r['weight_mb_per_step']:.2f} MB weights"
+        f"{r['token_mb_per_step']:.2f} MB tokens {r['weight_mb_per_step']:.2f} MB weights  "
+        f"{r['rounds_per_step']:g} Ray rounds"
     )
 
 
 def markdown(result: dict[str, Any]) -> str:
     head = (
         "| DCs | inter-DC | policy | median step s | vs static | predicted s | pred / meas "
-        "| max loss diff vs static | WAN tokens MB/step | WAN weights MB/step | migration MB/run |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| max loss diff vs static | WAN tokens MB/step | WAN weights MB/step | migration MB/run "
+        "| Ray rounds/step |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for r in result["rows"]:
         if r.get("missing"):
             lines.append(
                 f"| {r['dcs']} | {_fmt_gbps(r['gbps'])} | {r['policy']} | not registered "
-                "| | | | | | | |"
+                "| | | | | | | | |"
             )
             continue
         lines.append(
@@ -319,12 +354,14 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {r['median_step_seconds']:.3f} | {r.get('speedup_vs_static', 1.0):.2f}x "
             f"| {r['predicted_seconds']:.3f} | {r['predicted_over_measured']:.2f} "
             f"| {r.get('loss_rel_diff_vs_static', 0.0):.1e} | {r['token_mb_per_step']:.2f} "
-            f"| {r['weight_mb_per_step']:.2f} | {r['migration_mb_per_run']:.2f} |"
+            f"| {r['weight_mb_per_step']:.2f} | {r['migration_mb_per_run']:.2f} "
+            f"| {r['rounds_per_step']:g} |"
         )
     cal = "\n".join(
         f"- {c['dcs']} DCs, {_fmt_gbps(c['before_gbps'])} round: static on free links, median step "
         f"{c['median_step_seconds']:.3f} s -> F = {c['flops_per_second'] / 1e9:.2f} GFLOP/s "
-        f"per rank, o = {c['message_seconds'] * 1e3:.1f} ms per phase (load {c['load_avg']:.1f})"
+        f"per rank, o = {c['message_seconds'] * 1e3:.1f} ms per Ray round "
+        f"(load {c['load_avg']:.1f})"
         for c in result["calibrations"]
     )
     return head + "\n".join(lines) + "\n\nCalibration (same run):\n\n" + cal + "\n"

@@ -81,7 +81,7 @@ def test_bfloat16_copies_train_close_to_float32_with_fewer_weight_bytes(
     fp32 = runs["hybrid"][0]
     assert all(s.error is None for s in steps) and status["errors"] == 0
     base = [s.loss for s in runs["static"][0]]
-    assert [s.loss for s in steps][0] == base[0]  # step 0: nothing sent in bfloat16 yet
+    assert steps[0].loss == base[0]  # step 0: nothing sent in bfloat16 yet
     np.testing.assert_allclose([s.loss for s in steps], base, rtol=1e-3)
     # replicas from step 1 on: their gradients and refreshes cross in 2 bytes, not 4
     assert steps[-1].plan_version >= 1 and fp32[-1].cross_dc_weight_bytes > 0

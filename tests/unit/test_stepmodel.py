@@ -5,7 +5,7 @@ import pytest
 
 from expertmesh.planner import ModelSpec, Placement, Topology
 from expertmesh.planner.costmodel import CostSettings, step_cost
-from expertmesh.planner.stepmodel import training_step_cost
+from expertmesh.planner.stepmodel import StepLayout, step_layout, training_step_cost
 from expertmesh.planner.topology import DC, Link
 from expertmesh.planner.traffic import even_traffic
 
@@ -57,16 +57,42 @@ def test_replicas_sync_in_their_own_phases():
     assert t.seconds == pytest.approx(0.360 + 2 * 0.01024)
 
 
-def test_message_seconds_add_once_per_phase():
+def test_message_seconds_add_once_per_round() -> None:
     o = 0.002
     args = (TOPO, MODEL, [_traffic(REPLICA), _traffic(STATIC)], [REPLICA, STATIC])
     base = training_step_cost(*args, dense_params=10, settings=CS)
     cs = CS.model_copy(update={"message_seconds": o})
     t = training_step_cost(*args, dense_params=10, settings=cs)
-    assert t.seconds - base.seconds == pytest.approx((4 * 2 + 2) * o)
-    assert t.messages == pytest.approx(10 * o)
-    layer = step_cost(TOPO, MODEL, _traffic(STATIC), None, cs)
-    assert t.layers[1] == pytest.approx(layer.seconds)
+    # begin 1; the replicated layer keeps its tokens home: 4 rounds, the static one relays
+    # across DCs: 8; gradient 3; refresh 1 (no DC holds two copies: nothing fans out)
+    assert t.seconds - base.seconds == pytest.approx((1 + 4 + 8 + 3 + 1) * o)
+    assert t.messages == pytest.approx(17 * o)
+    layer = step_cost(TOPO, MODEL, _traffic(STATIC), None, CS)
+    assert t.layers[1] == pytest.approx(layer.seconds + 8 * o)
+    full = training_step_cost(*args, dense_params=10, settings=cs, layout=StepLayout.full(2))
+    assert full.seconds - base.seconds == pytest.approx(StepLayout.full(2).rounds * o)
+    assert StepLayout.full(2).rounds == 22
+
+
+def test_step_layout_of_a_plan() -> None:
+    none = np.zeros((0, 4), np.int64)
+    both = Placement(np.array([[0, 1], [1, 0]], np.int32), np.array([0, 2]))  # each DC: both
+    assert step_layout([STATIC], [none], TOPO) == StepLayout((True,), False)
+    assert step_layout([both], [none], TOPO) == StepLayout((False,), False)
+    # a route row sending rank 0's tokens for expert 1 to rank 1 (the other DC) relays
+    assert step_layout([both], [np.array([[0, 1, 1, 5]])], TOPO).relay == (True,)
+    assert step_layout([both], [np.array([[0, 1, 1, 0]])], TOPO).relay == (False,)
+    # rank 1 planned out: DC b takes no part, DC a holds everything
+    live = np.array([True, False])
+    assert step_layout([REPLICA], [none], TOPO, live) == StepLayout((False,), False)
+    # two copies of an expert mastered elsewhere in one DC: the refresh fans out there
+    topo = Topology.generate(2, 2, masters=1, spare=1)
+    p = Placement(np.array([[0, 1], [1, -1], [2, 0], [3, 0]], np.int32), np.arange(4) * 2)
+    assert step_layout([p], [none], topo).fanout
+    assert StepLayout.full(1).covers(StepLayout((False,), False))
+    assert not StepLayout((False,), True).covers(StepLayout((True,), False))
+    with pytest.raises(ValueError, match="route"):
+        step_layout([STATIC], [], TOPO)
 
 
 def test_bad_arguments():
@@ -80,3 +106,10 @@ def test_bad_arguments():
         training_step_cost(TOPO, MODEL, [_traffic(STATIC)] * 2, [STATIC] * 2, settings=accum)
     with pytest.raises(ValueError, match="dense"):
         training_step_cost(TOPO, MODEL, [_traffic(STATIC)] * 2, [STATIC] * 2, dense_params=-1)
+    chunks = CostSettings(pipeline_chunks=2)
+    with pytest.raises(ValueError, match="pipeline"):
+        training_step_cost(TOPO, MODEL, [_traffic(STATIC)] * 2, [STATIC] * 2, settings=chunks)
+    with pytest.raises(ValueError, match="layout"):
+        training_step_cost(
+            TOPO, MODEL, [_traffic(STATIC)] * 2, [STATIC] * 2, layout=StepLayout.full(1)
+        )

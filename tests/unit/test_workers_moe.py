@@ -11,12 +11,14 @@ from hypothesis import strategies as st
 from expertmesh.planner import Placement, Topology
 from expertmesh.planner.plan import Migration
 from expertmesh.planner.static import static_placement
+from expertmesh.planner.stepmodel import StepLayout, step_layout
 from expertmesh.workers.engine import (
     BACKWARD,
     FORWARD,
     LocalExecutor,
     apply_plan,
     migration_rounds,
+    step_phases,
     train_step,
 )
 from expertmesh.workers.model import Corpus, DenseModel, LMConfig, init_expert
@@ -254,3 +256,59 @@ def test_stats_report_what_was_dispatched_and_crossed() -> None:
                 assert (a > 0) == (cross[b] > 0)
                 assert a / CFG.top_k <= cross[b] <= min(a, CFG.tokens_per_rank)
             assert s["expert_seconds"][layer] > 0 or s["computed"][layer] == 0
+
+
+def _closed_plan(topo: Topology) -> Placement:
+    """Every DC holds every expert (3 DCs x 2 ranks x 4 slots, 6 experts, masters static)."""
+    static = static_placement(topo.num_ranks, topo.slots_per_rank, 6, topo.masters_per_rank)
+    phy2log = static.phy2log.copy()
+    for r in range(topo.num_ranks):
+        other = r + 1 if r % 2 == 0 else r - 1  # the other rank of its DC
+        need = [e for e in range(6) if e not in phy2log[r] and e not in phy2log[other]]
+        for e in need[: 3 if r % 2 == 0 else None]:
+            phy2log[r, np.flatnonzero(phy2log[r] < 0)[0]] = e
+    return Placement(phy2log, static.master)
+
+
+def _run_layout(placement: Placement, route: np.ndarray, layout: StepLayout | None) -> tuple:
+    topo = _topology()
+    ranks = _ranks(topo, placement, route)
+    losses = [
+        [s["loss"] for s in train_step(LocalExecutor(ranks), step, CFG.num_layers, layout)]
+        for step in range(2)
+    ]
+    weights = [
+        t.detach().clone() for rs in ranks for m in rs.experts for w in m.values() for t in w
+    ]
+    return losses, weights, [rs.bytes.copy() for rs in ranks]
+
+
+@settings(max_examples=5, deadline=None)
+@given(seed=st.integers(0, 10_000), kind=st.sampled_from(["closed", "static", "random"]))
+def test_rounds_a_plan_does_not_need_are_skipped_bit_for_bit(seed: int, kind: str) -> None:
+    topo = _topology()
+    route = np.zeros((0, 4), np.int64)
+    if kind == "closed":  # no relay, no fan-out
+        placement = _closed_plan(topo)
+    elif kind == "static":  # relays, no fan-out
+        placement = static_placement(topo.num_ranks, topo.slots_per_rank, 6, 1)
+    else:
+        placement, route = random_plan(np.random.default_rng(seed), topo, CFG.num_experts)
+    layout = step_layout([placement] * CFG.num_layers, [route] * CFG.num_layers, topo)
+    want = {"closed": (False, False), "static": (True, False)}.get(kind)
+    assert want is None or (layout.relay[0], layout.fanout) == want
+    full = _run_layout(placement, route, None)
+    fewer = _run_layout(placement, route, layout)
+    assert full[0] == fewer[0]
+    assert all(torch.equal(a, b) for a, b in zip(full[1], fewer[1], strict=True))
+    assert all((a == b).all() for a, b in zip(full[2], fewer[2], strict=True))
+    rounds = step_phases(layout)
+    assert len(rounds) + 1 == layout.rounds <= StepLayout.full(CFG.num_layers).rounds
+
+
+def test_a_layout_that_skips_a_needed_relay_fails() -> None:
+    topo = _topology()
+    static = static_placement(topo.num_ranks, topo.slots_per_rank, 6, topo.masters_per_rank)
+    ranks = _ranks(topo, static, np.zeros((0, 4), np.int64))
+    with pytest.raises(ValueError, match="skips its round"):
+        train_step(LocalExecutor(ranks), 0, CFG.num_layers, StepLayout((False, True), False))

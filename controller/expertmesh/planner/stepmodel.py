@@ -3,23 +3,25 @@
 :func:`~expertmesh.planner.costmodel.step_cost` models one MoE layer with the
 replica gradients on its backward tail and the replica refresh in the
 background. The runtime (``expertmesh.runtime``) runs a step as a strict
-sequence instead: every layer's token chain (dispatch, compute, combine and
-their backward), then one *gradient* phase (replica gradients to their masters
-and the data-parallel dense gradient sums between DCs, every layer at once),
-then one *refresh* phase (masters' new weights to their replicas). Nothing
-overlaps. :func:`training_step_cost` composes the cost model's equations in
-that order:
+sequence of *rounds* (one Ray task per rank each) instead: every layer's token
+chain (dispatch, compute, combine and their backward), then a *gradient* phase
+(replica gradients to their masters and the data-parallel dense gradient sums
+between DCs, every layer at once), then a *refresh* phase (masters' new weights
+to their replicas). Nothing overlaps. :class:`StepLayout` says which rounds a
+plan needs (:func:`step_layout`); :func:`training_step_cost` composes the cost
+model's equations in that order:
 
 ```
-T = sum_l chain_l                                   step_cost of layer l without expert streams
-  + o + max_ab (L_ab + (sum_l g_ab,l + dense_ab) / B_ab)     gradient phase
-  + o + max_ab (L_ab + sum_l w_ab,l / B_ab)                  refresh phase
+T = sum_l chain_l                                   step_cost of layer l, no expert streams, o = 0
+  + max_ab (L_ab + (sum_l g_ab,l + dense_ab) / B_ab)         gradient phase
+  + max_ab (L_ab + sum_l w_ab,l / B_ab)                      refresh phase
+  + o * rounds                                              fixed time of every round
 ```
 
 with ``g``/``w`` the WAN bytes of :func:`~expertmesh.planner.costmodel.replica_streams`
-(tail / background), ``dense_ab = dense_params * grad_bytes`` on every ordered DC
-pair and ``o`` = ``CostSettings.message_seconds`` (a pair term counts only when
-the pair carries bytes).
+(tail / background) under the plan's encoding, ``dense_ab = dense_params * grad_bytes``
+on every ordered DC pair (a pair term counts only when the pair carries bytes),
+``o`` = ``CostSettings.message_seconds`` and ``rounds`` = :attr:`StepLayout.rounds`.
 """
 
 from __future__ import annotations
@@ -40,16 +42,91 @@ from expertmesh.planner.plan import Placement
 from expertmesh.planner.topology import Topology
 from expertmesh.planner.traffic import TokenTraffic
 
-__all__ = ["StepTime", "training_step_cost"]
+__all__ = ["StepLayout", "StepTime", "step_layout", "training_step_cost"]
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Which rounds one training step of the runtime runs.
+
+    - ``relay``: [L] per layer, whether its tokens can cross DCs. Then dispatch goes
+      source -> the remote DC's relay -> the experts and combine back the same way
+      (hierarchical), two rounds each way, forward and backward: 8 rounds. Otherwise
+      (every DC holds every expert and the route keeps every token in its DC) one round
+      each: 4.
+    - ``fanout``: whether a DC holds two or more copies of an expert mastered elsewhere:
+      refreshed weights then cross once and fan out inside it, one more round.
+
+    A step is 1 (embed and gate) + the layers' rounds + 3 (replica gradients to the DC's
+    lead holder, over the WAN, masters step and send fresh weights) + 1 (store and apply
+    the dense step) + 1 if ``fanout``.
+    """
+
+    relay: tuple[bool, ...]
+    fanout: bool = True
+
+    @classmethod
+    def full(cls, num_layers: int) -> StepLayout:
+        """Every round (right for any plan)."""
+        return cls((True,) * num_layers, True)
+
+    @property
+    def rounds(self) -> int:
+        return 1 + sum(8 if r else 4 for r in self.relay) + (5 if self.fanout else 4)
+
+    def covers(self, other: StepLayout) -> bool:
+        """Whether this layout runs every round ``other`` needs."""
+        return (
+            len(self.relay) == len(other.relay)
+            and all(a or not b for a, b in zip(self.relay, other.relay, strict=True))
+            and (self.fanout or not other.fanout)
+        )
+
+
+def step_layout(
+    placements: Sequence[Placement],
+    routes: Sequence[np.ndarray],
+    topology: Topology,
+    live: np.ndarray | None = None,
+) -> StepLayout:
+    """The rounds a step under ``placements`` and ``routes`` (per layer [N, 4] rows
+    ``(src_rank, expert, dst_rank, tokens)``) needs, with only the ``live`` [R] ranks
+    taking part (default all).
+
+    A layer needs no relay when every DC with a live rank holds every expert on a live
+    rank and no route row of a live source with tokens leaves its DC (a token the route
+    did not see goes to a copy in its own DC).
+    """
+    if len(placements) != len(routes):
+        raise ValueError("need one route per placement")
+    num_ranks = topology.num_ranks
+    live = np.ones(num_ranks, bool) if live is None else np.asarray(live, dtype=bool)
+    if live.shape != (num_ranks,):
+        raise ValueError(f"live must be [{num_ranks}] bools")
+    rank_dc = np.where(live, topology.rank_dc, -1)  # [R]; -1: not taking part
+    dcs = np.unique(rank_dc[live])
+    relay, fanout = [], False
+    for placement, route in zip(placements, routes, strict=True):
+        holds = placement.holds() & live[:, None]  # [R, E]
+        per_dc = np.stack([holds[rank_dc == d].sum(axis=0) for d in dcs])  # [D', E] copies
+        rows = np.asarray(route, np.int64).reshape(-1, 4)
+        rows = rows[(rows[:, 3] > 0) & live[rows[:, 0]]]
+        leaves = (rank_dc[rows[:, 0]] != rank_dc[rows[:, 2]]).any()
+        relay.append(bool(leaves or (per_dc == 0).any()))
+        master_dc = rank_dc[placement.master_rank()]  # [E]
+        remote = dcs[:, None] != master_dc[None, :]  # [D', E]
+        fanout = fanout or bool((remote & (per_dc >= 2)).any())
+    return StepLayout(tuple(relay), fanout)
 
 
 @dataclass(frozen=True)
 class StepTime:
     """A modeled training step (seconds) and its parts.
 
-    ``layers``: [L] each layer's token chain (messages and compute included);
-    ``compute``: the compute part of all chains; ``messages``: ``o`` times the phases
-    that pay it (``4 L + 2``); ``gradient``/``refresh``: the two sync phases.
+    ``layers``: [L] each layer's token chain (its rounds' ``o`` and compute included);
+    ``compute``: the compute part of all chains; ``messages``: ``o`` times the rounds of
+    the step (:attr:`StepLayout.rounds`); ``gradient``/``refresh``: the two sync phases
+    (with their rounds' ``o``; the first round, embed and gate, is in ``seconds`` only).
     """
 
     seconds: float
@@ -71,6 +148,7 @@ def training_step_cost(
     dense_params: int = 0,
     settings: CostSettings | None = None,
     encoding: TransferEncoding | None = None,
+    layout: StepLayout | None = None,
 ) -> StepTime:
     """Modeled seconds of one training step of every layer, run in sequence.
 
@@ -78,6 +156,9 @@ def training_step_cost(
     - ``placements``: per layer the placement the step runs on (its replicas sync).
     - ``dense_params``: parameters outside the experts (data parallel); their gradient sum
       crosses every ordered DC pair once per step.
+    - ``encoding``: how replica gradients and refreshes travel (None: the model's bytes).
+    - ``layout``: the rounds the runtime runs (:func:`step_layout` of the plan); None: a
+      layer relays when its traffic crosses DCs, fan-out from ``placements``.
 
     ``ValueError`` unless the model trains, one optimizer step per microbatch
     (``microbatches_per_update == 1``), and there is one traffic and placement per layer.
@@ -94,12 +175,19 @@ def training_step_cost(
         )
     if dense_params < 0:
         raise ValueError("dense_params must be >= 0")
+    if settings.pipeline_chunks != 1:
+        raise ValueError("the runtime does not pipeline: pipeline_chunks must be 1")
+    if layout is not None and len(layout.relay) != model.num_layers:
+        raise ValueError(f"layout has {len(layout.relay)} layers, the model {model.num_layers}")
+    o = settings.message_seconds
+    chain_settings = settings.model_copy(update={"message_seconds": 0.0})
     num_dcs = topology.num_dcs
     grads = np.zeros((num_dcs, num_dcs))  # [D, D] bytes a -> b in the gradient phase
     fresh = np.zeros((num_dcs, num_dcs))  # [D, D] bytes a -> b in the refresh phase
-    layers, compute, tokens = [], 0.0, 0.0
+    layers, compute, tokens, relay = [], 0.0, 0.0, []
     for tr, placement in zip(traffic, placements, strict=True):
-        cost = step_cost(topology, model, tr, None, settings)
+        cost = step_cost(topology, model, tr, None, chain_settings)
+        relay.append(cost.cross_dc_token_bytes > 0)
         layers.append(cost.seconds)
         compute += cost.phases["compute_fwd"] + cost.phases["compute_bwd"]
         tokens += cost.cross_dc_token_bytes
@@ -111,14 +199,17 @@ def training_step_cost(
         dense = float(dense_params * model.grad_bytes)  # dense gradients travel unencoded
         grads += dense * (1.0 - np.eye(num_dcs))
         weights += dense * num_dcs * (num_dcs - 1)
-    o = settings.message_seconds
-    gradient = o + _link_phase(grads, topology)
-    refresh = o + _link_phase(fresh, topology)
+    if layout is None:
+        empty = [np.zeros((0, 4), np.int64)] * len(placements)
+        layout = StepLayout(tuple(relay), step_layout(placements, empty, topology).fanout)
+    layers = [t + o * (8 if r else 4) for t, r in zip(layers, layout.relay, strict=True)]
+    gradient = 3 * o + _link_phase(grads, topology)
+    refresh = (2 if layout.fanout else 1) * o + _link_phase(fresh, topology)
     return StepTime(
-        seconds=float(sum(layers) + gradient + refresh),
+        seconds=float(o + sum(layers) + gradient + refresh),
         layers=layers,
         compute=compute,
-        messages=o * settings.pipeline_chunks * 4 * len(layers) + 2 * o,
+        messages=o * layout.rounds,
         gradient=gradient,
         refresh=refresh,
         cross_dc_token_bytes=tokens,

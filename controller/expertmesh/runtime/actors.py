@@ -84,7 +84,7 @@ class WorkerActor:
             log.error("rank %d: injected exit at step %d phase %s", self.rank, *self._exit_at)
             os._exit(1)
         out = self.state.phase(name, layer, list(inbox), arg)
-        if name == "red5" and self._report_ref is not None:
+        if name.endswith("red5") and self._report_ref is not None:
             try:  # the step's load reached the controller before stats
                 ray.get(self._report_ref, timeout=REPORT_TIMEOUT_S)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):

@@ -41,6 +41,7 @@ from expertmesh.controller.settings import SurfaceSettings
 from expertmesh.controller.telemetry import Telemetry
 from expertmesh.planner import Placement, Topology, imbalance, make_policy
 from expertmesh.planner.static import static_placement
+from expertmesh.planner.stepmodel import StepLayout, step_layout
 from expertmesh.runtime.actors import RayExecutor, WorkerActor
 from expertmesh.runtime.checkpoint import CheckpointDir
 from expertmesh.runtime.faults import NAME_WAIT_S, Membership
@@ -189,6 +190,7 @@ class ControllerActor:
         self.errors = 0
         self.phase_seconds: dict[str, float] = {}
         self.placements = _initial_placements(self.topology, settings.lm)
+        self.layout: StepLayout | None = None  # rounds the committed plan needs; None: all
         self.live = np.ones(self.topology.num_ranks, bool)
         self._needs_reconcile = False
         from expertmesh.controller.store import SqlitePlanStore
@@ -327,6 +329,7 @@ class ControllerActor:
                         "migration_bytes": migration.tolist()}  # fmt: skip
         out = self._plan_and_apply(step, migration)
         out["migration_bytes"] = migration.tolist()
+        out["layout"] = self.layout
         try:
             self.telemetry.record_step(
                 step,
@@ -376,6 +379,7 @@ class ControllerActor:
                 log.exception("abort of plan %d failed", pv.version)
             return {**out, "error": f"apply: {_last_line(err)}"}
         self.placements = new
+        self.layout = step_layout(new, [lp.route for lp in pv.layers], self.topology, self.live)
         out["version"] = pv.version
         out["migration_transfers"] = sum(len(r) for r in rounds)
         return out
@@ -423,6 +427,7 @@ class ControllerActor:
         sent = np.sum(ex.call_all("prepare_end", pv.version), axis=0)
         self._commit(ex, pv.version)
         self.placements = new
+        self.layout = step_layout(new, [lp.route for lp in pv.layers], self.topology, self.live)
         digests = self._digests(lost_masters, new)
         from_ckpt = {(layer, e) for layer, e, _, kind in restore if kind == "w"}
         return {
@@ -547,6 +552,7 @@ class Runtime(Membership):
         self._worker_cls: Any = None
         self._shaper_path = ""
         self.last_stats: list[dict[str, Any]] = []  # each live rank's stats of the last step
+        self.layout: StepLayout | None = None  # rounds of the committed plan (None: every one)
 
     def __enter__(self) -> Runtime:
         self.start()
@@ -630,6 +636,7 @@ class Runtime(Membership):
         self._bytes[:] = 0
         self._rank_bytes[:] = 0
         self.step = -1
+        self.layout = None
         self.controller_failures = []
         if not self.live.all():
             raise ValueError("reset needs every worker alive; start a new runtime")
@@ -647,7 +654,7 @@ class Runtime(Membership):
         self.step += 1
         t0 = time.perf_counter()
         try:
-            stats = train_step(self.executor, self.step, self.settings.lm.num_layers)
+            stats = train_step(self.executor, self.step, self.settings.lm.num_layers, self.layout)
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
             # a worker died (or a link was cut) during the step: the ranks that go on undo
             # it, the controller replans without the others and restores their masters, and
@@ -688,6 +695,7 @@ class Runtime(Membership):
             d = self.topology.num_dcs
             ctl = {"error": f"controller: {type(err).__name__}", "migration_bytes": [[0] * d] * d}
         control_s = time.perf_counter() - t1
+        self.layout = ctl.get("layout")  # the next step runs only the rounds its plan needs
         migration = np.asarray(ctl["migration_bytes"], np.int64)
         self._bytes[_MIGRATION] += migration  # counted here, not in the next step's delta
         pairs = np.stack([delta[_TOKENS], delta[_WEIGHTS], migration]).astype(np.int64)

@@ -68,6 +68,7 @@ class Membership:
     _starting: dict[int, tuple[Any, Any, float]]  # rank -> (actor, its ping, start clock)
     _rank_bytes: np.ndarray  # [R, K, D, D] bytes each rank's workers counted, cumulative
     _rank_base: np.ndarray  # [R, K, D, D] of those, by the workers a rank had before
+    layout: Any  # StepLayout | None: the rounds the committed plan needs (None: every one)
 
     def _spawn_worker(self, rank: int) -> Any:
         raise NotImplementedError
@@ -180,6 +181,7 @@ class Membership:
             state = ray.get(src.call.remote("export_dense"))
             ray.get([self.workers[r].call.remote("adopt", state) for r in np.flatnonzero(rejoin)])
         self.live = live
+        self.layout = None  # every round until the controller reports the new plan's
         self.executor = RayExecutor(self.workers, live)
         self.executor.call_all("set_live", live.tolist())
         excluded = np.flatnonzero(~live).tolist()

@@ -22,6 +22,7 @@ import numpy as np
 
 from expertmesh.planner.costmodel import TransferEncoding
 from expertmesh.planner.plan import Migration, Placement
+from expertmesh.planner.stepmodel import StepLayout
 from expertmesh.planner.topology import Topology
 from expertmesh.workers.rank import RankState
 
@@ -34,6 +35,7 @@ __all__ = [
     "apply_plan",
     "migration_rounds",
     "recovery_rounds",
+    "step_phases",
     "train_step",
 ]
 
@@ -92,17 +94,39 @@ class LocalExecutor:
         return [outs[q][q] for q in range(self.num_ranks) if self.live[q]]
 
 
-def train_step(ex: Executor, step: int, num_layers: int) -> list[dict[str, Any]]:
-    """One training step on every rank; returns each rank's :meth:`RankState.stats`."""
-    outs = ex.phase("begin", 0, None, step)
+def step_phases(layout: StepLayout) -> list[tuple[str, int]]:
+    """The rounds of a training step after ``begin``: ``(phase, layer)``. A round a layout
+    skips is joined to the next (``"fan+expert"``: the rank runs both, and refuses if the
+    first sent anything, so a layout that skips a needed round fails, never loses data)."""
+    num_layers = len(layout.relay)
+    out: list[tuple[str, int]] = []
     for layer in range(num_layers):
-        for name in FORWARD:
-            outs = ex.phase(name, layer, outs)
+        a, b, c, d = FORWARD
+        out += [(a, layer), (b, layer), (c, layer), (d, layer)] if layout.relay[layer] else [
+            (f"{a}+{b}", layer), (f"{c}+{d}", layer)
+        ]  # fmt: skip
     for layer in reversed(range(num_layers)):
-        for name in BACKWARD:
-            outs = ex.phase(name, layer, outs)
-    for name in REDUCE:
-        outs = ex.phase(name, 0, outs)
+        a, b, c, d = BACKWARD
+        out += [(a, layer), (b, layer), (c, layer), (d, layer)] if layout.relay[layer] else [
+            (f"{a}+{b}", layer), (f"{c}+{d}", layer)
+        ]  # fmt: skip
+    red = list(REDUCE) if layout.fanout else [*REDUCE[:3], "+".join(REDUCE[3:])]
+    return out + [(name, 0) for name in red]
+
+
+def train_step(
+    ex: Executor, step: int, num_layers: int, layout: StepLayout | None = None
+) -> list[dict[str, Any]]:
+    """One training step on every rank; returns each rank's :meth:`RankState.stats`.
+
+    ``layout``: the rounds the committed plan needs (:func:`~expertmesh.planner.stepmodel.
+    step_layout`); None: every round (right for any plan)."""
+    layout = layout or StepLayout.full(num_layers)
+    if len(layout.relay) != num_layers:
+        raise ValueError(f"layout has {len(layout.relay)} layers, the model {num_layers}")
+    outs = ex.phase("begin", 0, None, step)
+    for name, layer in step_phases(layout):
+        outs = ex.phase(name, layer, outs)
     return ex.results(outs)
 
 

@@ -180,6 +180,17 @@ class RankState(RankRecovery):
         pickling a torch tensor); the phases work on tensors."""
         if len(inbox) not in (0, self.R):
             raise ValueError(f"inbox must hold {self.R} packets, got {len(inbox)}")
+        if "+" in name:  # rounds joined: the ones before the last must send nothing
+            first, *rest = name.split("+")
+            out = self.phase(first, layer, inbox, arg)
+            for nxt in rest:
+                if any(p is not None for p in out):
+                    raise ValueError(
+                        f"rank {self.rank}: phase {first} of layer {layer} sent packets; the "
+                        f"step's layout skips its round (the plan needs it)"
+                    )
+                first, out = nxt, self.phase(nxt, layer, [], None)
+            return out
         inbox = [from_wire(p) for p in inbox] if inbox else self._empty()
         if name == "mig":
             return [to_wire(p) for p in self._mig(inbox, arg or [])]
