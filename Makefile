@@ -82,7 +82,7 @@ bench-planner: setup ## planner: quota/eplb vs DeepSeek EPLB at EP64 (table + ra
 results: setup ## docs/results.md: simulator sweeps (bandwidth, DC count), 1,000-DC run, growth with DCs (~20 min)
 	$(PY) bench/results.py
 
-bench-runtime: setup ## runtime: static/eplb/quota/hybrid training on Ray, 2-3 DCs at 1 Gbit/s-20 Mbit/s, vs the cost model
+bench-runtime: setup ## runtime: static/eplb/quota/hybrid/hybrid-bf16 training on Ray, 2-3 DCs at 1 Gbit/s-20 Mbit/s, vs the cost model
 	@mkdir -p $(OUT)
 	$(PY) bench/bench_runtime.py --json $(OUT)/bench-runtime.json
 
