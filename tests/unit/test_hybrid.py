@@ -7,8 +7,12 @@ from hypothesis import strategies as st
 
 from expertmesh.planner import ModelSpec, Topology, check_layer_plan, make_policy, plan_trace
 from expertmesh.planner.costmodel import CostSettings, placement_cost
+from expertmesh.planner.domainquota import dc_holds
 from expertmesh.planner.fastermoe import shadow, shadow_traffic
-from expertmesh.planner.hybrid import HybridSettings, plan_hybrid
+from expertmesh.planner.hybrid import HybridSettings, compose, plan_hybrid
+from expertmesh.planner.policy import PolicyContext
+from expertmesh.planner.quota import quota_balance
+from expertmesh.planner.runner import plan_layer
 from expertmesh.planner.static import static_placement
 from expertmesh.planner.topology import Link
 from expertmesh.planner.traffic import even_traffic, traffic_from_route
@@ -71,14 +75,18 @@ def test_masters_move_to_the_dc_that_uses_them():
     gbps=st.sampled_from([0.05, 1.0, 10.0, 400.0]),
     ffn=st.sampled_from([1, 64, 4096]),
     training=st.booleans(),
+    inside=st.sampled_from(["quota", "split"]),
 )
-def test_guard_never_picks_a_plan_slower_than_masters_only(seed, gbps, ffn, training):
+def test_guard_never_picks_a_plan_slower_than_masters_only(seed, gbps, ffn, training, inside):
     topo = _topo(gbps)
     model = ModelSpec(num_experts=8, top_k=2, hidden=512, ffn_hidden=ffn, training=training)
     load = _load(topo, 8, 2048, seed)
-    base, plan = _hybrid(topo, model, load, move_masters=False)
-    cost = placement_cost(topo, model, load, plan, domain="dc", remote="spread").seconds
+    base, plan = _hybrid(topo, model, load, move_masters=False, inside=inside)
     static = placement_cost(topo, model, load, base, domain="dc", remote="spread").seconds
+    if inside == "split":
+        cost = placement_cost(topo, model, load, plan, domain="dc", remote="spread").seconds
+    else:  # what runs: quota inside the DCs of the plan, when the model says it pays
+        cost = compose(load, plan, topo, model, HybridSettings())[2]
     assert cost <= static * (1 + 1e-9)
 
 
@@ -95,16 +103,21 @@ def test_plans_are_valid_over_a_trace(name):
             check_layer_plan(plan.layers[t][layer], load[t, layer], topo.slots_per_rank)
 
 
-def test_hybrid_keeps_its_plan_between_periods():
+@pytest.mark.parametrize("inside", ["quota", "split"])
+def test_hybrid_keeps_its_plan_between_periods(inside):
     topo = _topo(gbps=0.1)
     model = ModelSpec(num_experts=8, top_k=2, hidden=512, ffn_hidden=16)
     load = np.random.default_rng(2).integers(0, 300, size=(5, 1, topo.num_ranks, 8))
-    plan = plan_trace(load, topo, model, make_policy("hybrid", {"period": 3, "window": 1}))
+    pol = make_policy("hybrid", {"period": 3, "window": 1, "inside": inside})
+    plan = plan_trace(load, topo, model, pol)
     p = [plan.layers[t][0].placement for t in range(5)]
-    assert (p[0].phy2log >= 0).sum() > 8  # uniform prior at step 0: already replicated
+    held = [dc_holds(x, topo) for x in p]
+    assert held[0].sum() > 8  # uniform prior at step 0: already replicated
     assert p[1] is not p[0]  # step 1 re-plans on the first history
-    assert p[2] is p[1] or np.array_equal(p[2].phy2log, p[1].phy2log)
-    assert p[4] is p[3] or np.array_equal(p[4].phy2log, p[3].phy2log)
+    for a, b in ((1, 2), (3, 4)):  # between re-plans: the same holders and masters
+        assert np.array_equal(held[a], held[b]) and np.array_equal(p[a].master, p[b].master)
+        if inside == "split":
+            assert np.array_equal(p[a].phy2log, p[b].phy2log)
 
 
 def test_hybrid_at_step_zero_uses_only_the_token_count():
@@ -117,7 +130,9 @@ def test_hybrid_at_step_zero_uses_only_the_token_count():
     b[..., :4] += 1  # same totals, spread
     pa = plan_trace(a, topo, model, pol).layers[0][0].placement
     pb = plan_trace(b, topo, model, pol).layers[0][0].placement
-    assert np.array_equal(pa.phy2log, pb.phy2log)
+    # the slow loop's holders: the same; inside the DCs quota works on each exact load
+    assert np.array_equal(dc_holds(pa, topo), dc_holds(pb, topo))
+    assert np.array_equal(pa.master, pb.master)
 
 
 def test_capacity_shares_slots_across_pairs():
@@ -130,18 +145,53 @@ def test_capacity_shares_slots_across_pairs():
     assert 2 in plan.phy2log[0]  # the heaviest remote expert
 
 
-def test_hybrid_route_matches_its_even_split():
+@pytest.mark.parametrize("inside", ["quota", "split"])
+def test_hybrid_route_matches_what_the_simulator_charges(inside):
     topo = _topo(gbps=1.0)
     model = ModelSpec(num_experts=8, top_k=2, hidden=512, ffn_hidden=1)
     load = _load(topo, 8, 1024, 3)
-    pol = make_policy("hybrid")
-    plan = plan_trace(load[None, None], topo, model, pol).layers[0][0]
+    pol = make_policy("hybrid", {"inside": inside})
+    ctx = PolicyContext(topo, model, 0, 0, load, np.zeros((0, *load.shape), np.int64))
+    plan = plan_layer(pol, ctx)
     check_layer_plan(plan, load, topo.slots_per_rank)
     exact = traffic_from_route(plan.route, load, topo, 2)
-    domain, remote = pol.even_split
-    fast = even_traffic(load, plan.placement, topo, 2, domain=domain, remote=remote)
+    fast = pol.route_traffic(ctx, plan.placement)
+    if inside == "split":
+        assert fast is None
+        domain, remote = pol.even_split
+        fast = even_traffic(load, plan.placement, topo, 2, domain=domain, remote=remote)
     assert np.abs(exact.rank_tokens - fast.rank_tokens).max() < np.count_nonzero(load)
     assert exact.pair_tokens.sum() == pytest.approx(fast.pair_tokens.sum(), abs=64)
+
+
+def test_hybrid_balances_inside_dcs_with_quota():
+    # fast links, cheap copies, one hot expert per DC: quota splits it inside its DC
+    topo = Topology.generate(2, 4, masters=2, spare=2, inter_dc_gbps=400)
+    model = ModelSpec(num_experts=8, top_k=1, hidden=64, ffn_hidden=4096)
+    load = np.full((1, 1, 8, 8), 10, np.int64)
+    load[0, 0, :4, 0] = 2000  # DC 0 hammers expert 0
+    load[0, 0, 4:, 4] = 2000  # DC 1 hammers expert 4
+    plans = {
+        inside: plan_trace(load, topo, model, make_policy("hybrid", {"inside": inside}))
+        for inside in ("quota", "split")
+    }
+    tokens = {k: v.layers[0][0].rank_tokens() for k, v in plans.items()}
+    imb = {k: t.max() / t.mean() for k, t in tokens.items()}
+    assert imb["quota"] < 1.01 < imb["split"]
+
+
+def test_fast_links_and_expensive_copies_give_static_every_microbatch():
+    # the policy, not just its slow loop: quota's replicas would not pay either (a copy
+    # moves 100 MB over a 400 Gbit/s port to save the compute of a few hundred tokens)
+    topo = _topo(gbps=3200, latency_ms=0.0)
+    model = ModelSpec(num_experts=8, top_k=2, hidden=256, ffn_hidden=65536)
+    load = np.random.default_rng(1).integers(0, 10, size=(4, 1, topo.num_ranks, 8))
+    load[:, :, :, 0] *= 5  # skewed: quota alone replicates expert 0
+    assert quota_balance(load[0, 0], static_placement(8, 4, 8, 2)).placement.holds().sum() > 8
+    plan = plan_trace(load, topo, model, make_policy("hybrid", {"period": 2, "window": 1}))
+    static = static_placement(topo.num_ranks, topo.slots_per_rank, 8, 2)
+    for t in range(4):
+        assert np.array_equal(plan.layers[t][0].placement.holds(), static.holds())
 
 
 def test_shadow_puts_experts_on_every_rank():

@@ -40,9 +40,11 @@ __all__ = [
     "ExpertStreams",
     "StepCost",
     "TransferEncoding",
+    "copy_streams",
     "crossings",
     "expected_crossings",
     "migration_streams",
+    "modeled_step",
     "placement_cost",
     "replica_streams",
     "step_cost",
@@ -476,6 +478,52 @@ def step_cost(
     )
 
 
+def modeled_step(
+    topology: Topology,
+    model: ModelSpec,
+    traffic: TokenTraffic,
+    placement: Placement,
+    *,
+    settings: CostSettings | None = None,
+    encoding: TransferEncoding | None = None,
+    extra: ExpertStreams | None = None,
+) -> StepCost:
+    """:func:`step_cost` of ``traffic`` on ``placement``: its replica sync streams
+    (:func:`replica_streams`) plus ``extra`` streams (e.g. :func:`copy_streams`). The one
+    "modeled time of a placement" of every policy that searches with the model."""
+    streams = replica_streams(placement, topology, model, settings, encoding)
+    if extra is not None:
+        streams = streams + extra
+    return step_cost(topology, model, traffic, streams, settings)
+
+
+def copy_streams(
+    previous: Placement,
+    placement: Placement,
+    topology: Topology,
+    model: ModelSpec,
+    *,
+    encoding: TransferEncoding | None = None,
+    scale: float = 1.0,
+) -> ExpertStreams:
+    """Background streams of the copies ``placement`` holds and ``previous`` does not (rank
+    by rank), each sent from its expert's master rank in ``previous`` (a master with its
+    optimizer state), times ``scale`` (the share streamed during one step)."""
+    encoding = encoding or TransferEncoding()
+    before = previous.holds()
+    r, s = np.nonzero(placement.phy2log >= 0)
+    e = placement.phy2log[r, s].astype(np.int64)
+    new = ~before[r, e]
+    if not new.any():
+        return ExpertStreams.empty(placement.num_ranks)
+    is_master = (r * placement.slots_per_rank + s) == placement.master[e]
+    nbytes = np.where(
+        is_master[new], encoding.copy_bytes(model, True), encoding.copy_bytes(model, False)
+    )
+    src = previous.master_rank()[e[new]]
+    return migration_streams(src, r[new], nbytes, topology, scale=scale)
+
+
 def placement_cost(
     topology: Topology,
     model: ModelSpec,
@@ -491,5 +539,4 @@ def placement_cost(
     (:func:`~expertmesh.planner.traffic.even_traffic` with ``domain`` and ``remote``), with
     its replica sync streams and no migration. What policies minimize."""
     traffic = even_traffic(load, placement, topology, model.top_k, domain=domain, remote=remote)
-    streams = replica_streams(placement, topology, model, settings, encoding)
-    return step_cost(topology, model, traffic, streams, settings)
+    return modeled_step(topology, model, traffic, placement, settings=settings, encoding=encoding)

@@ -5,7 +5,7 @@ every iteration after the gate has run, *shadows* the hottest experts: their
 weights are broadcast to every rank, each rank computes its own tokens for
 them, and their gradients are reduced back to the owner. It shadows the
 hottest experts one by one while its performance model says the iteration
-gets faster. Here that model is :func:`~expertmesh.planner.costmodel.placement_cost`,
+gets faster. Here that model is :func:`~expertmesh.planner.costmodel.modeled_step`,
 the same one ``hybrid`` and the simulator use, so the comparison is fair.
 
 Masters never move (static EP's placement). A shadow needs a free slot on every
@@ -19,7 +19,7 @@ from typing import ClassVar, cast
 import numpy as np
 from pydantic import Field
 
-from expertmesh.planner.costmodel import CostSettings, replica_streams, step_cost
+from expertmesh.planner.costmodel import CostSettings, modeled_step, step_cost
 from expertmesh.planner.plan import Placement
 from expertmesh.planner.policy import Policy, PolicyContext, PolicySettings, register
 from expertmesh.planner.routing import route_even
@@ -140,8 +140,7 @@ class FasterMoEPolicy(Policy):
         for j in range(1, limit + 1):
             cand = shadow(base, order[:j])
             traffic = shadow_traffic(traffic, ctx.load, base, topo, int(order[j - 1]))
-            streams = replica_streams(cand, topo, model, cs)
-            c = step_cost(topo, model, traffic, streams, cs).seconds
+            c = modeled_step(topo, model, traffic, cand, settings=cs).seconds
             if c >= best_cost:
                 break
             best, best_cost = cand, c

@@ -37,18 +37,27 @@ simulator charge.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, cast
+from typing import ClassVar, Literal, cast
 
 import numpy as np
 from pydantic import Field
 
 from expertmesh.planner.costmodel import (
     CostSettings,
+    ExpertStreams,
     TransferEncoding,
+    copy_streams,
     expected_crossings,
     migration_streams,
-    replica_streams,
-    step_cost,
+    modeled_step,
+)
+from expertmesh.planner.domainquota import (
+    DomainSolution,
+    dc_holds,
+    domain_quota,
+    domain_route,
+    domain_traffic,
+    rehome,
 )
 from expertmesh.planner.model import ModelSpec
 from expertmesh.planner.partition import DomainDemand, partition_domains
@@ -57,7 +66,7 @@ from expertmesh.planner.policy import Policy, PolicyContext, PolicySettings, reg
 from expertmesh.planner.routing import route_even
 from expertmesh.planner.static import static_placement
 from expertmesh.planner.topology import Topology
-from expertmesh.planner.traffic import even_traffic
+from expertmesh.planner.traffic import TokenTraffic, even_traffic
 
 __all__ = ["HybridPolicy", "plan_hybrid"]
 
@@ -94,6 +103,12 @@ class HybridSettings(PolicySettings):
         description="a new plan must beat the running one (plain EP at first) by this share "
         "of its modeled step time",
     )
+    inside: Literal["quota", "split"] = Field(
+        default="quota",
+        description="balance inside each DC: 'quota' every microbatch on the exact load over "
+        "the plan's holder sets (module doc), or 'split': extra local copies in the plan "
+        "and an even split (the plan's own in-DC layout)",
+    )
     cost: CostSettings = Field(default_factory=CostSettings, description="the cost model")
     encoding: TransferEncoding = Field(
         default_factory=TransferEncoding,
@@ -104,24 +119,19 @@ class HybridSettings(PolicySettings):
 
 @dataclass(frozen=True, eq=False)
 class _Inputs:
-    """What one hybrid solve works on. ``dc_load`` [D, E] estimated assignments from DC d to
-    expert e; ``dc_tokens`` [D] tokens from each DC; ``previous``: the placement running now."""
+    """What one hybrid solve works on. ``estimate`` [R, E] mean load, ``load`` [R, E] it
+    rounded to tokens (what the guard composes quota on); ``dc_load`` [D, E] estimated
+    assignments from DC d to expert e; ``dc_tokens`` [D] tokens from each DC;
+    ``previous``: the placement running now."""
 
     topology: Topology
     model: ModelSpec
     cfg: HybridSettings
     estimate: np.ndarray
+    load: np.ndarray
     dc_load: np.ndarray
     dc_tokens: np.ndarray
     previous: Placement | None
-
-
-def _dc_holds(placement: Placement, topology: Topology, num_experts: int) -> np.ndarray:
-    """[D, E] bool: DC d holds a copy of e."""
-    r, s = np.nonzero(placement.phy2log >= 0)
-    out = np.zeros((topology.num_dcs, num_experts), dtype=bool)
-    out[topology.rank_dc[r], placement.phy2log[r, s]] = True
-    return out
 
 
 def _link_time(nbytes: np.ndarray, lat: np.ndarray, bw: np.ndarray) -> np.ndarray:
@@ -341,11 +351,12 @@ def plan_hybrid(
     if cfg.move_masters:
         move, mdc = _move_masters(dc_load, mdc, dc_slots, model, cfg)
     held_before = (
-        _dc_holds(previous, topology, num_experts)
+        dc_holds(previous, topology)
         if previous is not None
         else np.zeros((num_dcs, num_experts), bool)
     )
-    inp = _Inputs(topology, model, cfg, estimate, dc_load, dc_tokens, previous)
+    load = np.rint(estimate).astype(np.int64)
+    inp = _Inputs(topology, model, cfg, estimate, load, dc_load, dc_tokens, previous)
     pairs = _Pairs(inp, mdc, held_before)
     free = dc_slots - np.bincount(mdc, minlength=num_dcs)
     # coordinate descent: each pair against the reverse pair's current choice
@@ -370,6 +381,8 @@ def plan_hybrid(
     # the plan to beat: the running one, else plain EP on the masters; a new plan must be
     # faster by min_gain (on an estimate, a hair's gain is noise and costs a migration)
     keep = previous if previous is not None else _masters_only(masters)
+    if cfg.inside == "quota":
+        keep = rehome(keep, load, topology)  # last microbatch's replicas are not the plan
     keep_cost = _guard_cost(inp, keep)
     i = int(np.argmin(costs))
     if costs[i] > (1.0 - cfg.min_gain) * keep_cost:
@@ -443,7 +456,7 @@ def _build(
         remote=np.where(has, 0.0, dc_load).sum(axis=0),
         master_dc=mdc,
         master_slot=np.where(move, -1, masters.master),
-        gain=_split_gain(inp),
+        gain=_split_gain(inp) if inp.cfg.inside == "split" else np.full(dc_load.shape[0], np.inf),
     )
     return partition_domains(inp.topology, demand, inp.previous)
 
@@ -487,41 +500,95 @@ def _fill(
 
 
 def _guard_cost(inp: _Inputs, cand: Placement) -> float:
-    """Modeled seconds of ``cand`` on ``estimate``, with the copies it adds over
-    ``previous`` streamed over one period (each from its master's rank)."""
-    topology, model, cfg, estimate, previous = (
-        inp.topology, inp.model, inp.cfg, inp.estimate, inp.previous
-    )  # fmt: skip
-    traffic = even_traffic(estimate, cand, topology, model.top_k, domain="dc", remote="spread")
-    streams = replica_streams(cand, topology, model, cfg.cost, cfg.encoding)
+    """Modeled seconds of ``cand`` on the estimate, with the copies it adds over
+    ``previous`` streamed over one period (each from its master's rank); with
+    ``inside="quota"``, of what :func:`compose` makes of it on the estimate."""
+    topology, model, cfg, previous = inp.topology, inp.model, inp.cfg, inp.previous
+    migrate = None
     if previous is not None:
-        before = previous.holds()
-        r, s = np.nonzero(cand.phy2log >= 0)
-        e = cand.phy2log[r, s].astype(np.int64)
-        new = ~before[r, e]
-        if new.any():
-            is_master = (r * cand.slots_per_rank + s) == cand.master[e]
-            nbytes = np.where(
-                is_master[new],
-                cfg.encoding.copy_bytes(model, True),
-                cfg.encoding.copy_bytes(model, False),
-            )
-            src = previous.master_rank()[e[new]]
-            streams = streams + migration_streams(
-                src, r[new], nbytes, topology, scale=1.0 / cfg.period
-            )
-    return step_cost(topology, model, traffic, streams, cfg.cost).seconds
+        migrate = copy_streams(
+            previous, cand, topology, model, encoding=cfg.encoding, scale=1.0 / cfg.period
+        )
+    if cfg.inside == "quota":
+        before = previous.holds() if previous is not None else None
+        return compose(inp.load, cand, topology, model, cfg, before=before, extra=migrate)[2]
+    traffic = even_traffic(inp.estimate, cand, topology, model.top_k, domain="dc", remote="spread")
+    return modeled_step(
+        topology, model, traffic, cand, settings=cfg.cost, encoding=cfg.encoding, extra=migrate
+    ).seconds
+
+
+def compose(
+    load: np.ndarray,
+    base: Placement,
+    topology: Topology,
+    model: ModelSpec,
+    cfg: HybridSettings,
+    *,
+    before: np.ndarray | None = None,
+    extra: ExpertStreams | None = None,
+) -> tuple[DomainSolution, TokenTraffic, float]:
+    """``quota`` inside every DC over ``base`` (:func:`~expertmesh.planner.domainquota.domain_quota`)
+    on ``load`` [R, E], or no replicas when the cost model says they do not pay: the
+    replicas' copies (from their home; ``before`` [R, E] bool: copies already in place)
+    and their sync against the compute they save. Returns the solution, its traffic and
+    its modeled seconds (``extra``: more background streams, charged to both)."""
+
+    def option(replicate: bool) -> tuple[DomainSolution, TokenTraffic, float]:
+        sol = domain_quota(load, base, topology, replicate=replicate)
+        traffic = domain_traffic(load, sol, topology, model.top_k)
+        streams = _replica_copies(sol, before, topology, model, cfg.encoding)
+        if extra is not None:
+            streams = streams + extra
+        step = modeled_step(
+            topology, model, traffic, sol.placement,
+            settings=cfg.cost, encoding=cfg.encoding, extra=streams,
+        )  # fmt: skip
+        return sol, traffic, step.seconds
+
+    balanced = option(True)
+    if balanced[0].replicas[0].size == 0:
+        return balanced  # no replica needed
+    plain = option(False)
+    return plain if plain[2] <= balanced[2] else balanced  # ties: no replicas
+
+
+def _replica_copies(
+    sol: DomainSolution,
+    before: np.ndarray | None,
+    topology: Topology,
+    model: ModelSpec,
+    encoding: TransferEncoding,
+) -> ExpertStreams:
+    """Background streams of the replicas of ``sol`` not already in place (``before`` [R, E]
+    bool, ``None``: none), each copied from its home in the same DC this step."""
+    v, rank, _ = sol.replicas
+    e = sol.v_expert[v]
+    new = np.ones(v.size, bool) if before is None else ~before[rank, e]
+    nbytes = np.full(int(new.sum()), encoding.copy_bytes(model, master=False))
+    return migration_streams(sol.home[v[new]], rank[new], nbytes, topology)
 
 
 @register
 class HybridPolicy(Policy):
-    """HybridEP's planner: per DC pair, the share of traffic moved as expert copies."""
+    """HybridEP's planner: per DC pair, the share of traffic moved as expert copies; with
+    ``inside="quota"``, quota inside every DC each microbatch (see the module doc).
+
+    ``place`` remembers the last context's in-DC solution; ``route`` and ``route_traffic``
+    serve it when given its placement (slots may have been permuted, ranks not), and
+    ``route`` falls back to an even split inside DCs otherwise (like ``quota``).
+    """
 
     name = "hybrid"
     Settings = HybridSettings
     relabel_ranks = False
-    #: the even split its route uses: copies in the token's DC, else every copy
+    #: the even split its route uses with ``inside="split"``: copies in the token's DC,
+    #: else every copy
     even_split: ClassVar[tuple[str, str]] = ("dc", "spread")
+
+    def __init__(self, settings: PolicySettings | None = None) -> None:
+        super().__init__(settings)
+        self._last: tuple[PolicyContext, DomainSolution, TokenTraffic] | None = None
 
     @property
     def cfg(self) -> HybridSettings:
@@ -539,8 +606,21 @@ class HybridPolicy(Policy):
         prev = ctx.previous.placement if ctx.previous is not None else None
         # re-plan every period, and at step 1: the first microbatch of history replaces the
         # uniform guess step 0 had to make
-        if prev is not None and ctx.step % self.cfg.period and ctx.step != 1:
-            return prev
+        replan = prev is None or not ctx.step % self.cfg.period or ctx.step == 1
+        t = ctx.topology
+        if not replan and self.cfg.inside == "split":
+            return cast(Placement, prev)
+        # between re-plans the base is last microbatch's holder sets, nothing moved
+        base = self._plan(ctx, prev) if replan else rehome(cast(Placement, prev), ctx.load, t)
+        if self.cfg.inside == "split":
+            return base
+        before = prev.holds() if prev is not None else None
+        sol, traffic, _ = compose(ctx.load, base, t, ctx.model, self.cfg, before=before)
+        self._last = (ctx, sol, traffic)
+        return sol.placement
+
+    def _plan(self, ctx: PolicyContext, prev: Placement | None) -> Placement:
+        """The slow loop: :func:`plan_hybrid` on the history window (never this load)."""
         t = ctx.topology
         masters = (
             prev
@@ -560,5 +640,25 @@ class HybridPolicy(Policy):
             estimate = ctx.history.mean(axis=0)  # [R, E]
         return plan_hybrid(estimate, masters, t, ctx.model, self.cfg, previous=prev)
 
+    def _solved(
+        self, ctx: PolicyContext, placement: Placement
+    ) -> tuple[DomainSolution, TokenTraffic] | None:
+        if self._last is None or self._last[0] is not ctx:
+            return None
+        sol = self._last[1]
+        if placement is sol.placement or np.array_equal(sol.placement.holds(), placement.holds()):
+            return sol, self._last[2]
+        return None
+
+    def route_traffic(self, ctx: PolicyContext, placement: Placement) -> TokenTraffic | None:
+        """The cost model's view of the route (:func:`~expertmesh.planner.domainquota.domain_traffic`)
+        without its rows, or ``None`` when ``placement`` is not the one ``ctx`` was placed to
+        (then the simulator uses :attr:`even_split`)."""
+        solved = self._solved(ctx, placement)
+        return None if solved is None else solved[1]
+
     def route(self, ctx: PolicyContext, placement: Placement) -> np.ndarray:
-        return route_even(ctx.load, placement, ctx.topology.rank_dc)
+        solved = self._solved(ctx, placement)
+        if solved is None:
+            return route_even(ctx.load, placement, ctx.topology.rank_dc)
+        return domain_route(ctx.load, solved[0], ctx.topology)

@@ -48,7 +48,14 @@ from expertmesh.planner.routing import route_even, route_locality
 from expertmesh.planner.static import static_placement
 from expertmesh.planner.traffic import TokenTraffic, quota_traffic
 
-__all__ = ["QuotaPolicy", "QuotaSettings", "QuotaSolution", "quota_balance", "quota_route"]
+__all__ = [
+    "QuotaPolicy",
+    "QuotaSettings",
+    "QuotaSolution",
+    "balance_demand",
+    "quota_balance",
+    "quota_route",
+]
 # quota_traffic (the cost model's view of quota's route) lives beside the other views in
 # expertmesh.planner.traffic and is imported here for the policy.
 
@@ -110,10 +117,14 @@ class _Fit(NamedTuple):
 
 
 def _problem(
-    load: np.ndarray, master_rank: np.ndarray, num_slots: int, dom: np.ndarray, max_rep: int | None
+    demand: np.ndarray,
+    master_rank: np.ndarray,
+    num_slots: int,
+    dom: np.ndarray,
+    max_rep: int | None,
 ) -> _Problem:
+    """``demand`` [E]: tokens of each expert; ``master_rank`` [E]; ``dom`` [R] domain ids."""
     num_ranks, num_domains = dom.size, int(dom.max(initial=0)) + 1
-    demand = load.sum(axis=0)  # [E]
     base = np.bincount(master_rank, weights=demand, minlength=num_ranks).astype(np.int64)  # M
     free = num_slots - np.bincount(master_rank, minlength=num_ranks)
     top = int(demand.max(initial=0)) + 1  # sort by master rank, then demand descending
@@ -293,9 +304,34 @@ def quota_balance(
 
     Raises ``ValueError`` on shapes that do not match, or a bound below 1.
     """
+    num_ranks = masters.phy2log.shape[0]
+    load = check_load(load, num_ranks, int(masters.master.shape[0]))
+    solution = balance_demand(load.sum(axis=0), masters, rank_domain, max_replicas_per_expert)
+    if not with_route:
+        return solution
+    return dataclasses.replace(solution, route=quota_route(load, solution))
+
+
+def balance_demand(
+    demand: np.ndarray,
+    masters: Placement,
+    rank_domain: np.ndarray | None = None,
+    max_replicas_per_expert: int | None = None,
+) -> QuotaSolution:
+    """:func:`quota_balance` from each expert's total only: the rule for ``T`` needs no
+    more (the route does; this solution's is empty).
+
+    ``demand``: [E] int tokens of each logical expert this microbatch; the rest as in
+    :func:`quota_balance`. ``ValueError`` on shapes that do not match, negative demand, or a
+    bound below 1.
+    """
     num_ranks, num_slots = masters.phy2log.shape
     num_experts = int(masters.master.shape[0])
-    load = check_load(load, num_ranks, num_experts)
+    demand = np.asarray(demand)
+    if demand.shape != (num_experts,) or demand.dtype.kind not in "iu":
+        raise ValueError(f"demand must be [{num_experts}] integer tokens, got {demand.shape}")
+    if demand.size and demand.min() < 0:
+        raise ValueError("demand has negative token counts")
     master = masters.master.astype(np.int64)
     if master.min(initial=0) < 0 or master.max(initial=0) >= masters.phy2log.size:
         raise ValueError("master slot index out of range")
@@ -310,20 +346,19 @@ def quota_balance(
         dom = np.unique(rank_domain, return_inverse=True)[1].astype(np.int64)
     phy2log = np.full(masters.phy2log.size, -1, dtype=np.int32)
     phy2log[master] = np.arange(num_experts)
-    pb = _problem(load, master // num_slots, num_slots, dom, max_replicas_per_expert)
+    pb = _problem(
+        demand.astype(np.int64), master // num_slots, num_slots, dom, max_replicas_per_expert
+    )
     quota, fit = _search(pb)
     rep_expert, rep_rank, rep_tokens = _replicas(fit)
     placement = Placement(phy2log.reshape(num_ranks, num_slots), master)
-    solution = QuotaSolution(
+    return QuotaSolution(
         placement=_place(placement, rep_expert, rep_rank),
         route=np.zeros((0, 4), np.int64),
         quota=quota,
         lower_bound=pb.lower,
         replicas=(rep_expert, rep_rank, rep_tokens),
     )
-    if not with_route:
-        return solution
-    return dataclasses.replace(solution, route=quota_route(load, solution))
 
 
 def quota_route(load: np.ndarray, solution: QuotaSolution) -> np.ndarray:

@@ -18,6 +18,7 @@ from expertmesh.planner.topology import Topology
 __all__ = [
     "best_kept_ref",
     "check_migration",
+    "domain_quota_ref",
     "eplb_rebalance_ref",
     "even_route_ref",
     "inclusion_probabilities_ref",
@@ -632,3 +633,51 @@ def quota_balance_ref(
             master = (master_rank[e], demand[e] - sum(t for _, t in reps))
             rows.extend(quota_route_ref(load, e, [*reps, master]))
     return quotas_out, phy2log, np.array(rows, dtype=np.int64).reshape(-1, 4)
+
+
+# ---------------------------------------------------------------------------
+# domainquota: quota inside every DC on fixed holder sets, one (rank, expert) at a time
+# ---------------------------------------------------------------------------
+
+
+def domain_quota_ref(
+    load: np.ndarray, base: Placement, topology: Topology
+) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """:func:`expertmesh.planner.domainquota.domain_quota` and its route the slow way:
+    holders of each expert DC by DC; each source's tokens for ``e`` stay in its DC when it
+    holds ``e``, else split over the holding DCs in DC order (remainder to holders ``j``
+    with ``(j - r) mod h < rem``); one virtual expert per held ``(DC, expert)`` mastered
+    at the base's copy; :func:`quota_balance_ref` with the DC as domain.
+    Returns (quota per DC, phy2log [R, S] with real experts, route [N, 4])."""
+    num_ranks, num_slots = base.phy2log.shape
+    num_experts = load.shape[1]
+    rank_dc = [int(d) for d in topology.rank_dc]
+    home: dict[tuple[int, int], tuple[int, int]] = {}  # (dc, expert) -> (rank, slot)
+    for r in range(num_ranks):
+        for s in range(num_slots):
+            e = int(base.phy2log[r, s])
+            if e >= 0:
+                home[(rank_dc[r], e)] = (r, s)
+    held = sorted(home, key=lambda de: (de[1], de[0]))  # by expert, then DC
+    vid = {de: v for v, de in enumerate(held)}
+    vload = np.zeros((num_ranks, len(held)), dtype=np.int64)
+    for r in range(num_ranks):
+        for e in range(num_experts):
+            tokens = int(load[r, e])
+            if (rank_dc[r], e) in vid:
+                vload[r, vid[(rank_dc[r], e)]] += tokens
+                continue
+            holders = [d for d, x in held if x == e]
+            h = len(holders)
+            for j, d in enumerate(holders):
+                vload[r, vid[(d, e)]] += tokens // h + (1 if (j - r) % h < tokens % h else 0)
+    v_p2l = np.full((num_ranks, num_slots), -1, dtype=np.int64)
+    v_master = np.zeros(len(held), dtype=np.int64)
+    for (d, e), (r, s) in home.items():
+        v_p2l[r, s] = vid[(d, e)]
+        v_master[vid[(d, e)]] = r * num_slots + s
+    quotas, p2l, route = quota_balance_ref(vload, Placement(v_p2l, v_master), topology.rank_dc)
+    expert_of = [e for _, e in held]
+    real = np.array([[expert_of[v] if v >= 0 else -1 for v in row] for row in p2l.tolist()])
+    rows = [[src, expert_of[v], dst, tok] for src, v, dst, tok in route.tolist()]
+    return quotas, real.reshape(num_ranks, num_slots), np.array(rows, np.int64).reshape(-1, 4)

@@ -35,6 +35,7 @@ __all__ = [
     "Domain",
     "TokenTraffic",
     "even_traffic",
+    "level_sums",
     "quota_traffic",
     "traffic_from_route",
     "weighted_traffic",
@@ -134,7 +135,7 @@ def traffic_from_route(
     )
 
 
-def _level_sums(x: np.ndarray, topology: Topology) -> list[np.ndarray]:
+def level_sums(x: np.ndarray, topology: Topology) -> list[np.ndarray]:
     """[R, E] -> sums over rank, node, DC and everything: [R, E], [Nn, E], [D, E], [1, E]."""
     node = np.zeros((topology.num_nodes, x.shape[1]))
     _add_rows(node, topology.rank_node, x)
@@ -233,12 +234,12 @@ def even_traffic(
     in_shell = np.zeros((cr.size, 4))
     if level < 3:
         # sources inside the copy's domain are all local: their load splits over its copies
-        lsum = _level_sums(lf, topology)
+        lsum = level_sums(lf, topology)
         kq = cnt[level][qg[level], ce]
         for j in range(level + 1):
             inner = lsum[j][qg[j], ce] - (lsum[j - 1][qg[j - 1], ce] if j else 0.0)
             in_shell[:, j] += inner / np.where(kq > 0, kq, 1.0)
-    nsum = _level_sums(nonlocal_load, topology)
+    nsum = level_sums(nonlocal_load, topology)
     if remote == "spread":
         for j in range(4):
             inner = nsum[j][qg[j], ce] - (nsum[j - 1][qg[j - 1], ce] if j else 0.0)
@@ -307,7 +308,7 @@ def weighted_traffic(
     reach = [np.einsum("re,re->r", left, g[j][group[j]]) for j in range(3)]
     reach.append(left @ g_all)
     rank_out = np.stack([reach[j] - reach[j - 1] for j in (1, 2, 3)], axis=1)
-    lsum = _level_sums(left, topology)
+    lsum = level_sums(left, topology)
     qg = [group[j][c_rank] for j in range(3)] + [np.zeros(c_rank.size, np.int64)]
     in_shell = np.stack(
         [lsum[j][qg[j], c_exp] - (lsum[j - 1][qg[j - 1], c_exp] if j else 0.0) for j in range(4)],

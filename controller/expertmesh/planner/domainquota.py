@@ -1,0 +1,352 @@
+"""``quota`` inside every DC on the holder sets of a cross-DC plan (``hybrid``'s microbatch step).
+
+The slow loop (:mod:`expertmesh.planner.hybrid`) decides which experts each DC holds:
+``H[d, e]``, with exactly one copy of every held ``(d, e)`` in a slot of a rank of
+``d`` (its *home*; in the master's DC, the master). That is the *base* placement.
+Every microbatch, on the exact ``load`` [R, E]:
+
+1. **DC-level route, fixed by H.** A source rank's tokens for ``e`` stay in its DC when
+   the DC holds ``e``; else they split evenly over the DCs that hold ``e``, in DC order,
+   the remainder one token each to the holders ``j`` with ``(j - r) mod h < rem`` (the
+   rotation of :func:`~expertmesh.planner.routing.route_even`). Balancing never moves a
+   token across a DC.
+2. **Virtual experts.** Each held ``(d, e)`` is one expert of domain ``d``, mastered at
+   its home, with demand = d's own tokens for ``e`` + the tokens sent in (step 1).
+3. **quota per DC** (:func:`~expertmesh.planner.quota.balance_demand`, domain = DC): the
+   smallest ``T`` per DC, replicas on the DC's free slots (whatever the base leaves).
+4. **Route** (:func:`domain_route`): per virtual expert the rule of
+   :func:`~expertmesh.planner.routing.route_locality` (own rank first, then proportional,
+   largest remainder; the home takes the rest). :func:`domain_traffic` is the cost
+   model's view of it without rows.
+
+:func:`rehome` turns the previous microbatch's placement back into a base: masters stay,
+and each held ``(d, e)`` keeps one of the copies ``d`` has (no weights move), chosen
+heaviest first onto the least-loaded of its holders. ``refs.domain_quota_ref`` is steps
+1-4 in plain loops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from expertmesh.planner.plan import Placement, check_load
+from expertmesh.planner.quota import balance_demand
+from expertmesh.planner.routing import route_locality
+from expertmesh.planner.topology import Topology
+from expertmesh.planner.traffic import TokenTraffic, level_sums
+
+__all__ = [
+    "DomainSolution",
+    "dc_holds",
+    "domain_quota",
+    "domain_route",
+    "domain_traffic",
+    "rehome",
+    "remote_inflow",
+]
+
+
+@dataclass(frozen=True, eq=False)
+class DomainSolution:
+    """One microbatch of :func:`domain_quota` (``V`` held ``(DC, expert)`` pairs, sorted by
+    expert then DC; ``N`` replicas).
+
+    - ``placement``: the base plus this microbatch's replicas (real expert ids).
+    - ``holds``: [D, E] bool, the base's holder sets ``H``.
+    - ``v_dc``, ``v_expert``, ``home``: [V] DC, expert and home rank of each virtual expert.
+    - ``demand``: [V] int tokens each computes; ``inflow``: [V] int of them sent in from DCs
+      without a copy (step 1 of the module doc).
+    - ``quota``: [D] the smallest ``T`` of each DC (max tokens on one of its ranks);
+      ``lower_bound``: [D] the DC's ceiling mean (or an expert split over every rank).
+    - ``replicas``: ``(v, rank, tokens)`` each [N], in quota's line order.
+    """
+
+    placement: Placement
+    holds: np.ndarray
+    v_dc: np.ndarray
+    v_expert: np.ndarray
+    home: np.ndarray
+    demand: np.ndarray
+    inflow: np.ndarray
+    quota: np.ndarray
+    lower_bound: np.ndarray
+    replicas: tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def dc_holds(placement: Placement, topology: Topology) -> np.ndarray:
+    """[D, E] bool: DC ``d`` holds a copy of ``e`` in ``placement``."""
+    r, s = np.nonzero(placement.phy2log >= 0)
+    out = np.zeros((topology.num_dcs, int(placement.master.size)), dtype=bool)
+    out[topology.rank_dc[r], placement.phy2log[r, s]] = True
+    return out
+
+
+def _virtual(holds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Virtual experts of ``holds`` [D, E]: ``v_dc``, ``v_expert`` [V] (by expert, then DC),
+    ``vid`` [D, E] (-1 where not held), ``first`` [E + 1] where each expert's holders start."""
+    v_expert, v_dc = np.nonzero(holds.T)
+    vid = np.full(holds.shape, -1, np.int64)
+    vid[v_dc, v_expert] = np.arange(v_dc.size)
+    first = np.searchsorted(v_expert, np.arange(holds.shape[1] + 1))
+    return v_dc, v_expert, vid, first
+
+
+def remote_inflow(load: np.ndarray, holds: np.ndarray, rank_dc: np.ndarray) -> np.ndarray:
+    """[V] int tokens each held ``(d, e)`` receives from sources whose DC lacks ``e``
+    (step 1 of the module doc), ``V`` in :func:`_virtual` order. ``load``: [R, E];
+    ``holds``: [D, E] bool, every expert with load held somewhere. ``O(R E)``: each
+    remainder is a cyclic run of holders, added with a difference array."""
+    first = _virtual(holds)[3]
+    h = np.diff(first)  # [E] holders of each expert
+    away = ~holds[rank_dc]  # [R, E] the source's DC lacks e
+    r, e = np.nonzero(away & (load > 0))
+    if (h[e] == 0).any():
+        raise ValueError(f"experts with load but no copy: {np.unique(e[h[e] == 0])[:8].tolist()}")
+    tok = load[r, e]
+    base, rem = np.divmod(tok, h[e])
+    num_v = int(first[-1])
+    out = np.zeros(num_v, np.int64)
+    per_e = np.bincount(e, weights=base, minlength=h.size).astype(np.int64)  # [E]
+    out += np.repeat(per_e, h)
+    a = r % h[e]  # the run starts at holder a and wraps after the last holder
+    diff = np.zeros(num_v + 1, np.int64)
+    end = a + rem
+    np.add.at(diff, first[e] + a, 1)
+    np.add.at(diff, first[e] + np.minimum(end, h[e]), -1)
+    wrap = end > h[e]
+    np.add.at(diff, first[e[wrap]], 1)
+    np.add.at(diff, first[e[wrap]] + end[wrap] - h[e[wrap]], -1)
+    out += np.cumsum(diff)[:num_v]
+    return out
+
+
+def domain_quota(
+    load: np.ndarray, base: Placement, topology: Topology, *, replicate: bool = True
+) -> DomainSolution:
+    """Balance ``load`` [R, E] inside every DC over ``base``'s holder sets (module doc).
+
+    ``base``: masters plus exactly one copy of every ``(d, e)`` it holds, on ``topology``.
+    ``replicate=False``: no replicas (every virtual expert computes at its home), the
+    same routes across DCs. ``ValueError`` if the base holds an expert twice in a DC or
+    an expert with load nowhere.
+    """
+    num_ranks, num_slots = base.phy2log.shape
+    num_experts = int(base.master.size)
+    load = check_load(load, num_ranks, num_experts)
+    if num_ranks != topology.num_ranks:
+        raise ValueError(f"base has {num_ranks} ranks, the topology {topology.num_ranks}")
+    rank_dc = topology.rank_dc
+    r, s = np.nonzero(base.phy2log >= 0)
+    e = base.phy2log[r, s].astype(np.int64)
+    holds = dc_holds(base, topology)
+    v_dc, v_expert, vid, _ = _virtual(holds)
+    v = vid[rank_dc[r], e]
+    if np.bincount(v, minlength=v_dc.size).max(initial=1) > 1:
+        raise ValueError("the base holds an expert more than once in a DC")
+    home = np.zeros(v_dc.size, np.int64)
+    home[v] = r
+    local = np.zeros(holds.shape, np.int64)  # [D, E] tokens of d's own ranks
+    np.add.at(local, rank_dc, load)
+    inflow = remote_inflow(load, holds, rank_dc)
+    demand = local[v_dc, v_expert] + inflow
+    v_p2l = np.full(base.phy2log.shape, -1, np.int64)
+    v_p2l[r, s] = v
+    v_master = home * num_slots + s[np.argsort(v)]
+    vmasters = Placement(v_p2l, v_master)
+    if replicate:
+        sol = balance_demand(demand, vmasters, rank_dc)
+        rep, v_out, lower = sol.replicas, sol.placement.phy2log, sol.lower_bound
+        quota = sol.quota
+    else:
+        z = np.zeros(0, np.int64)
+        rep, v_out = (z, z, z), v_p2l
+        rank_work = np.bincount(home, weights=demand, minlength=num_ranks)
+        quota = np.zeros(topology.num_dcs, np.int64)
+        np.maximum.at(quota, rank_dc, rank_work.astype(np.int64))
+        lower = quota.copy()
+    phy2log = np.where(v_out >= 0, v_expert[np.maximum(v_out, 0)], -1).astype(np.int32)
+    return DomainSolution(
+        placement=Placement(phy2log, base.master.copy()),
+        holds=holds,
+        v_dc=v_dc,
+        v_expert=v_expert,
+        home=home,
+        demand=demand,
+        inflow=inflow,
+        quota=quota,
+        lower_bound=lower,
+        replicas=rep,
+    )
+
+
+def _virtual_load(
+    load: np.ndarray, sol: DomainSolution, rank_dc: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every nonzero ``(source rank, virtual expert, tokens)`` of step 1, each [M]."""
+    holds = sol.holds
+    _, _, vid, first = _virtual(holds)
+    h = np.diff(first)
+    r, e = np.nonzero(load)
+    tok = load[r, e]
+    here = holds[rank_dc[r], e]
+    rows = [(r[here], vid[rank_dc[r[here]], e[here]], tok[here])]
+    r, e, tok = r[~here], e[~here], tok[~here]
+    n = h[e]
+    i = np.repeat(np.arange(r.size), n)  # one row per (pair, holder)
+    j = np.arange(i.size) - np.repeat(np.cumsum(n) - n, n)
+    base, rem = np.divmod(tok[i], n[i])
+    share = base + (((j - r[i]) % n[i]) < rem)
+    rows.append((r[i], first[e[i]] + j, share))
+    src, v, t = (np.concatenate(x) for x in zip(*rows, strict=True))
+    keep = t > 0
+    return src[keep], v[keep], t[keep]
+
+
+def domain_route(load: np.ndarray, sol: DomainSolution, topology: Topology) -> np.ndarray:
+    """Route [N, 4] ``(src_rank, expert, dst_rank, tokens)`` of ``load`` [R, E] under
+    ``sol`` (step 4 of the module doc): every virtual expert without replicas whole to its
+    home, the others by :func:`~expertmesh.planner.routing.route_locality`."""
+    num_ranks = load.shape[0]
+    src, v, tok = _virtual_load(load, sol, topology.rank_dc)
+    rep_v, rep_rank, rep_tokens = sol.replicas
+    hot = np.unique(rep_v)  # [K]
+    is_hot = np.zeros(sol.v_dc.size, bool)
+    is_hot[hot] = True
+    cold = ~is_hot[v]
+    out = [np.stack([src[cold], sol.v_expert[v[cold]], sol.home[v[cold]], tok[cold]], axis=1)]
+    if hot.size:
+        col = np.full(sol.v_dc.size, -1, np.int64)
+        col[hot] = np.arange(hot.size)
+        sub = np.zeros((num_ranks, hot.size), np.int64)  # [R, K]
+        np.add.at(sub, (src[~cold], col[v[~cold]]), tok[~cold])
+        rows = route_locality(sub, sol.home[hot], (col[rep_v], rep_rank, rep_tokens))
+        rows[:, 1] = sol.v_expert[hot[rows[:, 1]]]
+        out.append(rows)
+    return np.concatenate(out).astype(np.int64)
+
+
+def domain_traffic(
+    load: np.ndarray, sol: DomainSolution, topology: Topology, top_k: int
+) -> TokenTraffic:
+    """The cost model's view of :func:`domain_route` without its rows, in fractions: tokens
+    sent in split evenly over the holding DCs, then inside a DC quota's rule (own rank
+    first, then every copy in proportion to what each source has left). Per-rank tokens
+    are exact; the rest equals ``traffic_from_route(domain_route(...))`` up to the rounding
+    of the two splits. ``O(R E + V + D^2 E)``, no ``[R, R]`` array."""
+    num_ranks, num_experts = load.shape
+    rank_dc, holds = topology.rank_dc, sol.holds
+    num_dcs = holds.shape[0]
+    lf = load.astype(np.float64)
+    here = holds[rank_dc]  # [R, E]
+    local = np.where(here, lf, 0.0)
+    away = lf - local
+    h = holds.sum(axis=0).astype(np.float64)  # [E]
+    away_dc = np.zeros((num_dcs, num_experts))
+    np.add.at(away_dc, rank_dc, away)
+    per_holder = away_dc.sum(axis=0) / np.where(h > 0, h, 1.0)  # [E] sent to each holder
+    inflow = np.where(holds, per_holder[None, :], 0.0)  # [D, E]
+    # copies: homes (they compute what the replicas leave) and replicas
+    rep_v, rep_rank, rep_tokens = sol.replicas
+    given = np.bincount(rep_v, weights=rep_tokens, minlength=sol.v_dc.size)
+    c_v = np.concatenate([np.arange(sol.v_dc.size), rep_v])
+    c_rank = np.concatenate([sol.home, rep_rank])
+    c_amount = np.concatenate([sol.demand - given, rep_tokens]).astype(np.float64)
+    c_exp, c_dc = sol.v_expert[c_v], sol.v_dc[c_v]
+    own = np.minimum(c_amount, local[c_rank, c_exp])  # own rank's tokens first
+    left = local.copy()
+    left[c_rank, c_exp] -= own  # a rank holds one copy of e at most
+    lsum = level_sums(left, topology)  # rank, node, DC, all: what local sources have left
+    node = topology.rank_node[c_rank]
+    total = lsum[2][c_dc, c_exp] + inflow[c_dc, c_exp]
+    w = np.where(total > 0, (c_amount - own) / np.where(total > 0, total, 1.0), 0.0)  # [C]
+    in_shell = np.stack(
+        [
+            own,
+            w * (lsum[1][node, c_exp] - left[c_rank, c_exp]),
+            w * (lsum[2][c_dc, c_exp] - lsum[1][node, c_exp]),
+            w * inflow[c_dc, c_exp],
+        ],
+        axis=1,
+    )  # [C, 4]
+    rank_tokens = np.bincount(c_rank, weights=c_amount, minlength=num_ranks)
+    rank_in = np.stack(
+        [np.bincount(c_rank, weights=in_shell[:, j], minlength=num_ranks) for j in (1, 2, 3)],
+        axis=1,
+    )
+    # what each local source sends: the weights of its DC's copies by shell
+    g_rank = np.zeros((num_ranks, num_experts))
+    np.add.at(g_rank, (c_rank, c_exp), w)
+    g_node = np.zeros((topology.num_nodes, num_experts))
+    np.add.at(g_node, (node, c_exp), w)
+    g_dc = np.zeros((num_dcs, num_experts))
+    np.add.at(g_dc, (c_dc, c_exp), w)
+    reach_rank = np.einsum("re,re->r", left, g_rank)
+    reach_node = np.einsum("re,re->r", left, g_node[topology.rank_node])
+    reach_dc = np.einsum("re,re->r", left, g_dc[rank_dc])
+    rank_out = np.stack([reach_node - reach_rank, reach_dc - reach_node, away.sum(axis=1)], axis=1)
+    dense = (away_dc / np.where(h > 0, h, 1.0)) @ holds.T.astype(np.float64)  # [D, D]
+    np.fill_diagonal(dense, 0.0)
+    ps, pd = np.nonzero(dense > 0)
+    per_rank = lf.sum(axis=1)
+    dc_tokens = np.bincount(rank_dc, weights=per_rank, minlength=num_dcs) / top_k
+    return TokenTraffic(
+        rank_tokens, rank_out, rank_in, ps.astype(np.int64), pd.astype(np.int64),
+        dense[ps, pd], dc_tokens,
+    )  # fmt: skip
+
+
+def rehome(placement: Placement, load: np.ndarray, topology: Topology) -> Placement:
+    """The base of a placement that may hold some ``(d, e)`` more than once (last
+    microbatch's replicas): masters stay in their slots, every other held ``(d, e)`` keeps
+    exactly one of its copies in ``d``, in its slot. Copies are kept heaviest first (on
+    ``load`` [R, E]: the DC's own tokens plus an even share of the tokens of DCs without
+    ``e``) on the holder with the least work so far; masters count first. Nothing moves."""
+    num_ranks, num_slots = placement.phy2log.shape
+    num_experts = int(placement.master.size)
+    rank_dc = topology.rank_dc
+    holds_r = placement.holds()  # [R, E]
+    holds = dc_holds(placement, topology)
+    local = np.zeros(holds.shape)
+    np.add.at(local, rank_dc, load.astype(np.float64))
+    h = holds.sum(axis=0)
+    sent = np.where(holds, 0.0, local).sum(axis=0) / np.maximum(h, 1)  # [E] to each holder
+    weight = np.where(holds, local + sent[None, :], 0.0)  # [D, E]
+    mrank = placement.master_rank()
+    mdc = rank_dc[mrank]
+    work = np.bincount(mrank, weights=weight[mdc, np.arange(num_experts)], minlength=num_ranks)
+    home = np.full(holds.shape, -1, np.int64)  # [D, E]
+    home[mdc, np.arange(num_experts)] = mrank
+    count = np.zeros(holds.shape, np.int64)
+    np.add.at(count, rank_dc, holds_r.astype(np.int64))  # [D, E] copies in each DC
+    r, e = np.nonzero(holds_r)
+    d = rank_dc[r]
+    single = (home[d, e] < 0) & (count[d, e] == 1)
+    home[d[single], e[single]] = r[single]
+    np.add.at(work, r[single], weight[d[single], e[single]])
+    d, e = np.nonzero((home < 0) & holds)  # held more than once, home not chosen yet
+    if d.size:
+        sizes = np.bincount(rank_dc, minlength=topology.num_dcs)
+        width = int(sizes.max())
+        start = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        valid = np.arange(width)[None, :] < sizes[:, None]
+        ranks = np.where(valid, start[:, None] + np.arange(width)[None, :], 0)  # [D, width]
+        order = np.lexsort((e, -weight[d, e], d))
+        d, e = d[order], e[order]
+        pos = np.arange(d.size) - np.searchsorted(d, d, "left")
+        for i in range(int(pos.max()) + 1):
+            dd, ee = d[pos == i], e[pos == i]
+            rr = ranks[dd]  # [n, width]
+            ok = valid[dd] & holds_r[rr, ee[:, None]]
+            col = np.argmin(np.where(ok, work[rr], np.inf), axis=1)
+            chosen = rr[np.arange(dd.size), col]
+            home[dd, ee] = chosen
+            np.add.at(work, chosen, weight[dd, ee])
+    keep = np.zeros((num_ranks, num_slots), bool)
+    keep.reshape(-1)[placement.master] = True
+    d, e = np.nonzero(home >= 0)
+    hr = home[d, e]
+    slot = np.argmax(placement.phy2log[hr] == e[:, None], axis=1)
+    keep[hr, slot] = True
+    return Placement(np.where(keep, placement.phy2log, -1).astype(np.int32), placement.master)
