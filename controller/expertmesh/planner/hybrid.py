@@ -3,7 +3,9 @@
 Across a slow link a token costs its activation on every crossing of every
 step; an expert copy costs its weights out and its gradient back once per
 update, and placing it costs one copy amortized over the placement period.
-Every ``period`` steps, on the load of a history window, the policy:
+Two time scales. **The slow loop** (step 0 on the batch size spread evenly over
+the experts, step 1, then every ``period`` steps, on the mean of the last
+``window`` microbatches, never on the current one) decides what crosses DCs:
 
 1. **moves masters** to the DC that sends them the most tokens when the tokens
    saved over a period outweigh one move of weights plus optimizer state;
@@ -16,21 +18,39 @@ Every ``period`` steps, on the load of a history window, the policy:
    (docs/cost-model.md) and the fastest kept; where a DC lacks the slots for
    every pair's choice, its pairs share the slots so that the slowest pair is
    as fast as it can be (minimax over a threshold, found by bisection);
-3. **partitions each DC's copies onto its ranks** (domain-based partition):
-   copies that stay keep their rank, new ones go heaviest first to the rank
-   with the least predicted work and a free slot, so each DC balances inside;
+3. **lays each DC's copies onto its ranks** (domain-based partition,
+   :mod:`~expertmesh.planner.partition`): one copy per expert a DC holds (with
+   ``inside="split"`` also extra local copies of heavy experts); copies that stay
+   keep their rank, new ones go heaviest first to the rank with the least
+   predicted work and a free slot. The slots left free are quota's;
 4. **guards**: the candidate plans (per-pair choices, with and without
-   compute-relief copies, masters only) are scored with the full cost model
-   (migration into them streamed over the period); the fastest replaces the
-   running plan (plain EP at first) only if it is faster by ``min_gain``, so the
-   policy never picks a plan its model says is slower than the one it has.
+   compute-relief copies that take free slots, masters only) are scored with the
+   full cost model on the estimate, as they will run (with ``inside="quota"``:
+   quota composed inside the DCs, step 5), the migration into them streamed over
+   the period; the fastest replaces the running plan (plain EP at first) only if
+   it is faster by ``min_gain``, so the policy never picks a plan its model says is
+   slower than the one it has. Which experts a DC holds, and so how many of its
+   slots stay free for balancing inside it, is the guard's choice.
 
-Tokens go to the copies in their own DC when there are any (evenly among them),
-else evenly to every copy, so masters that many DCs send to share that work
-with the copies the plan adds for compute relief (the pair scores assume the
-master's DC, an approximation the guard's full-model check covers). Parameter-efficient migration: copies come from the nearest
-holder through relays (the migration planner), and ``encoding`` sets reduced
-precision and changed-bytes-only transfers, which the cost model and the
+**Every microbatch** (``inside="quota"``, the default), on its exact load, the
+holder sets stay fixed and :mod:`~expertmesh.planner.domainquota` balances inside
+each DC: a token whose DC holds its expert stays in the DC, one whose DC does not
+goes evenly to the DCs that hold it (whole tokens, rotated), and ``quota`` (smallest
+feasible ``T`` per DC, replicas on the DC's free slots, own rank first, largest
+remainder) splits each DC's work over its ranks. Between re-plans the base is
+recovered from the previous microbatch's placement
+(:func:`~expertmesh.planner.domainquota.rehome`: one of each DC's copies of an
+expert stays home, nothing moves). The replicas are kept only when the cost model says they pay on this
+load (their copies from the home and their sync against the compute they save);
+else every DC expert computes at its home. The route and the simulator's charge
+are quota's (:func:`~expertmesh.planner.domainquota.domain_route`,
+:func:`~expertmesh.planner.domainquota.domain_traffic`).
+
+With ``inside="split"`` the plan itself carries extra local copies and tokens go
+evenly to the copies in their own DC, else evenly to every copy, and the plan
+stays as it is between re-plans. Parameter-efficient migration: copies come from
+the nearest holder through relays (the migration planner), and ``encoding`` sets
+reduced precision and changed-bytes-only transfers, which the cost model and the
 simulator charge.
 """
 
