@@ -9,10 +9,10 @@ previous placement ran (``1 / gap`` of its bytes charged at the commit step;
 ``gap`` = steps since the previous change).
 
 Fast path: no route rows. A policy with a ``route_traffic(ctx, placement)``
-method (``quota``) gives its own aggregated view; one whose route is an even
-split (``static``, ``eplb``, ``fastermoe``, ``hybrid``) is costed with
-:func:`~expertmesh.planner.traffic.even_traffic`; any other is costed from its
-route rows. No ``[R, R]`` array. ``solve_seconds`` is the CPU time of ``place``
+method (``quota``, ``hybrid``) gives its own aggregated view; one whose route is an
+even split (``static``, ``eplb``, ``fastermoe``, ``hybrid`` with ``inside="split"``) is
+costed with :func:`~expertmesh.planner.traffic.even_traffic`; any other is costed
+from its route rows. No ``[R, R]`` array. ``solve_seconds`` is the CPU time of ``place``
 (and of ``route`` when rows are built), not of the cost model.
 
 Steps run outer and policies inner, so one step's load is in memory at a time
