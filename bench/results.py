@@ -241,6 +241,7 @@ def write_doc(
     scale: dict[str, Any] | None,
     figdir: Path,
     grown: dict[int, dict[str, Any]] | None = None,
+    loadavg: tuple[str, str] = ("?", "?"),
 ) -> None:
     rel = figdir.relative_to(path.parent)
     sweep_md = (figdir / "sweep.md").read_text().replace("](speedup", f"]({rel}/speedup")
@@ -254,6 +255,8 @@ def write_doc(
         "and topology for every policy, running the planner code of each policy. Speedup =",
         "mean modeled step time of `static` / that of the policy, over every step of the run",
         "(warm-up included: history-based policies start without history).",
+        "Load average of the machine (`/proc/loadavg`, shared with other jobs) before the",
+        f"run: {loadavg[0]}; after: {loadavg[1]}.",
         "",
         "## The claims",
         "",
@@ -307,6 +310,14 @@ def write_doc(
     path.write_text("\n".join(lines))
 
 
+def _loadavg() -> str:
+    """The 1, 5 and 15 minute load averages (``?`` where /proc is not there)."""
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "?"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", type=Path, default=ROOT / "bench" / "sweep.yaml")
@@ -315,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-scale", action="store_true", help="skip the 1,000-DC run")
     args = ap.parse_args(argv)
     os.environ.update(ONE_THREAD)
+    load_before = _loadavg()
     config = load_sweep_config(yaml.safe_load(args.config.read_text()))
     if args.quick:
         config = _quick(config)
@@ -336,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
             pol = list(config.policies)
             grown = {d: scale_run(Path(tmp) / str(d), steps, d, pol) for d in smaller}
         grown[dcs] = scale
-    write_doc(args.out, config, pts, sens, scale, figdir, grown)
+    write_doc(args.out, config, pts, sens, scale, figdir, grown, (load_before, _loadavg()))
     print(f"wrote {args.out} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     return 0
 
