@@ -14,7 +14,16 @@ network alone, or on to add latency).
     netemu.py status                                       # namespaces, rates, Ray PIDs
     netemu.py exec us-east -- expertmesh demo --address auto --no-shaper ...
     netemu.py measure us-east eu-west                       # TCP goodput vs configured
+    netemu.py cut eu-west ap-south                          # the pair's link goes down
+    netemu.py heal eu-west ap-south                         # ... and comes back
     netemu.py down                                          # leaves nothing behind
+
+A *cut* drops every IP packet between two DCs, both directions, silently (as a dead WAN
+link does: no reset, no ICMP; connections hang, new ones time out): each DC's htb class
+towards the other gets a ``pfifo limit 0`` leaf qdisc, which drops whatever it is given.
+The DCs' links to every other DC (and the Ray head) stay as they were. ``heal`` deletes the
+two leaf qdiscs (the classes get their default queue back); ``down`` deletes the
+namespaces, cuts included. The cuts are read back from ``tc`` (``status``), not stored.
 
 Names: namespaces ``expertmesh-<name>-br`` (bridge) and ``expertmesh-<name>-dc<i>``;
 inside a DC namespace the interface is ``eth0`` with ``<subnet>.<i + 1>``. State
@@ -53,7 +62,7 @@ RAY_PORT = 6379
 METRICS_PORT = 8080  # Ray's per-node Prometheus endpoint (each namespace has its own ports)
 MAX_SHAPED_GBPS = 4.0  # veth + htb on a small machine tracks rates up to a few Gbit/s
 
-__all__ = ["Emulation", "Node", "Shape", "plan_emulation"]
+__all__ = ["Emulation", "Node", "Shape", "cut", "cuts", "heal", "plan_emulation"]
 
 
 @dataclass(frozen=True)
@@ -113,6 +122,26 @@ class Emulation:
     def shape(self, src: int, dst: int) -> Shape:
         return next(s for s in self.shapes if (s.src, s.dst) == (src, dst))
 
+    def cut_commands(self, a: str, b: str, *, heal: bool = False) -> list[list[str]]:
+        """``tc`` argv lists that cut (or ``heal``) the link between DCs ``a`` and ``b``.
+
+        A cut gives each side's htb class towards the other a ``pfifo limit 0`` leaf (it
+        drops every packet); healing deletes those leaves. ValueError on an unknown DC or
+        ``a == b``."""
+        na, nb = self.node(a), self.node(b)
+        if na.index == nb.index:
+            raise ValueError(f"cut needs two different DCs, got {a!r} twice")
+        cmds = []
+        for src, dst in ((na, nb), (nb, na)):
+            parent = ["parent", self.shape(src.index, dst.index).classid]
+            tc = ["tc", "-n", src.netns, "qdisc"]
+            cmds.append(
+                [*tc, "del", "dev", "eth0", *parent]
+                if heal
+                else [*tc, "replace", "dev", "eth0", *parent, "pfifo", "limit", "0"]
+            )
+        return cmds
+
     def network_commands(self) -> list[list[str]]:
         """``ip``/``tc`` argv lists that build the network; each names one of our namespaces."""
         br = self.bridge_netns
@@ -151,8 +180,16 @@ class Emulation:
                 )
         return cmds
 
-    def ray_start_commands(self, ray_bin: str, cpus: float) -> list[tuple[str, list[str]]]:
-        """``(namespace, argv)`` of each ``ray start``: the head in DC 0, then the others."""
+    def ray_start_commands(
+        self, ray_bin: str, cpus: float, *, max_inline_bytes: int | None = None
+    ) -> list[tuple[str, list[str]]]:
+        """``(namespace, argv)`` of each ``ray start``: the head in DC 0, then the others.
+
+        ``max_inline_bytes``: Ray's ``max_direct_call_object_size`` for the whole cluster
+        (task results up to this size travel through their owner, larger ones node to node
+        through the object store); None keeps Ray's default (100 KiB)."""
+        if max_inline_bytes is not None and max_inline_bytes < 0:
+            raise ValueError(f"--max-inline-bytes must be >= 0, got {max_inline_bytes}")
         out = []
         for n in self.nodes:
             argv = [ray_bin, "start", f"--node-ip-address={n.ip}", f"--labels=dc={n.dc}"]
@@ -160,6 +197,9 @@ class Emulation:
             argv += ["--disable-usage-stats", f"--temp-dir={self.temp_dir}/ray"]
             if n.index == 0:
                 argv += ["--head", f"--port={self.ray_port}", "--include-dashboard=false"]
+                if max_inline_bytes is not None:
+                    config = {"max_direct_call_object_size": max_inline_bytes}
+                    argv.append(f"--system-config={json.dumps(config)}")
             else:
                 argv += [f"--address={self.address}"]
             out.append((n.netns, argv))
@@ -305,7 +345,14 @@ def check_host() -> str | None:
     return None
 
 
-def up(em: Emulation, *, ray: bool = True, cpus: float = 1.0, timeout: float = 120.0) -> None:
+def up(
+    em: Emulation,
+    *,
+    ray: bool = True,
+    cpus: float = 1.0,
+    timeout: float = 120.0,
+    max_inline_bytes: int | None = None,
+) -> None:
     """Build the network and start Ray; on any failure, tear down what was made."""
     if _state_path(em.name).exists() or _our_namespaces(em.name):
         raise ValueError(f"emulation {em.name!r} is already up; run `down --name {em.name}` first")
@@ -321,19 +368,21 @@ def up(em: Emulation, *, ray: bool = True, cpus: float = 1.0, timeout: float = 1
         for argv in em.network_commands():
             _run(argv)
         if ray:
-            start_ray(em, cpus=cpus, timeout=timeout)
+            start_ray(em, cpus=cpus, timeout=timeout, max_inline_bytes=max_inline_bytes)
     except BaseException:
         down(em.name)
         raise
 
 
-def start_ray(em: Emulation, *, cpus: float, timeout: float) -> None:
+def start_ray(
+    em: Emulation, *, cpus: float, timeout: float, max_inline_bytes: int | None = None
+) -> None:
     """``ray start`` in each DC namespace; wait until every node is alive; record the PIDs."""
     ray_bin = str(Path(sys.executable).with_name("ray"))
     env = env_for_namespace(em)
     env.pop("RAY_ADDRESS")  # `ray start --head` must not join an existing cluster
     Path(em.temp_dir, "ray").mkdir(parents=True, exist_ok=True)
-    for netns, argv in em.ray_start_commands(ray_bin, cpus):
+    for netns, argv in em.ray_start_commands(ray_bin, cpus, max_inline_bytes=max_inline_bytes):
         try:
             _run(["ip", "netns", "exec", netns, *argv], env=env, timeout=timeout)
         finally:
@@ -469,8 +518,41 @@ def measure(em: Emulation, src: str, dst: str, *, seconds: float = 3.0) -> dict[
     }
 
 
+def cut(em: Emulation, a: str, b: str) -> None:
+    """Drop every packet between DCs ``a`` and ``b`` (both directions) until :func:`heal`."""
+    for argv in em.cut_commands(a, b):
+        _run(argv)
+
+
+def heal(em: Emulation, a: str, b: str) -> None:
+    """Undo :func:`cut` of DCs ``a`` and ``b`` (a no-op on a pair that is not cut)."""
+    for argv in em.cut_commands(a, b, heal=True):
+        if _cut_leaf(em, argv[2], argv[-1]):
+            _run(argv)
+
+
+def _cut_leaf(em: Emulation, netns: str, classid: str) -> bool:
+    """Whether ``classid`` in ``netns`` has the dropping leaf of a cut."""
+    out = subprocess.run(
+        ["tc", "-n", netns, "qdisc", "show", "dev", "eth0", "parent", classid],
+        check=False,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return any(ln.startswith("qdisc pfifo") and "limit 0p" in ln for ln in out.splitlines())
+
+
+def cuts(em: Emulation) -> list[tuple[str, str]]:
+    """The DC pairs ``(a, b)`` (``a`` before ``b`` in the topology) cut in either direction."""
+    out = set()
+    for s in em.shapes:
+        if _cut_leaf(em, em.nodes[s.src].netns, s.classid):
+            out.add((min(s.src, s.dst), max(s.src, s.dst)))
+    return [(em.nodes[a].dc, em.nodes[b].dc) for a, b in sorted(out)]
+
+
 def status(em: Emulation) -> dict[str, Any]:
-    """Namespaces, addresses, live PIDs and per-pair htb byte counters."""
+    """Namespaces, addresses, live PIDs, per-pair htb byte counters and the cut pairs."""
     nodes = []
     for n in em.nodes:
         classes = subprocess.run(
@@ -489,7 +571,13 @@ def status(em: Emulation) -> dict[str, Any]:
                 "tc": classes.strip(),
             }
         )
-    return {"name": em.name, "address": em.address, "bridge_netns": em.bridge_netns, "nodes": nodes}
+    return {
+        "name": em.name,
+        "address": em.address,
+        "bridge_netns": em.bridge_netns,
+        "cut": [list(p) for p in cuts(em)],
+        "nodes": nodes,
+    }
 
 
 # ---------------------------------------------------------------- CLI
@@ -506,6 +594,12 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--scale", type=float, default=1.0, help="multiply every inter-DC bandwidth")
     u.add_argument("--cpus-per-dc", type=float, default=1.0, help="CPUs each DC's Ray node offers")
     u.add_argument("--no-ray", action="store_true", help="network only")
+    u.add_argument(
+        "--max-inline-bytes",
+        type=int,
+        help="Ray's max_direct_call_object_size: results up to this size go through their "
+        "owner, larger ones node to node (default Ray's, 100 KiB)",
+    )
     for sp in [
         u,
         *(
@@ -529,6 +623,14 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("src")
     m.add_argument("dst")
     m.add_argument("--seconds", type=float, default=3.0)
+    for c, h in (
+        ("cut", "drop every packet between two DCs (both directions) until heal"),
+        ("heal", "undo cut: the two DCs' link carries packets again"),
+    ):
+        cp = sub.add_parser(c, help=h)
+        cp.add_argument("--name", default="em")
+        cp.add_argument("a", help="DC name or index")
+        cp.add_argument("b", help="DC name or index")
     sub.add_parser("check", help="can this machine make namespaces? (exit 0 yes, 1 no)")
     args = p.parse_args(argv)
     try:
@@ -550,7 +652,12 @@ def _dispatch(args: argparse.Namespace) -> int:
             subnet=args.subnet,
             scale=args.scale,
         )
-        up(em, ray=not args.no_ray, cpus=args.cpus_per_dc)
+        up(
+            em,
+            ray=not args.no_ray,
+            cpus=args.cpus_per_dc,
+            max_inline_bytes=args.max_inline_bytes,
+        )
         print(
             f"up: {len(em.nodes)} DCs, Ray at {em.address}" + (" (no Ray)" if args.no_ray else "")
         )
@@ -571,6 +678,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     if args.cmd == "measure":
         print(json.dumps(measure(em, args.src, args.dst, seconds=args.seconds)))
+        return 0
+    if args.cmd in ("cut", "heal"):
+        (cut if args.cmd == "cut" else heal)(em, args.a, args.b)
+        print(f"{args.cmd}: {em.node(args.a).dc} <-> {em.node(args.b).dc}; cut now: {cuts(em)}")
         return 0
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not cmd:

@@ -140,3 +140,31 @@ def test_bandwidth_matrix_matches_the_planner() -> None:
         m[s.src, s.dst] = s.mbit
     np.fill_diagonal(m, topo.dc_gbps.diagonal() * 2000)
     assert np.allclose(m, topo.dc_gbps * 2000)
+
+
+def test_cut_drops_the_pair_both_ways_and_heal_undoes_exactly_that() -> None:
+    em = netemu.plan_emulation(TOPO)
+    a, b = em.nodes[1], em.nodes[2]
+    cut = em.cut_commands(a.dc, "2")
+    heal = em.cut_commands("1", b.dc, heal=True)
+    want = {(a.netns, em.shape(1, 2).classid), (b.netns, em.shape(2, 1).classid)}
+    for cmds, verb in ((cut, "replace"), (heal, "del")):
+        assert {(c[2], c[c.index("parent") + 1]) for c in cmds} == want
+        assert all(c[:2] == ["tc", "-n"] and c[3:6] == ["qdisc", verb, "dev"] for c in cmds)
+    assert all(c[-3:] == ["pfifo", "limit", "0"] for c in cut)  # a queue that takes nothing
+    # the other DCs' classes (and the head's) are not touched
+    assert em.head.netns not in {c[2] for c in cut + heal}
+    with pytest.raises(ValueError, match="two different"):
+        em.cut_commands("1", a.dc)
+    with pytest.raises(ValueError, match="no DC"):
+        em.cut_commands("1", "mars")
+
+
+def test_max_inline_bytes_is_set_once_for_the_whole_cluster() -> None:
+    em = netemu.plan_emulation(TOPO)
+    cmds = em.ray_start_commands("/venv/bin/ray", 1.0, max_inline_bytes=1024)
+    conf = [a for _, argv in cmds for a in argv if a.startswith("--system-config=")]
+    assert conf == ['--system-config={"max_direct_call_object_size": 1024}']
+    assert "--head" in cmds[0][1] and conf[0] in cmds[0][1]
+    with pytest.raises(ValueError, match="max-inline-bytes"):
+        em.ray_start_commands("/venv/bin/ray", 1.0, max_inline_bytes=-1)
