@@ -42,7 +42,7 @@ from expertmesh.controller.telemetry import Telemetry
 from expertmesh.planner import Placement, Topology, imbalance, make_policy
 from expertmesh.planner.static import static_placement
 from expertmesh.planner.stepmodel import StepLayout, step_layout
-from expertmesh.runtime.actors import RayExecutor, WorkerActor
+from expertmesh.runtime.actors import WORKER_THREADS, RayExecutor, StepStalled, WorkerActor
 from expertmesh.runtime.checkpoint import CheckpointDir
 from expertmesh.runtime.faults import NAME_WAIT_S, Membership
 from expertmesh.workers.engine import apply_plan, migration_rounds, recovery_rounds, train_step
@@ -103,6 +103,13 @@ class RuntimeSettings(BaseModel):
     checkpoint_keep: int = Field(default=3, ge=1, description="newest checkpoints kept on disk")
     replace_dead_workers: bool = Field(
         default=True, description="start a new worker for a dead rank in its DC; it rejoins"
+    )
+
+    step_deadline_s: float = Field(
+        default=0.0, ge=0, description="a late step probes the DC links (faults.py); 0: derived"
+    )
+    probe_timeout_s: float = Field(
+        default=1.0, gt=0, le=60, description="connect timeout of a link probe between two DCs"
     )
 
     @model_validator(mode="after")
@@ -424,6 +431,8 @@ class ControllerActor:
         outs = None
         for rnd in [*rounds, []]:
             outs = ex.phase("mig", 0, outs, rnd)
+        if outs is not None:  # the last round is done (worker calls may run out of order)
+            ex.results(outs)
         sent = np.sum(ex.call_all("prepare_end", pv.version), axis=0)
         self._commit(ex, pv.version)
         self.placements = new
@@ -553,6 +562,9 @@ class Runtime(Membership):
         self._shaper_path = ""
         self.last_stats: list[dict[str, Any]] = []  # each live rank's stats of the last step
         self.layout: StepLayout | None = None  # rounds of the committed plan (None: every one)
+        self.probes: dict[int, Any] = {}  # DC -> LinkProbe actor
+        self.probe_targets: dict[int, tuple[str, int]] = {}
+        self._init_links(settings)
 
     def __enter__(self) -> Runtime:
         self.start()
@@ -598,8 +610,9 @@ class Runtime(Membership):
         self._shaper_path = path
         self.workers = [self._spawn_worker(r) for r in range(self.topology.num_ranks)]
         self.nodes = ray.get([w.ping.remote() for w in self.workers])
+        self._start_probes()
         ray.get(self.controller.attach.remote(self.workers))
-        self.executor = RayExecutor(self.workers)
+        self.executor = self._executor()
         root = s.checkpoint_dir or os.path.join(self._tmp, "checkpoints")
         self.checkpoints = CheckpointDir(root, keep=s.checkpoint_keep)
         self._take_checkpoint(0)
@@ -611,7 +624,7 @@ class Runtime(Membership):
         s, dc = self.settings, self.topology.dcs[int(self.topology.rank_dc[rank])].name
         placements = [(p.phy2log, p.master) for p in _initial_placements(self.topology, s.lm)]
         if self._worker_cls is None:
-            self._worker_cls = _actor(WorkerActor, num_cpus=0)
+            self._worker_cls = _actor(WorkerActor, num_cpus=0, max_concurrency=WORKER_THREADS)
         return self._worker_cls.options(name=f"worker-{rank}", label_selector={"dc": dc}).remote(
             rank, s, placements, self._shaper_path, self.controller
         )
@@ -627,6 +640,8 @@ class Runtime(Membership):
         if self.surfaces is not None or settings.surfaces is not None:
             raise ValueError("reset is for runs without surfaces")
         self.settings, self.topology = settings, topo
+        self._init_links(settings)
+        self.executor = self._executor()
         ray.get(self.controller.reset.remote(settings))
         placements = [(p.phy2log, p.master) for p in _initial_placements(topo, settings.lm)]
         ray.get([w.reset.remote(settings, placements) for w in self.workers])
@@ -652,14 +667,15 @@ class Runtime(Membership):
     def run_step(self) -> StepResult:
         """Train one step, then let the controller plan/apply. Returns the measurements."""
         self.step += 1
+        self.probe_before_step()  # while a probed cut lasts: has it healed?
         t0 = time.perf_counter()
         try:
             stats = train_step(self.executor, self.step, self.settings.lm.num_layers, self.layout)
-        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
-            # a worker died (or a link was cut) during the step: the ranks that go on undo
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, StepStalled) as err:
+            # a worker died, or a link was cut, during the step: the ranks that go on undo
             # it, the controller replans without the others and restores their masters, and
             # the step runs again
-            if self.recover(rollback=True, reason="step failed", required=False) is None:
+            if self.recover_step(err) is None:
                 raise
             self.retried_steps.append(self.step)
             self.start_replacements()  # they start while the step runs again

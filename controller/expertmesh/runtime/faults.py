@@ -19,6 +19,17 @@ checkpoint on disk (weights and Adam state, written by the driver every
 down), so their masters are restored the same way as a dead rank's. A dead rank gets a new
 worker actor in its DC (``replace_dead_workers``), which rejoins like a paused DC after a
 heal (:meth:`Membership.start_replacements`, :meth:`Membership.finish_replacements`).
+
+Which links work is the shaper's record (cuts made through it) and, on a real network,
+what the DCs find by probing each other (:meth:`Membership.probe_links`: each DC's
+:class:`~expertmesh.runtime.actors.LinkProbe` opens a TCP connection to every other DC's
+node, at the port that carries packets between nodes). A real cut makes nothing fail: a
+packet that cannot cross waits for ever, so a step is bounded (``step_deadline_s``); when
+it is late, or fails, the runtime probes; a cut found there ends the step, which goes
+through :meth:`Membership.recover` like a cut made through the shaper. While a probed cut
+lasts, the links are probed again before every step; when they work again the paused DCs
+rejoin. The driver is taken to run in the controller's DC (DC 0): a DC whose probe does
+not answer the driver counts as cut from DC 0.
 """
 
 from __future__ import annotations
@@ -33,15 +44,17 @@ import ray
 
 from expertmesh.planner.membership import connected_dcs
 from expertmesh.planner.topology import Topology
-from expertmesh.runtime.actors import RayExecutor
+from expertmesh.runtime.actors import LinkProbe, RayExecutor, StepStalled
 from expertmesh.runtime.checkpoint import CheckpointDir, CheckpointError
+from expertmesh.workers.engine import step_deadline_seconds
 
-__all__ = ["NAME_WAIT_S", "PING_TIMEOUT_S", "REPLACE_TIMEOUT_S", "Membership"]
+__all__ = ["NAME_WAIT_S", "PING_TIMEOUT_S", "PROBE_SLACK_S", "REPLACE_TIMEOUT_S", "Membership"]
 
 log = logging.getLogger(__name__)
 PING_TIMEOUT_S = 5.0  # a worker that does not answer a ping in this time is taken for dead
 REPLACE_TIMEOUT_S = 120.0  # a replacement worker that is not up in this time is given up
 NAME_WAIT_S = 30.0  # at a step's end, wait this long for Ray to release a dead worker's name
+PROBE_SLACK_S = 5.0  # a probe's answer may take this long beyond its connect timeout
 
 
 class Membership:
@@ -69,6 +82,82 @@ class Membership:
     _rank_bytes: np.ndarray  # [R, K, D, D] bytes each rank's workers counted, cumulative
     _rank_base: np.ndarray  # [R, K, D, D] of those, by the workers a rank had before
     layout: Any  # StepLayout | None: the rounds the committed plan needs (None: every one)
+    probes: dict[int, Any]  # DC -> its LinkProbe actor
+    probe_targets: dict[int, tuple[str, int]]  # DC -> (address, port) of a node there
+    probe_timeout_s: float
+    probed_up: np.ndarray  # [D, D] bool: links found working by the last probe
+    step_deadline_s: float
+
+    def _start_probes(self) -> None:
+        """A :class:`LinkProbe` per DC, and per DC the object manager of its first worker's
+        node (what the other DCs' probes connect to)."""
+        probe_cls = ray.remote(num_cpus=0)(LinkProbe)
+        info = {n["NodeID"]: n for n in ray.nodes()}
+        for d, dc in enumerate(self.topology.dcs):
+            self.probes[d] = probe_cls.options(label_selector={"dc": dc.name}).remote()
+            node = info[self.nodes[int(np.flatnonzero(self.topology.rank_dc == d)[0])]["node"]]
+            self.probe_targets[d] = (
+                str(node["NodeManagerAddress"]),
+                int(node["ObjectManagerPort"]),
+            )
+
+    def links_up(self) -> np.ndarray:
+        """[D, D] bool: links neither cut in the shaper nor found down by a probe."""
+        up = np.asarray(self.probed_up, bool).copy()
+        if self.shaper is not None:
+            up &= self.shaper.links_up()
+        return up
+
+    def probe_links(self) -> np.ndarray:
+        """[D, D] bool, symmetric: which DC pairs can open a TCP connection right now (both
+        ways); a DC whose probe does not answer the driver counts as cut from DC 0."""
+        d = self.topology.num_dcs
+        up = np.ones((d, d), bool)
+        if not self.probes:
+            return up
+        t0 = time.perf_counter()
+        refs = {
+            a: p.probe.remote(
+                {b: t for b, t in self.probe_targets.items() if b != a}, self.probe_timeout_s
+            )
+            for a, p in self.probes.items()
+        }
+        ray.wait(list(refs.values()), num_returns=len(refs),
+                 timeout=self.probe_timeout_s + PROBE_SLACK_S, fetch_local=False)  # fmt: skip
+        for a, ref in refs.items():
+            try:
+                got = ray.get(ref, timeout=0)
+            except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError):
+                up[a, 0] = up[0, a] = a == 0
+                continue
+            for b, ok in got.items():
+                up[a, int(b)] &= bool(ok)
+        up &= up.T
+        np.fill_diagonal(up, True)
+        log.info("links probed in %.2f s: %s", time.perf_counter() - t0, up.astype(int).tolist())
+        return up
+
+    def stall_found_cut(self) -> bool:
+        """A step is late: probe the links; True when a cut changes who trains (the step
+        then ends and :meth:`recover` runs), False to keep waiting."""
+        self.probed_up = self.probe_links()
+        keep = connected_dcs(self.links_up(), home=0)
+        paused = ~keep[self.topology.rank_dc] & ~self.dead
+        return not np.array_equal(paused, self.paused)
+
+    def probe_before_step(self) -> dict[str, Any] | None:
+        """While a probed cut lasts: probe again; a link back (or newly down) changes the
+        membership (:meth:`recover`, no step to undo). The recovery, or None."""
+        if self.probed_up.all():
+            return None
+        up = self.probe_links()
+        if np.array_equal(up, self.probed_up):
+            return None
+        healed = bool((up & ~self.probed_up).any())
+        self.probed_up = up
+        return self.recover(
+            rollback=False, reason="heal" if healed else "cut", required=False, probe=False
+        )
 
     def _spawn_worker(self, rank: int) -> Any:
         raise NotImplementedError
@@ -144,18 +233,26 @@ class Membership:
         return self.recover(rollback=False, reason="heal", required=False)
 
     def recover(
-        self, *, rollback: bool = True, reason: str = "dead", required: bool = True
+        self,
+        *,
+        rollback: bool = True,
+        reason: str = "dead",
+        required: bool = True,
+        probe: bool = True,
     ) -> dict[str, Any] | None:
         """Bring the run to the current membership: find dead workers, pause DCs cut off,
         let healed DCs rejoin; undo the current step on the ranks that go on (``rollback``;
         off between steps), and have the controller plan for the live ranks and restore
         the masters of those that left (from a live replica, else from the newest usable
         checkpoint on disk). Returns what the controller did, with ``seconds``; None when nothing
-        changed (``required``: RuntimeError instead, the failure was something else)."""
+        changed (``required``: RuntimeError instead, the failure was something else).
+        ``probe``: probe the links first (:meth:`probe_links`)."""
         t0 = time.perf_counter()
+        if probe:
+            self.probed_up = self.probe_links()
         dead = self.dead_workers()
         self.dead[dead] = True
-        keep = connected_dcs(self.shaper.links_up(), home=0)
+        keep = connected_dcs(self.links_up(), home=0)
         paused = ~keep[self.topology.rank_dc] & ~self.dead
         live = ~self.dead & ~paused
         rejoin = live & ~self.live
@@ -182,7 +279,7 @@ class Membership:
             ray.get([self.workers[r].call.remote("adopt", state) for r in np.flatnonzero(rejoin)])
         self.live = live
         self.layout = None  # every round until the controller reports the new plan's
-        self.executor = RayExecutor(self.workers, live)
+        self.executor = self._executor(live)
         self.executor.call_all("set_live", live.tolist())
         excluded = np.flatnonzero(~live).tolist()
         experts, ck_info = self._load_checkpoint()
@@ -194,6 +291,7 @@ class Membership:
             dead=np.flatnonzero(self.dead).tolist(),
             paused=np.flatnonzero(paused).tolist(),
             rejoined=np.flatnonzero(rejoin).tolist(),
+            links_up=self.links_up().astype(int).tolist(),
             seconds=time.perf_counter() - t0,
         )
         self.recoveries.append(out)
@@ -260,6 +358,28 @@ class Membership:
         if not ready:
             return None
         return self.recover(rollback=False, reason="replace", required=False)
+
+    def _executor(self, live: np.ndarray | None = None) -> RayExecutor:
+        """The step executor over the ``live`` ranks, bounded by the step deadline."""
+        return RayExecutor(
+            self.workers, live, deadline_s=self.step_deadline_s, on_stall=self.stall_found_cut
+        )
+
+    def _init_links(self, settings: Any) -> None:
+        """Every link taken for working; the step deadline (derived when not set)."""
+        d = self.topology.num_dcs
+        self.probed_up = np.ones((d, d), bool)
+        self.probe_timeout_s = settings.probe_timeout_s
+        self.step_deadline_s = settings.step_deadline_s or step_deadline_seconds(
+            self.topology, settings.lm
+        )
+
+    def recover_step(self, err: BaseException) -> dict[str, Any] | None:
+        """The current step failed (``err``) or stalled on a cut (:class:`StepStalled`, the
+        links just probed): :meth:`recover` with the step undone. None: nothing changed."""
+        stalled = isinstance(err, StepStalled)
+        reason = "step stalled" if stalled else "step failed"
+        return self.recover(rollback=True, reason=reason, required=False, probe=not stalled)
 
     def inject_worker_exit(self, rank: int, step: int, phase: str) -> None:
         """Fault injection: worker ``rank`` exits when ``phase`` of ``step`` starts."""

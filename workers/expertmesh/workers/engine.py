@@ -35,6 +35,7 @@ __all__ = [
     "apply_plan",
     "migration_rounds",
     "recovery_rounds",
+    "step_deadline_seconds",
     "step_phases",
     "train_step",
 ]
@@ -130,6 +131,32 @@ def train_step(
     return ex.results(outs)
 
 
+def step_deadline_seconds(
+    topology: Topology, lm: Any, *, factor: float = 20.0, floor_s: float = 60.0
+) -> float:
+    """A bound on one training step of ``lm`` (a ``LMConfig``) on ``topology``, generous on
+    purpose: ``factor`` times the time the slowest DC link needs for a worst case (every
+    token of the busiest DC crosses it four times a layer: dispatch, combine and their
+    backward; every expert's weights and gradients cross it once), plus one latency per
+    phase; never under ``floor_s`` (the first step warms up; a loaded machine is slow).
+
+    A step over its deadline is not a failure by itself: the runtime then probes the DC
+    links, and only a cut ends the step (``expertmesh.runtime.faults``)."""
+    if factor <= 0 or floor_s < 0:
+        raise ValueError(f"factor must be > 0 and floor_s >= 0, got {factor}, {floor_s}")
+    if topology.num_dcs < 2:
+        return float(floor_s)
+    spec = lm.spec()
+    off = ~np.eye(topology.num_dcs, dtype=bool)
+    ranks = int(np.bincount(topology.rank_dc).max())
+    token_bytes = 4 * ranks * lm.tokens_per_rank * spec.token_bytes * lm.num_layers
+    expert_bytes = lm.num_layers * lm.num_experts * spec.expert_params * 2 * 4
+    seconds = (token_bytes + expert_bytes) * 8 / (float(topology.dc_gbps[off].min()) * 1e9)
+    phases = 1 + lm.num_layers * (len(FORWARD) + len(BACKWARD)) + len(REDUCE)
+    seconds += phases * float(topology.dc_latency_ms[off].max()) / 1e3
+    return max(float(floor_s), factor * seconds)
+
+
 def apply_plan(
     ex: Executor,
     version: int,
@@ -146,6 +173,8 @@ def apply_plan(
     outs = None
     for rnd in [*rounds, []]:
         outs = ex.phase("mig", 0, outs, rnd)
+    if outs is not None:  # the last round is done everywhere (Ray may run calls out of order)
+        ex.results(outs)
     sent: np.ndarray = np.sum(ex.call_all("prepare_end", version), axis=0)
     return sent
 
