@@ -24,7 +24,7 @@ after the cluster starts): static on free links (1e4 Gbit/s, 0 ms) for
 per-rank expert compute rate ``F`` (expert FLOPs over the seconds the ranks
 spent in their experts) and the fixed time ``o`` of one Ray round (what the
 measured step has beyond the model with ``o = 0``, over the Ray rounds the step
-ran: ``StepLayout.rounds``, 21 for static). ``hybrid`` plans with the
+ran: ``StepLayout.rounds``, 20 for static). ``hybrid`` plans with the
 calibrated model (its ``cost`` setting). Prediction per measured step:
 :func:`expertmesh.planner.stepmodel.training_step_cost` on the step's realized
 token streams (routes and distinct tokens crossing each DC pair, as counted by

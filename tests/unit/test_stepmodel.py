@@ -64,14 +64,14 @@ def test_message_seconds_add_once_per_round() -> None:
     cs = CS.model_copy(update={"message_seconds": o})
     t = training_step_cost(*args, dense_params=10, settings=cs)
     # begin 1; the replicated layer keeps its tokens home: 4 rounds, the static one relays
-    # across DCs: 8; gradient 3; refresh 1 (no DC holds two copies: nothing fans out)
-    assert t.seconds - base.seconds == pytest.approx((1 + 4 + 8 + 3 + 1) * o)
-    assert t.messages == pytest.approx(17 * o)
+    # across DCs: 8; gradient 2; refresh 1 (no DC holds two copies: nothing fans out)
+    assert t.seconds - base.seconds == pytest.approx((1 + 4 + 8 + 2 + 1) * o)
+    assert t.messages == pytest.approx(16 * o)
     layer = step_cost(TOPO, MODEL, _traffic(STATIC), None, CS)
     assert t.layers[1] == pytest.approx(layer.seconds + 8 * o)
     full = training_step_cost(*args, dense_params=10, settings=cs, layout=StepLayout.full(2))
     assert full.seconds - base.seconds == pytest.approx(StepLayout.full(2).rounds * o)
-    assert StepLayout.full(2).rounds == 22
+    assert StepLayout.full(2).rounds == 21
 
 
 def test_step_layout_of_a_plan() -> None:

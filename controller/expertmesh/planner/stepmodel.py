@@ -57,9 +57,10 @@ class StepLayout:
     - ``fanout``: whether a DC holds two or more copies of an expert mastered elsewhere:
       refreshed weights then cross once and fan out inside it, one more round.
 
-    A step is 1 (embed and gate) + the layers' rounds + 3 (replica gradients to the DC's
-    lead holder, over the WAN, masters step and send fresh weights) + 1 (store and apply
-    the dense step) + 1 if ``fanout``.
+    A step is 1 (embed and gate) + the layers' rounds + 2 (replica gradients over the WAN
+    and dense sums between DCs; masters step and send fresh weights) + 1 (store and apply
+    the dense step) + 1 if ``fanout``. (Replica gradients to the DC's lead holder and
+    dense gradients to the DC leader leave in the round of layer 0's backward.)
     """
 
     relay: tuple[bool, ...]
@@ -72,7 +73,7 @@ class StepLayout:
 
     @property
     def rounds(self) -> int:
-        return 1 + sum(8 if r else 4 for r in self.relay) + (5 if self.fanout else 4)
+        return 1 + sum(8 if r else 4 for r in self.relay) + (4 if self.fanout else 3)
 
     def covers(self, other: StepLayout) -> bool:
         """Whether this layout runs every round ``other`` needs."""
@@ -203,7 +204,7 @@ def training_step_cost(
         empty = [np.zeros((0, 4), np.int64)] * len(placements)
         layout = StepLayout(tuple(relay), step_layout(placements, empty, topology).fanout)
     layers = [t + o * (8 if r else 4) for t, r in zip(layers, layout.relay, strict=True)]
-    gradient = 3 * o + _link_phase(grads, topology)
+    gradient = 2 * o + _link_phase(grads, topology)
     refresh = (2 if layout.fanout else 1) * o + _link_phase(fresh, topology)
     return StepTime(
         seconds=float(o + sum(layers) + gradient + refresh),

@@ -98,7 +98,9 @@ class LocalExecutor:
 def step_phases(layout: StepLayout) -> list[tuple[str, int]]:
     """The rounds of a training step after ``begin``: ``(phase, layer)``. A round a layout
     skips is joined to the next (``"fan+expert"``: the rank runs both, and refuses if the
-    first sent anything, so a layout that skips a needed round fails, never loses data)."""
+    first sent anything, so a layout that skips a needed round fails, never loses data).
+    The backward of layer 0 sends nothing (the dense gradients are complete), so the first
+    gradient round always joins it."""
     num_layers = len(layout.relay)
     out: list[tuple[str, int]] = []
     for layer in range(num_layers):
@@ -111,7 +113,9 @@ def step_phases(layout: StepLayout) -> list[tuple[str, int]]:
         out += [(a, layer), (b, layer), (c, layer), (d, layer)] if layout.relay[layer] else [
             (f"{a}+{b}", layer), (f"{c}+{d}", layer)
         ]  # fmt: skip
-    red = list(REDUCE) if layout.fanout else [*REDUCE[:3], "+".join(REDUCE[3:])]
+    last, _ = out[-1]  # layer 0's last backward round
+    out[-1] = (f"{last}+{REDUCE[0]}", 0)
+    red = list(REDUCE[1:]) if layout.fanout else [*REDUCE[1:3], "+".join(REDUCE[3:])]
     return out + [(name, 0) for name in red]
 
 
