@@ -204,9 +204,11 @@ class Membership:
                 "checkpoint_load_seconds": time.perf_counter() - t0}  # fmt: skip
         return dict(ck.experts), info
 
-    def dead_workers(self) -> list[int]:
-        """Live workers that no longer answer a ping (within ``PING_TIMEOUT_S``)."""
-        refs = {r: self.workers[r].ping.remote() for r in np.flatnonzero(self.live).tolist()}
+    def dead_workers(self, among: np.ndarray | None = None) -> list[int]:
+        """Live workers (``among`` [R] bool, if given) that no longer answer a ping (within
+        ``PING_TIMEOUT_S``)."""
+        ask = self.live if among is None else self.live & among
+        refs = {r: self.workers[r].ping.remote() for r in np.flatnonzero(ask).tolist()}
         dead = []
         for r, ref in refs.items():
             try:
@@ -250,9 +252,10 @@ class Membership:
         t0 = time.perf_counter()
         if probe:
             self.probed_up = self.probe_links()
-        dead = self.dead_workers()
-        self.dead[dead] = True
         keep = connected_dcs(self.links_up(), home=0)
+        # a worker in a DC cut off from the controller's cannot answer a ping: paused, not dead
+        dead = self.dead_workers(among=keep[self.topology.rank_dc])
+        self.dead[dead] = True
         paused = ~keep[self.topology.rank_dc] & ~self.dead
         live = ~self.dead & ~paused
         rejoin = live & ~self.live
