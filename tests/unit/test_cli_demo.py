@@ -49,3 +49,10 @@ def test_checkpoint_and_replacement_flags(tmp_path) -> None:
         _settings("--checkpoint-dir", str(tmp_path / "file"))
     with pytest.raises(ValueError, match="checkpoint-keep"):
         _settings("--checkpoint-keep", "0")
+
+
+def test_step_deadline_flag() -> None:
+    assert _settings().step_deadline_s == 0.0  # derived by the runtime
+    assert _settings("--step-deadline", "12.5").step_deadline_s == 12.5
+    with pytest.raises(ValueError, match="step-deadline"):
+        _settings("--step-deadline", "-1")

@@ -87,6 +87,13 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="do not replace a dead worker (its rank stays out)",
     )
+    p.add_argument(
+        "--step-deadline",
+        type=float,
+        default=0.0,
+        help="seconds after which a late step probes the DC links for a cut "
+        "(default 0: derived from the topology and model)",
+    )
     p.add_argument("--host", help="address REST and gRPC bind to (default 127.0.0.1)")
     p.add_argument(
         "--rest-port",
@@ -137,6 +144,8 @@ def build_settings(args: argparse.Namespace) -> Any:
     if args.inter_dc_gbps is not None or args.inter_dc_latency_ms is not None:
         gbps = args.inter_dc_gbps if args.inter_dc_gbps is not None else topo.inter_dc.gbps
         topo = topo.with_inter_dc(gbps, args.inter_dc_latency_ms)
+    if not 0 <= args.step_deadline < float("inf"):
+        raise ValueError(f"--step-deadline must be finite and >= 0, got {args.step_deadline}")
     if args.checkpoint_every < 0 or args.checkpoint_keep < 1:
         raise ValueError("--checkpoint-every must be >= 0 and --checkpoint-keep >= 1")
     ckdir = args.checkpoint_dir
@@ -170,6 +179,7 @@ def build_settings(args: argparse.Namespace) -> Any:
         checkpoint_dir=str(args.checkpoint_dir) if args.checkpoint_dir else None,
         checkpoint_keep=args.checkpoint_keep,
         replace_dead_workers=not args.no_replace,
+        step_deadline_s=args.step_deadline,
     )
 
 
