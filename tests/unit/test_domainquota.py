@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from expertmesh.planner import ModelSpec, Placement, Topology, rank_tokens
 from expertmesh.planner.domainquota import (
+    at_home,
     dc_holds,
     domain_quota,
     domain_route,
@@ -110,8 +111,11 @@ def test_every_dc_reaches_what_quota_alone_reaches_on_its_load(gbps):
 def test_no_token_crosses_a_dc_to_balance(seed, gbps):
     topo, load, base = _case(seed, gbps=gbps)
     flows = []
-    for replicate in (True, False):
-        sol = domain_quota(load, base, topo, replicate=replicate)
+    balanced = domain_quota(load, base, topo)
+    plain = domain_quota(load, base, topo, replicate=False)
+    assert np.array_equal(plain.quota, at_home(balanced, base, topo).quota)
+    assert np.array_equal(plain.placement.phy2log, at_home(balanced, base, topo).placement.phy2log)
+    for sol in (balanced, plain):
         route = domain_route(load, sol, topo)
         assert sol.placement.holds()[route[:, 2], route[:, 1]].all()
         routed = np.zeros_like(load)

@@ -73,6 +73,7 @@ from expertmesh.planner.costmodel import (
 )
 from expertmesh.planner.domainquota import (
     DomainSolution,
+    at_home,
     dc_holds,
     domain_quota,
     domain_route,
@@ -554,8 +555,7 @@ def compose(
     and their sync against the compute they save. Returns the solution, its traffic and
     its modeled seconds (``extra``: more background streams, charged to both)."""
 
-    def option(replicate: bool) -> tuple[DomainSolution, TokenTraffic, float]:
-        sol = domain_quota(load, base, topology, replicate=replicate)
+    def option(sol: DomainSolution) -> tuple[DomainSolution, TokenTraffic, float]:
         traffic = domain_traffic(load, sol, topology, model.top_k)
         streams = _replica_copies(sol, before, topology, model, cfg.encoding)
         if extra is not None:
@@ -566,10 +566,10 @@ def compose(
         )  # fmt: skip
         return sol, traffic, step.seconds
 
-    balanced = option(True)
+    balanced = option(domain_quota(load, base, topology))
     if balanced[0].replicas[0].size == 0:
         return balanced  # no replica needed
-    plain = option(False)
+    plain = option(at_home(balanced[0], base, topology))
     return plain if plain[2] <= balanced[2] else balanced  # ties: no replicas
 
 
