@@ -83,6 +83,21 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds ``pid`` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _tree_cpu(pid: int) -> dict[int, float]:
+    """pid -> CPU seconds of ``pid`` and every process below it."""
+    out = {}
+    for p in [pid, *_descendants(pid)]:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            out[p] = _cpu_seconds(p)
+    return out
+
+
 def _tree_rss_mb(pid: int) -> tuple[float, float]:
     """(RSS of ``pid`` and every process below it, RSS of ``pid`` alone) in MB."""
     own = _rss_mb(pid)
@@ -238,6 +253,7 @@ class _Sampler(threading.Thread):
             at = time.monotonic() - self.t0
             self.samples.append((at, total))
             self.own.append((at, own))
+
             self.stop.wait(self.every)
 
 
@@ -376,8 +392,10 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
             ctx = mp.get_context("spawn")
             q: Any = ctx.Queue()
             gen = ctx.Process(target=_ranks_process, args=(f"127.0.0.1:{grpc_port}", token, cfg, q))
+            cpu_start, wall_start = _tree_cpu(proc.pid), time.monotonic()
             gen.start()
             client = q.get(timeout=args.minutes * 60.0 + 600)
+            cpu_end, wall = _tree_cpu(proc.pid), time.monotonic() - wall_start
             gen.join(60)
             time.sleep(1.0)  # let the plan loop see the last step
             poller.stop.set()
@@ -462,6 +480,14 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
             "baseline_p50_ms": float(np.percentile(base, 50)),
             "baseline_p99_ms": float(np.percentile(base, 99)),
         },
+        "cpu": {
+            "wall_seconds": wall,
+            "server_cores": (cpu_end[proc.pid] - cpu_start.get(proc.pid, 0.0)) / wall,
+            "planner_cores": sum(
+                v - cpu_start.get(p, 0.0) for p, v in cpu_end.items() if p != proc.pid
+            )
+            / wall,
+        },
         "loadavg_before": load_before,
         "loadavg": os.getloadavg(),
         "cpus": os.cpu_count(),
@@ -500,6 +526,7 @@ def _report(res: dict[str, Any]) -> str:
         ("baseline (no ranks) p50 / p99 ms", f"{r['baseline_p50_ms']:.1f} / {r['baseline_p99_ms']:.1f} ({r['baseline_requests_200']} requests)"),
         ("p99 under soak / baseline p99", f"{r['p99_ms'] / r['baseline_p99_ms']:.1f}x"),
         ("step lag p99 (s)", f"{c['step_lag_p99_s']:.3f}"),
+        ("CPU while the ranks stream: server / planner processes (cores)", f"{res['cpu']['server_cores']:.2f} / {res['cpu']['planner_cores']:.2f}"),
         ("load average (1, 5, 15 min) before", ", ".join(f"{x:.2f}" for x in res["loadavg_before"])),
         ("load average (1, 5, 15 min) at the end", ", ".join(f"{x:.2f}" for x in res["loadavg"])),
     ]  # fmt: skip

@@ -23,8 +23,8 @@ from expertmesh.controller.core import (
 from expertmesh.controller.planning import (
     LayerJob,
     ProcessPlanner,
-    _compact,
     _widen,
+    compact_ints,
     plan_jobs,
 )
 from expertmesh.planner import ModelSpec, Placement, Topology
@@ -214,7 +214,7 @@ def test_jobs_with_a_committed_placement_plan_from_it():
     )
 )
 def test_compact_arrays_keep_every_value(arr):
-    small = _compact(arr)
+    small = compact_ints(arr)
     assert small.dtype.itemsize <= arr.dtype.itemsize
     back = _widen(small, arr.dtype)
     assert back.dtype == arr.dtype and np.array_equal(back, arr)
@@ -222,5 +222,5 @@ def test_compact_arrays_keep_every_value(arr):
 
 def test_token_counts_and_ranks_cross_in_16_bits():
     route = np.array([[999, 255, 0, 60_000]], np.int64)
-    assert _compact(route).dtype == np.uint16
-    assert _compact(np.array([-1, 5])).dtype.itemsize <= 2
+    assert compact_ints(route).dtype == np.uint16
+    assert compact_ints(np.array([-1, 5])).dtype.itemsize <= 2

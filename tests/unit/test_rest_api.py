@@ -1,3 +1,5 @@
+import time
+
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
@@ -263,3 +265,26 @@ def test_not_ready_when_a_surface_is_down():
     app = create_app(core, Telemetry(core), store, ready_checks={"grpc": lambda: False})
     r = TestClient(app).get("/api/v1/ready")
     assert r.status_code == 503 and r.json()["checks"] == {"store": True, "grpc": False}
+
+
+def test_a_committed_plan_is_rendered_before_anyone_asks():
+    core, client = _make()
+    _commit(core, 0)
+    before = list(core.listeners)
+    with client:  # the server's lifespan: the plan committed before it starts is rendered too
+        state = client.app.state.expertmesh
+        for step in (1, 2):
+            pv = _commit(core, step)
+            deadline = time.monotonic() + 10
+            while (pv.version, False) not in state.plan_json and time.monotonic() < deadline:
+                time.sleep(0.01)
+            body = state.plan_json[(pv.version, False)]
+            got = client.get("/api/v1/plans/latest")
+            assert got.status_code == 200 and got.content == body
+            assert got.json()["version"] == pv.version and got.json()["state"] == "committed"
+        assert (1, False) in state.plan_json
+        assert len(core.listeners) == len(before) + 1
+    assert core.listeners == before  # the server stopped: nothing renders at commit any more
+    _commit(core, 3)
+    time.sleep(0.2)
+    assert (4, False) not in state.plan_json

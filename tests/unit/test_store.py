@@ -1,4 +1,5 @@
 import sqlite3
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -49,7 +50,7 @@ def test_committed_plans_round_trip_and_survive_a_restart(tmp_path):
     for a, b in zip(want.layers, got.layers, strict=True):
         assert np.array_equal(a.phy2log, b.phy2log)
         assert np.array_equal(a.placement.master, b.placement.master)
-        assert np.array_equal(a.route, b.route)
+        assert np.array_equal(a.route, b.route) and b.route.dtype == np.int64
         assert a.migration == b.migration
     # versions continue after the restored one
     _commit(fresh, 10)
@@ -99,3 +100,22 @@ def test_a_plan_for_another_topology_is_not_restored(tmp_path):
     topo = Topology.generate(dcs=1, ranks_per_dc=2, masters=4, spare=0)
     other = ControllerCore(topo, ModelSpec(num_layers=2, num_experts=8))
     assert store.recover(other) is None and other.committed is None
+
+
+def test_routes_are_stored_small_and_exact(tmp_path):
+    store = SqlitePlanStore(tmp_path / "plans.sqlite")
+    core = _core(store)
+    _commit(core, 0)
+    pv = core.committed
+    blob = store._db.execute("SELECT route FROM plan_layers WHERE layer = 0").fetchone()[0]
+    stored = arr_from_bytes(blob)
+    assert stored.dtype.itemsize <= 2  # token counts and ranks fit in 16 bits
+    assert np.array_equal(stored, pv.layers[0].route)
+    # counts beyond 16 bits stay exact
+    big = pv.layers[0].route.copy()
+    big[:, 3] += 2**40
+    layer = replace(pv.layers[0], route=big)
+    store.save(replace(pv, version=2, layers=[layer, pv.layers[1]]))
+    got = store.get(2)
+    assert got is not None and got.layers[0].route.dtype == np.int64
+    assert np.array_equal(got.layers[0].route, big)

@@ -59,6 +59,7 @@ __all__ = [
     "PlannerError",
     "PlannerSettings",
     "ProcessPlanner",
+    "compact_ints",
     "make_planner",
     "plan_jobs",
     "static_rank_tokens",
@@ -210,9 +211,10 @@ class InProcessPlanner:
         pass
 
 
-def _compact(arr: np.ndarray) -> np.ndarray:
-    """``arr`` (integers) in the smallest integer dtype that holds its values exactly: token
-    counts and rank numbers fit in 16 bits, so jobs and results cross the pipe 4x smaller."""
+def compact_ints(arr: np.ndarray) -> np.ndarray:
+    """``arr`` (integers) in the smallest integer dtype that holds its values exactly (other
+    arrays unchanged): token counts and rank numbers fit in 16 bits, so jobs, results and
+    stored routes take a quarter of their int64 bytes."""
     if arr.dtype.kind not in "iu" or not arr.size:
         return arr
     dtype = np.result_type(np.min_scalar_type(arr.min()), np.min_scalar_type(arr.max()))
@@ -224,7 +226,7 @@ def _widen(arr: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 
 def _pack_job(job: LayerJob) -> LayerJob:
-    return replace(job, load=_compact(job.load), history=_compact(job.history))
+    return replace(job, load=compact_ints(job.load), history=compact_ints(job.history))
 
 
 def _unpack_job(job: LayerJob, dtype: np.dtype) -> LayerJob:
@@ -232,7 +234,7 @@ def _unpack_job(job: LayerJob, dtype: np.dtype) -> LayerJob:
 
 
 def _pack_result(res: LayerResult) -> LayerResult:
-    return replace(res, plan=replace(res.plan, route=_compact(res.plan.route)))
+    return replace(res, plan=replace(res.plan, route=compact_ints(res.plan.route)))
 
 
 def _unpack_result(res: LayerResult) -> LayerResult:

@@ -13,7 +13,8 @@ Tables::
           imbalance_before JSON [L], imbalance_after JSON [L], solve_seconds,
           migrations, migration_bytes)
     plan_layers(version, layer, phy2log npy [R, S] int32, master npy [E] int64,
-                route npy [N, 4] int64, migration npy [M, 7] int64,
+                route npy [N, 4] (smallest exact integer dtype; read back as int64),
+                migration npy [M, 7] int64,
                 round_seconds npy [rounds] float64, kept, solve_seconds)
     settings(key PK, value JSON)
 """
@@ -37,6 +38,7 @@ from expertmesh.controller.core import (
     PlanState,
     PlanVersion,
 )
+from expertmesh.controller.planning import compact_ints
 from expertmesh.planner import LayerPlan, Migration, Placement, Transfer, TransferKind
 
 __all__ = ["PlanSummary", "SqlitePlanStore", "arr_from_bytes", "arr_to_bytes"]
@@ -164,7 +166,8 @@ class SqlitePlanStore:
                 layer,
                 arr_to_bytes(lp.placement.phy2log.astype(np.int32)),
                 arr_to_bytes(lp.placement.master.astype(np.int64)),
-                arr_to_bytes(np.asarray(lp.route, np.int64).reshape(-1, 4)),
+                # a route can be ~R * E rows: stored in 16 bits where its values fit
+                arr_to_bytes(compact_ints(np.asarray(lp.route, np.int64).reshape(-1, 4))),
                 arr_to_bytes(_migration_rows(lp.migration)),
                 arr_to_bytes(np.asarray(lp.migration.round_seconds, np.float64)),
                 lp.migration.kept,
@@ -348,7 +351,7 @@ def _layer_from_row(r: tuple) -> LayerPlan:
     )
     return LayerPlan(
         placement=Placement(phy2log=arr_from_bytes(r[2]), master=arr_from_bytes(r[3])),
-        route=arr_from_bytes(r[4]),
+        route=arr_from_bytes(r[4]).astype(np.int64),
         migration=Migration(
             transfers=transfers,
             round_seconds=tuple(float(x) for x in arr_from_bytes(r[6])),

@@ -7,7 +7,8 @@ inject a core, telemetry and store of their own.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI, Response
 from fastapi.responses import FileResponse
@@ -76,7 +77,23 @@ def create_app(
 ) -> FastAPI:
     """The REST app over ``core``; plan history reads from ``store``."""
     settings = settings or SurfaceSettings()
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # while a server runs the app: committed plans' bodies are rendered at commit
+        listener = plans.prerender_on_commit(state)
+        core.listeners.append(listener)
+        committed = core.committed
+        if committed is not None:
+            listener("committed", committed)
+        try:
+            yield
+        finally:
+            if listener in core.listeners:
+                core.listeners.remove(listener)
+
     app = FastAPI(
+        lifespan=lifespan,
         title="expertmesh controller",
         version="1.0",
         summary="Expert placement, replication and migration across data centers",

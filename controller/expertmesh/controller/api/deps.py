@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated
@@ -30,6 +31,7 @@ class AppState:
     ready_checks: dict[str, Callable[[], bool]] = field(default_factory=dict)
     # committed plans are immutable: their JSON is rendered once
     plan_json: dict[tuple[int, bool], bytes] = field(default_factory=dict)
+    plan_json_lock: threading.Lock = field(default_factory=threading.Lock)
     # layer -> (monotonic time, JSON) of the newest dashboard snapshot
     dashboard_cache: dict[int, tuple[float, bytes]] = field(default_factory=dict)
 

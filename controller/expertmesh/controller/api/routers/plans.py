@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Path, Query, Response
@@ -19,21 +21,43 @@ PLAN_CACHE_BYTES = 64 << 20  # rendered plan JSON kept per app
 WithRoute = Annotated[bool, Query(description="include each layer's [N, 4] route")]
 
 
-def _plan_response(state: AppState, pv: PlanVersion, route: bool) -> Response:
-    # Committed (and rolled back) plans never change: render their JSON once.
+def plan_json(state: AppState, pv: PlanVersion, route: bool) -> bytes:
+    """The JSON body of ``pv`` (``PlanOut``). Committed (and rolled back) plans never change:
+    their body is rendered once and kept (bounded in entries and bytes: a plan with its
+    routes can be tens of MB)."""
     key = (pv.version, route)
-    body = state.plan_json.get(key) if pv.state != PlanState.PREPARED else None
-    if body is None:
-        out = views.plan_out(pv, state.core.model.num_experts, route=route)
-        body = out.model_dump_json().encode()
-        if pv.state != PlanState.PREPARED and len(body) <= PLAN_CACHE_BYTES // 4:
-            state.plan_json[key] = body
-            # bounded in entries and bytes (a plan with its routes can be tens of MB)
-            while len(state.plan_json) > 64 or (
-                sum(map(len, state.plan_json.values())) > PLAN_CACHE_BYTES
-            ):
-                state.plan_json.pop(next(iter(state.plan_json)))
-    return Response(body, media_type="application/json")
+    final = pv.state != PlanState.PREPARED
+    if final:
+        with state.plan_json_lock:
+            body = state.plan_json.get(key)
+        if body is not None:
+            return body
+    out = views.plan_out(pv, state.core.model.num_experts, route=route)
+    body = out.model_dump_json().encode()
+    if final and len(body) <= PLAN_CACHE_BYTES // 4:
+        with state.plan_json_lock:
+            cache = state.plan_json
+            cache[key] = body
+            while len(cache) > 64 or sum(map(len, cache.values())) > PLAN_CACHE_BYTES:
+                cache.pop(next(iter(cache)))
+    return body
+
+
+def prerender_on_commit(state: AppState) -> Callable[[str, PlanVersion], None]:
+    """A core listener: when a plan commits, render its ``/plans/latest`` body in a thread
+    of its own, so no request waits for it (listeners run under the core's lock)."""
+
+    def on_plan(event: str, pv: PlanVersion) -> None:
+        if event == "committed":
+            threading.Thread(
+                target=plan_json, args=(state, pv, False), name="expertmesh-render", daemon=True
+            ).start()
+
+    return on_plan
+
+
+def _plan_response(state: AppState, pv: PlanVersion, route: bool) -> Response:
+    return Response(plan_json(state, pv, route), media_type="application/json")
 
 
 @router.get("", response_model=s.PlansPage, summary="Committed plans, newest first")
