@@ -26,11 +26,10 @@ import json
 import logging
 import sqlite3
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from expertmesh.controller.core import (
     ControllerCore,
@@ -91,9 +90,11 @@ def arr_from_bytes(data: bytes) -> np.ndarray:
     return np.load(io.BytesIO(data), allow_pickle=False)
 
 
-@dataclass(frozen=True)
-class PlanSummary:
-    """A committed plan's metrics, without its arrays."""
+class PlanSummary(BaseModel):
+    """A committed plan's metrics, without its arrays (the REST API serves this field list
+    as ``PlanSummaryOut``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
     version: int
     step: int
@@ -102,8 +103,8 @@ class PlanSummary:
     created_at: float
     committed_at: float | None
     num_layers: int
-    imbalance_before: list[float]
-    imbalance_after: list[float]
+    imbalance_before: list[float] = Field(description="[L] max/mean before the plan")
+    imbalance_after: list[float] = Field(description="[L] max/mean under the plan")
     solve_seconds: float
     migrations: int
     migration_bytes: int

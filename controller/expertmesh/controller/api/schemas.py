@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from expertmesh.controller.core import Trigger
+from expertmesh.controller.store import PlanSummary
 
 MAX_COUNT = 2**40
 MAX_RANKS = 65_536
@@ -89,19 +90,9 @@ class LayersOut(_Out):
 # ---- plans ----
 
 
-class PlanSummaryOut(_Out):
-    version: int
-    step: int
-    policy: str
-    state: str
-    created_at: float
-    committed_at: float | None
-    num_layers: int
-    imbalance_before: list[float]
-    imbalance_after: list[float]
-    solve_seconds: float
-    migrations: int
-    migration_bytes: int
+# One field list: the plan store's summary is the response model.
+class PlanSummaryOut(PlanSummary):
+    """A committed plan's metrics, without its arrays."""
 
 
 class PlansPage(_Out):

@@ -71,20 +71,7 @@ def layer_out(st: LayerStats) -> s.LayerOut:
 
 
 def summary_out(sm: PlanSummary) -> s.PlanSummaryOut:
-    return s.PlanSummaryOut(
-        version=sm.version,
-        step=sm.step,
-        policy=sm.policy,
-        state=sm.state,
-        created_at=sm.created_at,
-        committed_at=sm.committed_at,
-        num_layers=sm.num_layers,
-        imbalance_before=sm.imbalance_before,
-        imbalance_after=sm.imbalance_after,
-        solve_seconds=sm.solve_seconds,
-        migrations=sm.migrations,
-        migration_bytes=sm.migration_bytes,
-    )
+    return s.PlanSummaryOut.model_validate(sm.model_dump())
 
 
 def transfers_out(transfers: tuple[Transfer, ...]) -> list[s.TransferOut]:
