@@ -10,8 +10,13 @@ to `expertmesh serve` for --minutes (default 10) while plans commit.
   unknown rank, wrong length, stale step, in turn) goes on a short stream of its own and
   must be refused with INVALID_ARGUMENT.
 - Baseline in the same run: before the ranks start, the same poller measures the same
-  server idle for --baseline-seconds (a committed plan exists by then only if
-  the server recovered one, so the baseline polls answer 404 quickly: see the status counts).
+  server idle for --baseline-seconds (plan 1, from step 0 sent over REST, is committed;
+  no reports flow).
+- Control in the same run: a do-nothing server of the same stack (uvicorn + FastAPI, a
+  process of its own) answers GET /api/v1/plans/latest with the same bytes; a second
+  poller polls it at the same rate during the baseline and the soak. Its tail is what the
+  machine alone (other processes, this benchmark's own ranks and pollers) does to a
+  request; the controller's tail beyond it is the controller's own.
 - This process samples the controller's RSS (/proc/PID/status of the server and of its
   planner processes, summed; the server alone as well) every --sample-seconds and
   fits a least-squares line (MB/min, over the whole soak and after the first
@@ -223,6 +228,7 @@ def _ranks_process(target: str, token: str, cfg: dict[str, Any], out: Any) -> No
             "bad_sent": bad,
             "bad_refused": refused,
             "seconds": time.monotonic() - t0,
+            "cpu_seconds": sum(os.times()[:2]),
             "step_lag_p99_s": float(np.percentile(lag, 99)) if lag else 0.0,
         }
 
@@ -294,6 +300,33 @@ class _RestPoller(threading.Thread):
                         self.slow.append((time.time(), ms))
 
 
+def _control_server(sock: socket.socket, body: bytes) -> None:
+    """The control: a server of the same stack (uvicorn + FastAPI, TCP_NODELAY) that answers
+    GET /api/v1/plans/latest with fixed bytes and does nothing else (a separate process)."""
+    import uvicorn
+    from fastapi import FastAPI, Response
+
+    app = FastAPI()
+
+    @app.get("/api/v1/plans/latest")
+    async def latest() -> Response:
+        return Response(body, media_type="application/json")
+
+    uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(sockets=[sock])
+
+
+def _start_control(body: bytes) -> tuple[Any, str]:
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    proc = mp.get_context("spawn").Process(target=_control_server, args=(sock, body), daemon=True)
+    proc.start()
+    sock.close()
+    return proc, url
+
+
 def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
     import httpx
 
@@ -326,6 +359,28 @@ def _prime(url: str, token: str, ranks: int, layers: int, experts: int) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError("the controller committed no plan for step 0")
         time.sleep(0.2)
+
+
+def _latest_body(url: str) -> bytes:
+    import httpx
+
+    r = httpx.get(f"{url}/api/v1/plans/latest", timeout=30)
+    r.raise_for_status()
+    return r.content
+
+
+def _wait_control(url: str, timeout: float = 60.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/api/v1/plans/latest", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("the control server did not start")
 
 
 def _server_counts(url: str) -> dict[str, Any]:
@@ -370,17 +425,23 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
         ]  # fmt: skip
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        control: Any = None
         try:
             _wait_ready(url, proc, 120)
             t0 = time.monotonic()
             sampler = _Sampler(proc.pid, args.sample_seconds, t0)
             sampler.start()
             _prime(url, token, topo.num_ranks, args.layers, experts)
+            control, control_url = _start_control(_latest_body(url))
+            _wait_control(control_url)
             poller = _RestPoller(url, args.rest_hz)
+            ctl_poller = _RestPoller(control_url, args.rest_hz)
             poller.start()
+            ctl_poller.start()
             time.sleep(args.baseline_seconds)  # the baseline: the same server, no ranks yet
-            idle = list(poller.lat_ms)
+            idle, ctl_idle = list(poller.lat_ms), list(ctl_poller.lat_ms)
             poller.lat_ms.clear()
+            ctl_poller.lat_ms.clear()
             cfg = {
                 "ranks": topo.num_ranks,
                 "layers": args.layers,
@@ -398,16 +459,19 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
             cpu_end, wall = _tree_cpu(proc.pid), time.monotonic() - wall_start
             gen.join(60)
             time.sleep(1.0)  # let the plan loop see the last step
-            poller.stop.set()
-            sampler.stop.set()
-            poller.join(15)
-            sampler.join(15)
+            for t in (poller, ctl_poller, sampler):
+                t.stop.set()
+            for t in (poller, ctl_poller, sampler):
+                t.join(15)
             if "error" in client:
                 raise RuntimeError(f"load generator failed: {client['error']}")
             server = _server_counts(url)
             if proc.poll() is not None:
                 raise RuntimeError(f"expertmesh serve died (code {proc.returncode})")
         finally:
+            if control is not None and control.is_alive():
+                control.terminate()
+                control.join(10)
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
                 try:
@@ -417,6 +481,8 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
                     proc.wait(10)
     lat = np.array(poller.lat_ms or [float("nan")])
     base = np.array(idle or [float("nan")])
+    ctl = np.array(ctl_poller.lat_ms or [float("nan")])
+    ctl_base = np.array(ctl_idle or [float("nan")])
     samples, own = sampler.samples, sampler.own
     primed = args.layers  # the [R, E] step-0 reports over REST
     sent = client["good_sent"] + client["bad_sent"] + primed
@@ -480,6 +546,17 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
             "baseline_p50_ms": float(np.percentile(base, 50)),
             "baseline_p99_ms": float(np.percentile(base, 99)),
         },
+        # the same poller against a do-nothing server of the same stack, at the same time
+        "control": {
+            "requests_200": len(ctl_poller.lat_ms),
+            "errors": ctl_poller.errors,
+            "p50_ms": float(np.percentile(ctl, 50)),
+            "p99_ms": float(np.percentile(ctl, 99)),
+            "max_ms": float(ctl.max()),
+            "over_50_ms": len(ctl_poller.slow),
+            "baseline_p50_ms": float(np.percentile(ctl_base, 50)),
+            "baseline_p99_ms": float(np.percentile(ctl_base, 99)),
+        },
         "cpu": {
             "wall_seconds": wall,
             "server_cores": (cpu_end[proc.pid] - cpu_start.get(proc.pid, 0.0)) / wall,
@@ -496,7 +573,7 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
 
 def _report(res: dict[str, Any]) -> str:
     c, s, a, m, r = res["client"], res["server"], res["accounting"], res["rss"], res["rest_latest"]
-    o = m["server_only"]
+    o, k = m["server_only"], res["control"]
     cfg = res["config"]
 
     def f(x: float | None, fmt: str = ".2f") -> str:
@@ -525,8 +602,11 @@ def _report(res: dict[str, Any]) -> str:
         ("requests over 50 ms", f"{len(r['slow'])} ({100 * len(r['slow']) / max(1, r['requests_200']):.1f}%)"),
         ("baseline (no ranks) p50 / p99 ms", f"{r['baseline_p50_ms']:.1f} / {r['baseline_p99_ms']:.1f} ({r['baseline_requests_200']} requests)"),
         ("p99 under soak / baseline p99", f"{r['p99_ms'] / r['baseline_p99_ms']:.1f}x"),
+        ("control server (same stack, no work), same time: p50 / p99 / max ms", f"{k['p50_ms']:.1f} / {k['p99_ms']:.1f} / {k['max_ms']:.1f} ({k['requests_200']} requests, {k['over_50_ms']} over 50 ms)"),
+        ("control server during the baseline: p50 / p99 ms", f"{k['baseline_p50_ms']:.1f} / {k['baseline_p99_ms']:.1f}"),
+        ("p99 / control p99 (same time)", f"{r['p99_ms'] / k['p99_ms']:.1f}x"),
         ("step lag p99 (s)", f"{c['step_lag_p99_s']:.3f}"),
-        ("CPU while the ranks stream: server / planner processes (cores)", f"{res['cpu']['server_cores']:.2f} / {res['cpu']['planner_cores']:.2f}"),
+        ("CPU while the ranks stream: server / planner / ranks processes (cores)", f"{res['cpu']['server_cores']:.2f} / {res['cpu']['planner_cores']:.2f} / {c['cpu_seconds'] / c['seconds']:.2f}"),
         ("load average (1, 5, 15 min) before", ", ".join(f"{x:.2f}" for x in res["loadavg_before"])),
         ("load average (1, 5, 15 min) at the end", ", ".join(f"{x:.2f}" for x in res["loadavg"])),
     ]  # fmt: skip

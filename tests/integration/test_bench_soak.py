@@ -22,3 +22,5 @@ def test_soak_smoke(repo, tmp_path):
     assert acc["server_received"] == acc["applied"] + acc["rejected"]
     assert res["server"]["plans_committed"] >= 2
     assert res["rss"]["samples"] >= 3 and res["rest_latest"]["requests_200"] > 0
+    assert res["control"]["requests_200"] > 0 and res["control"]["errors"] == 0
+    assert res["config"]["planner_process"] and res["cpu"]["server_cores"] > 0
