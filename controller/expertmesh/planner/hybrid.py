@@ -26,7 +26,7 @@ the experts, step 1, then every ``period`` steps, on the mean of the last
 4. **guards**: the candidate plans (per-pair choices, with and without
    compute-relief copies that take free slots, masters only) are scored with the
    full cost model on the estimate, as they will run (with ``inside="quota"``:
-   quota composed inside the DCs, step 5), the migration into them streamed over
+   quota composed inside the DCs, below), the migration into them streamed over
    the period; the fastest replaces the running plan (plain EP at first) only if
    it is faster by ``min_gain``, so the policy never picks a plan its model says is
    slower than the one it has. Which experts a DC holds, and so how many of its
