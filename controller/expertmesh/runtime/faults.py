@@ -100,6 +100,8 @@ class Membership:
                 str(node["NodeManagerAddress"]),
                 int(node["ObjectManagerPort"]),
             )
+        # up before any cut: a probe's first call waits for its actor to start (seconds here)
+        ray.get([p.probe.remote({}, 0.1) for p in self.probes.values()])
 
     def links_up(self) -> np.ndarray:
         """[D, D] bool: links neither cut in the shaper nor found down by a probe."""
