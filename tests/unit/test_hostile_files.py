@@ -219,6 +219,9 @@ def test_meta_json_round_trip_still_works(good):
     "argv",
     [
         ["serve", "--policy-settings", "[" * 5000 + "]" * 5000, "--seconds", "0"],
+        ["demo", "--policy-settings", "[" * 5000 + "]" * 5000, "--steps", "1", "--exit"],
+        ["demo", "--policy", "hybrid", "--policy-settings", '{"period": 0}', "--exit"],
+        ["demo", "--policy-settings", '{"period": 4', "--exit"],
         ["plan", "--trace", "t.npz", "--topology", "t.yaml", "--policy", "static", "--out",
          "o.npz", "--set", "period=" + "[" * 5000 + "]" * 5000],
     ],

@@ -19,6 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
+from expertmesh.cli.common import json_object
 from expertmesh.formats import read_topology
 from expertmesh.planner import Topology, available_policies
 
@@ -44,6 +47,11 @@ def add_parser(sub: Any) -> None:
         "--trigger",
         default="every_n:5",
         help="when to re-plan: every_step, every_n:N or threshold:X (default every_n:5)",
+    )
+    p.add_argument(
+        "--policy-settings",
+        help="the policy's settings as a JSON object, e.g. '{\"period\": 4}' "
+        "(`expertmesh plan policies` lists them)",
     )
     p.add_argument("--topology", type=Path, help="topology YAML (else --dcs x --ranks-per-dc)")
     p.add_argument("--dcs", type=int, default=3, help="DCs (default 3)")
@@ -122,8 +130,6 @@ def parse_trigger(text: str) -> dict[str, Any]:
 
 def build_settings(args: argparse.Namespace) -> Any:
     """The :class:`RuntimeSettings` the arguments describe (ValueError on bad input)."""
-    from expertmesh.controller.core import Trigger
-    from expertmesh.runtime.cluster import RuntimeSettings
     from expertmesh.workers.model import LMConfig
 
     if args.policy is None:
@@ -167,10 +173,21 @@ def build_settings(args: argparse.Namespace) -> Any:
             f"{lm.num_experts} experts do not fit {topo.num_ranks} ranks x "
             f"{topo.masters_per_rank} master slots"
         )
+    try:
+        return _runtime_settings(args, topo, lm)
+    except ValidationError as err:
+        raise ValueError(_first_error(err)) from None
+
+
+def _runtime_settings(args: argparse.Namespace, topo: Topology, lm: Any) -> Any:
+    from expertmesh.controller.core import Trigger
+    from expertmesh.runtime.cluster import RuntimeSettings
+
     return RuntimeSettings(
         topology=topo.to_dict(),
         lm=lm,
         policy=args.policy,
+        policy_settings=json_object(args.policy_settings, "--policy-settings"),
         trigger=Trigger(**parse_trigger(args.trigger)),
         shaper=not args.no_shaper,
         corpus=str(args.corpus) if args.corpus else None,
@@ -183,17 +200,20 @@ def build_settings(args: argparse.Namespace) -> Any:
     )
 
 
-def _surface_settings(args: argparse.Namespace) -> Any:
-    from pydantic import ValidationError
+def _first_error(err: ValidationError) -> str:
+    e = err.errors()[0]
+    where, msg = ".".join(map(str, e["loc"])), str(e["msg"]).removeprefix("Value error, ")
+    return f"{where}: {msg}" if where else msg
 
+
+def _surface_settings(args: argparse.Namespace) -> Any:
     from expertmesh.controller.settings import SurfaceSettings
 
     given = {"host": args.host, "rest_port": args.rest_port, "grpc_port": args.grpc_port}
     try:
         return SurfaceSettings(**{k: v for k, v in given.items() if v is not None})
     except ValidationError as err:
-        e = err.errors()[0]
-        raise ValueError(f"{'.'.join(map(str, e['loc']))}: {e['msg']}") from None
+        raise ValueError(_first_error(err)) from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import signal
 import threading
@@ -17,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from expertmesh.cli.common import json_object
 from expertmesh.cli.main import UsageError
 
 DEFAULT_TOPOLOGY = Path(__file__).resolve().parents[3] / "deploy" / "topologies" / "two-dc.yaml"
@@ -110,14 +110,7 @@ def build_core(args: argparse.Namespace) -> Any:
         hidden=args.hidden,
         ffn_hidden=args.ffn_hidden,
     )
-    settings_json: dict[str, Any] = {}
-    if args.policy_settings:
-        try:
-            settings_json = json.loads(args.policy_settings)
-        except json.JSONDecodeError as err:
-            raise UsageError(f"--policy-settings is not JSON: {err.msg}") from None
-        if not isinstance(settings_json, dict):
-            raise UsageError("--policy-settings must be a JSON object")
+    settings_json = json_object(args.policy_settings, "--policy-settings")
     trigger = Trigger(mode=args.trigger, every=args.every, threshold=args.threshold)
     settings = ControllerSettings(
         policy=args.policy or "static", policy_settings=settings_json, trigger=trigger
