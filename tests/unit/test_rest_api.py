@@ -144,6 +144,18 @@ def test_policy_read_and_authenticated_change(env):
     assert bad.status_code == 422 and core.settings.window == 5
 
 
+def test_policy_change_keeps_the_settings_the_body_leaves_out(env):
+    core, c = env
+    core.configure(core.settings.model_copy(update={"max_pending_steps": 64}))
+    ok = c.put(
+        "/api/v1/policy",
+        json={"policy": "static", "window": 7},
+        headers={"Authorization": f"Bearer {TOKEN}"},
+    )
+    assert ok.status_code == 200, ok.text
+    assert core.settings.window == 7 and core.settings.max_pending_steps == 64
+
+
 def test_without_a_configured_token_writes_are_refused():
     _core, c = _make(token=None)
     r = c.put("/api/v1/policy", json={"policy": "static"}, headers={"Authorization": "Bearer x"})

@@ -37,11 +37,14 @@ def get_policy(state: StateDep) -> s.PolicyOut:
 def put_policy(state: StateDep, body: s.PolicyIn, _auth: AdminDep) -> s.PolicyOut:
     cur = state.core.settings
     try:
-        new = ControllerSettings(
-            policy=body.policy,
-            policy_settings=body.policy_settings,
-            trigger=body.trigger or cur.trigger,
-            window=body.window or cur.window,
+        new = ControllerSettings.model_validate(  # the fields the body leaves out stay
+            cur.model_dump()
+            | {
+                "policy": body.policy,
+                "policy_settings": body.policy_settings,
+                "trigger": body.trigger or cur.trigger,
+                "window": body.window or cur.window,
+            }
         )
         state.core.configure(new)
     except ValueError as err:
