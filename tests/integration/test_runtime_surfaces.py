@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import httpx
 import numpy as np
+import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from expertmesh.controller.core import Trigger
@@ -74,3 +75,32 @@ def test_rest_and_metrics_serve_the_runtimes_data() -> None:
                 assert m[key] == sent[a, b]
     assert sum(np.asarray(s.bytes_by_pair)[0].sum() for s in steps) > 0
     assert m[("expertmesh_load_reports_received_total", ())] == STEPS * LM.num_layers * 4
+
+
+def test_the_surfaces_come_back_after_a_controller_restart() -> None:
+    """Ray restarts a crashed controller actor; it serves REST again (on new ports when
+    they were picked freely) with the plan it recovered from its store."""
+    topo = Topology.generate(2, 2, masters=2, spare=2).with_inter_dc(0.5, 2.0)
+    settings = RuntimeSettings(
+        topology=topo.to_dict(),
+        lm=LM,
+        policy="static",
+        trigger=Trigger(mode="every_step"),
+        corpus_bytes=200_000,
+        surfaces=SurfaceSettings(rest_port=0, grpc_port=0),
+    )
+    with Runtime(settings) as rt:
+        assert rt.surfaces is not None
+        rt.run_step()
+        ray.get(rt.controller.inject_crash.remote("committed"))
+        crashed = rt.run_step()  # the controller exits while applying this step's plan
+        after = rt.run_step()  # the first turn after Ray restarted it
+        status = rt.status()
+        with httpx.Client(base_url=rt.surfaces["rest_url"], timeout=10) as http:
+            health = http.get("/api/v1/health")
+            latest = http.get("/api/v1/plans/latest")
+    assert crashed.error is not None and rt.controller_failures == [crashed.step]
+    assert status["restarted"] and after.error is None
+    assert health.status_code == 200
+    assert latest.status_code == 200, latest.text
+    assert latest.json()["version"] == status["version"]

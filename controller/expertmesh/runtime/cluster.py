@@ -173,6 +173,11 @@ class ControllerActor:
         self.reconciled: dict[str, list[int]] = {}
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self.reset(settings, recover=restarted)
+        if restarted and settings.surfaces is not None:
+            try:  # the dead process's ports are free again (port 0: new ones, see Runtime)
+                self.start_surfaces()
+            except Exception:
+                log.exception("restarting the control-plane surfaces failed")
 
     def reset(self, settings: RuntimeSettings, *, recover: bool = False) -> None:
         """A fresh core (no plans, empty windows) for ``settings``; not while serving.
@@ -700,8 +705,9 @@ class Runtime(Membership):
         }
         t1 = time.perf_counter()
         try:
-            if self.controller_failures:
-                self._ask("status")  # wait for a restarting controller (no turn is skipped)
+            # wait for a restarting controller (no turn is skipped); it serves its surfaces again
+            if self.controller_failures and self._ask("status") and self.surfaces is not None:
+                self.surfaces = self._ask("start_surfaces")
             ctl = ray.get(self.controller.control.remote(self.step, record))
         except ray.exceptions.RayActorError as err:
             # the controller died (Ray restarts it; it recovers from its store and reconciles
