@@ -57,7 +57,7 @@ def _check(lp, dead: tuple[int, ...], load: np.ndarray) -> None:
         assert np.array_equal(got.astype(np.int64), load[src])
 
 
-@pytest.mark.parametrize("policy", ["static", "eplb", "quota", "hybrid"])
+@pytest.mark.parametrize("policy", ["static", "eplb", "quota", "hybrid", "fastermoe"])
 @given(
     dead=st.sets(st.integers(0, TOPO.num_ranks - 1), min_size=1, max_size=4),
     seed=st.integers(0, 2**16),
@@ -100,7 +100,7 @@ def test_too_few_survivors_raise() -> None:
         plan_layer(make_policy("static"), _ctx(load, (0, 1, 2, 3, 4, 5)))
 
 
-@pytest.mark.parametrize("policy", ["static", "eplb", "quota", "hybrid"])
+@pytest.mark.parametrize("policy", ["static", "eplb", "quota", "hybrid", "fastermoe"])
 def test_cut_dc_gets_no_copies_or_routes(policy: str) -> None:
     """A cut between DCs a and c: c pauses (connected_dcs), its ranks are planned out, so
     no copy and no route crosses the cut."""
