@@ -2,6 +2,7 @@
 plans go to a planner process unless told otherwise."""
 
 import gc
+import platform
 
 import pytest
 
@@ -44,3 +45,9 @@ def test_plan_workers_out_of_bounds_is_a_usage_error():
     args = build_parser().parse_args(["serve", "--plan-workers", "0"])
     with pytest.raises(UsageError, match="plan-workers"):
         build_core(args)
+
+
+def test_big_buffers_get_their_own_mapping_on_glibc() -> None:
+    from expertmesh.cli.serve import big_buffers_to_mmap
+
+    assert big_buffers_to_mmap() is (platform.libc_ver()[0] == "glibc")
