@@ -25,9 +25,10 @@ def _samples(text: str) -> dict[tuple[str, tuple], float]:
     return out
 
 
-def test_rest_and_metrics_serve_the_runtimes_data() -> None:
+def _settings() -> RuntimeSettings:
+    """2 DCs x 2 ranks, static planned every step, REST and gRPC on free ports."""
     topo = Topology.generate(2, 2, masters=2, spare=2).with_inter_dc(0.5, 2.0)
-    settings = RuntimeSettings(
+    return RuntimeSettings(
         topology=topo.to_dict(),
         lm=LM,
         policy="static",
@@ -35,6 +36,11 @@ def test_rest_and_metrics_serve_the_runtimes_data() -> None:
         corpus_bytes=200_000,
         surfaces=SurfaceSettings(rest_port=0, grpc_port=0),
     )
+
+
+def test_rest_and_metrics_serve_the_runtimes_data() -> None:
+    settings = _settings()
+    topo = Topology.from_dict(settings.topology)
     with Runtime(settings) as rt:
         assert rt.surfaces is not None
         url = rt.surfaces["rest_url"]
@@ -80,15 +86,7 @@ def test_rest_and_metrics_serve_the_runtimes_data() -> None:
 def test_the_surfaces_come_back_after_a_controller_restart() -> None:
     """Ray restarts a crashed controller actor; it serves REST again (on new ports when
     they were picked freely) with the plan it recovered from its store."""
-    topo = Topology.generate(2, 2, masters=2, spare=2).with_inter_dc(0.5, 2.0)
-    settings = RuntimeSettings(
-        topology=topo.to_dict(),
-        lm=LM,
-        policy="static",
-        trigger=Trigger(mode="every_step"),
-        corpus_bytes=200_000,
-        surfaces=SurfaceSettings(rest_port=0, grpc_port=0),
-    )
+    settings = _settings()
     with Runtime(settings) as rt:
         assert rt.surfaces is not None
         rt.run_step()
