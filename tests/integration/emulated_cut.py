@@ -7,7 +7,6 @@ told about), trains on, heals, trains on; writes what happened as JSON.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import sys
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from netemu_module import load_netemu  # this directory: run as a script
 
 from expertmesh.controller.core import Trigger
 from expertmesh.runtime.cluster import Runtime, RuntimeSettings
@@ -28,15 +28,6 @@ BEFORE, DURING, AFTER = 2, 2, 2
 LM = LMConfig(num_layers=2, num_experts=6, top_k=2, hidden=16, ffn_hidden=16, batch=4, seq_len=32)
 
 
-def _netemu() -> Any:
-    spec = importlib.util.spec_from_file_location("netemu", REPO / "deploy/emulate/netemu.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["netemu"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _plan(rt: Runtime) -> list[dict[str, Any]]:
     return [
         {"phy2log": p.tolist(), "route": r[:, [0, 2]].tolist()}
@@ -46,7 +37,7 @@ def _plan(rt: Runtime) -> list[dict[str, Any]]:
 
 def main(name: str, out: Path) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
-    netemu = _netemu()
+    netemu = load_netemu()
     em = netemu._load(name)
     settings = RuntimeSettings(
         topology=yaml.safe_load(TOPOLOGY.read_text()),

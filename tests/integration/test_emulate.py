@@ -7,32 +7,23 @@ no iproute2, no htb).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import yaml
+
+from .netemu_module import load_netemu
 
 REPO = Path(__file__).resolve().parents[2]
 TOPOLOGY = REPO / "deploy/topologies/emulate.yaml"
 
 
-def _load_netemu() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("netemu", REPO / "deploy/emulate/netemu.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["netemu"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-netemu = _load_netemu()
+netemu = load_netemu()
 WHY_NOT = netemu.check_host()
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=f"no network namespaces: {WHY_NOT}")
 

@@ -172,16 +172,7 @@ def plan_jobs(
         if job.committed is None:
             before = imbalance(static_rank_tokens(job.load, topology))
         else:
-            before_ctx = PolicyContext(
-                topology=topology,
-                model=model,
-                step=job.committed_step,
-                layer=job.layer,
-                load=job.load,
-                history=job.history,
-                previous=committed,
-                dead_ranks=job.dead_ranks,
-            )
+            before_ctx = replace(ctx, step=job.committed_step, previous=committed)
             route = policy.route(before_ctx, job.committed)
             before = imbalance(
                 np.bincount(route[:, 2], weights=route[:, 3], minlength=topology.num_ranks)
