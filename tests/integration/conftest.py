@@ -18,6 +18,8 @@ from expertmesh.planner import Topology
 from expertmesh.runtime.cluster import Runtime, RuntimeSettings
 from expertmesh.workers.model import LMConfig
 
+from .chromium import Chromium, find_chromium
+
 # 2 layers x 8 experts, tiny widths: a step takes a fraction of a second on 2 cores
 FAULT_LM = LMConfig(
     num_layers=2, num_experts=8, top_k=2, hidden=16, ffn_hidden=16, batch=4, seq_len=32
@@ -49,3 +51,14 @@ def fault_runtime(request: pytest.FixtureRequest) -> Iterator[Runtime]:
         yield rt
     finally:
         rt.shutdown()
+
+
+@pytest.fixture
+def browser() -> Iterator[Chromium]:
+    """A headless Chromium (skipped where it is not installed)."""
+    binary = find_chromium()
+    if binary is None:
+        pytest.skip("chromium is not installed (scripts/setup.sh installs it)")
+    b = Chromium(binary)
+    yield b
+    b.close()

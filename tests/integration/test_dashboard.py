@@ -19,8 +19,6 @@ from expertmesh.controller.server import Surfaces
 from expertmesh.controller.settings import SurfaceSettings
 from expertmesh.planner import ModelSpec, Topology, available_policies
 
-from .chromium import Chromium, find_chromium
-
 L, E = 4, 64
 
 
@@ -91,16 +89,6 @@ class Feeder:
         for r in range(num_ranks):
             tel.set_worker_state(r, not (r == 5 and self.step >= 3))
         self.step += 1
-
-
-@pytest.fixture
-def browser():
-    binary = find_chromium()
-    if binary is None:
-        pytest.skip("chromium is not installed (scripts/setup.sh installs it)")
-    b = Chromium(binary)
-    yield b
-    b.close()
 
 
 def test_dashboard_renders_real_data_and_updates(browser, tmp_path):

@@ -21,8 +21,6 @@ from expertmesh.planner.static import StaticPolicy
 from expertmesh.v1 import expertmesh_pb2 as pb
 from expertmesh.v1 import expertmesh_pb2_grpc as pb_grpc
 
-from .chromium import Chromium, find_chromium
-
 TOKEN = "security-token"
 EVIL_DC = '<script>window.pwned = "dc"</script>'
 EVIL_DC2 = "<img src=x onerror=\"window.pwned='img'\">"
@@ -53,16 +51,6 @@ def evil_policy():
         yield EVIL_POLICY
     finally:
         _REGISTRY.pop(EVIL_POLICY, None)
-
-
-@pytest.fixture
-def browser():
-    binary = find_chromium()
-    if binary is None:
-        pytest.skip("chromium is not installed (scripts/setup.sh installs it)")
-    b = Chromium(binary)
-    yield b
-    b.close()
 
 
 def test_hostile_names_reach_the_json_raw_and_the_page_as_text(browser, evil_policy, tmp_path):
