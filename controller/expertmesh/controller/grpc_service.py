@@ -4,14 +4,15 @@ An asyncio server (``grpc.aio``) in a thread of its own, so a thousand ranks
 may each hold a report stream open without a thread apiece. Messages become
 domain types at the edge (``expertmesh.v1.convert``); bad input ends the call
 with ``INVALID_ARGUMENT`` (``RESOURCE_EXHAUSTED`` for too many reports in one
-message), counted as rejected, and the core is left as it was. Standard
-health checking (``grpc.health.v1``) is served alongside.
+message), counted as rejected, and the core is left as it was; so do bytes that are
+not a valid message (:mod:`expertmesh.controller.grpc_guard`). Standard health checking
+(``grpc.health.v1``) and server reflection (``grpc.reflection.v1alpha``, so grpcurl needs
+no ``-proto``) are served alongside.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import threading
 from collections.abc import AsyncIterator
@@ -19,8 +20,11 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
+from expertmesh.controller.auth import token_matches
 from expertmesh.controller.core import BatchReportError, ControllerCore, PlanVersion
+from expertmesh.controller.grpc_guard import UndecodableRequests
 from expertmesh.controller.settings import SurfaceSettings
 from expertmesh.controller.store import SqlitePlanStore
 from expertmesh.v1 import convert
@@ -76,13 +80,11 @@ class ExpertMeshService(pb_grpc.ExpertMeshServiceServicer):
         want = self.settings.token_value()
         if want is None:
             return True
-        got = ""
+        got = None
         for key, value in context.invocation_metadata() or ():
             if key == "authorization" and isinstance(value, str):
                 got = value
-        return got.startswith("Bearer ") and hmac.compare_digest(
-            got[len("Bearer ") :].encode(), want.encode()
-        )
+        return token_matches(got, want)  # the rule REST applies too (scheme case-insensitive)
 
     async def ReportLoad(
         self, request_iterator: AsyncIterator[pb.ReportLoadRequest], context: Any
@@ -251,7 +253,14 @@ class GrpcServer:
 
     async def _serve(self, host: str, port: int) -> None:
         size = self.settings.max_message_bytes
+        core = self.core
+
+        def refused(method: str) -> None:  # an undecodable report message counts as rejected
+            if method == f"/{SERVICE_NAME}/ReportLoad":
+                core.reject_report()
+
         server = grpc.aio.server(
+            interceptors=[UndecodableRequests(refused)],
             # beyond this many open calls (report streams, plan watchers) new ones get
             # RESOURCE_EXHAUSTED instead of memory
             maximum_concurrent_rpcs=self.settings.max_concurrent_rpcs,
@@ -269,6 +278,9 @@ class GrpcServer:
         )
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
         bound = server.add_insecure_port(f"{host}:{port}")
         if bound == 0:
             raise OSError(f"cannot bind {host}:{port}")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -11,6 +10,7 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from expertmesh.controller.auth import token_matches
 from expertmesh.controller.core import ControllerCore, PlanVersion
 from expertmesh.controller.settings import SurfaceSettings
 from expertmesh.controller.store import SqlitePlanStore
@@ -54,30 +54,29 @@ async def get_state(request: Request) -> AppState:  # async: no threadpool hop p
 
 StateDep = Annotated[AppState, Depends(get_state)]
 
+# Documents the scheme in the OpenAPI schema; the check itself reads the raw header with the
+# rule gRPC applies too (controller/auth.py).
 _bearer = HTTPBearer(auto_error=False, description="EXPERTMESH_TOKEN")
 BearerDep = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
 
-def _token_ok(state: AppState, creds: HTTPAuthorizationCredentials | None) -> bool:
-    want = state.settings.token_value()
-    if want is None or creds is None:
-        return False
-    return hmac.compare_digest(creds.credentials.encode(), want.encode())
+def _token_ok(state: AppState, request: Request) -> bool:
+    return token_matches(request.headers.get("authorization"), state.settings.token_value())
 
 
-def require_admin(state: StateDep, creds: BearerDep) -> None:
+def require_admin(state: StateDep, request: Request, _creds: BearerDep) -> None:
     """Changing policy or settings: needs the configured token; refused if none is configured."""
     if state.settings.token_value() is None:
         raise HTTPException(403, "writes are disabled: no token is configured (EXPERTMESH_TOKEN)")
-    if not _token_ok(state, creds):
+    if not _token_ok(state, request):
         raise HTTPException(
             401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
         )
 
 
-def require_ingest(state: StateDep, creds: BearerDep) -> None:
+def require_ingest(state: StateDep, request: Request, _creds: BearerDep) -> None:
     """Load reports: need the token when one is configured (then counted as rejected)."""
-    if state.settings.token_value() is not None and not _token_ok(state, creds):
+    if state.settings.token_value() is not None and not _token_ok(state, request):
         state.core.reject_report()
         raise HTTPException(
             401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
