@@ -18,7 +18,7 @@ __all__ = ["UsageError", "main"]
 
 # Subcommand modules, in the order `expertmesh --help` lists them. A module that
 # is not there yet is skipped, so the CLI works while features land one by one.
-_COMMANDS = ("trace", "plan", "sim", "demo", "serve")
+_COMMANDS = ("trace", "plan", "sim", "demo", "serve", "certs")
 
 
 class UsageError(Exception):

@@ -58,6 +58,20 @@ def add_parser(sub: Any) -> None:
         "--db", default=None, help="SQLite plan store (default: in memory, newest 16 plans)"
     )
     p.add_argument("--retention", type=int, default=None, help="committed plans kept")
+    p.add_argument(
+        "--tls-cert",
+        type=Path,
+        default=None,
+        help="PEM certificate: REST, the dashboard and gRPC speak only TLS (with --tls-key; "
+        "default $EXPERTMESH_TLS_CERT)",
+    )
+    p.add_argument("--tls-key", type=Path, default=None, help="PEM key of --tls-cert")
+    p.add_argument(
+        "--tls-client-ca",
+        type=Path,
+        default=None,
+        help="PEM CA: clients must present a certificate it signed (mutual TLS)",
+    )
     p.add_argument("--seconds", type=float, default=None, help="stop after this long")
     p.add_argument(
         "--planner-process",
@@ -82,12 +96,16 @@ def _settings_from(args: argparse.Namespace) -> Any:
         "token": args.token,
         "db_path": args.db,
         "plan_retention": args.retention,
+        "tls_cert": args.tls_cert,
+        "tls_key": args.tls_key,
+        "tls_client_ca": args.tls_client_ca,
     }
     try:
         return SurfaceSettings(**{k: v for k, v in given.items() if v is not None})
     except ValidationError as err:
         e = err.errors()[0]
-        raise UsageError(f"{'.'.join(map(str, e['loc']))}: {e['msg']}") from None
+        where = ".".join(map(str, e["loc"]))
+        raise UsageError(f"{where}: {e['msg']}" if where else str(e["msg"])) from None
 
 
 def build_core(args: argparse.Namespace) -> Any:
@@ -155,6 +173,9 @@ def run(args: argparse.Namespace) -> int:
         planner = core.planner_settings
         where = f"{planner.workers} process(es), nice +{planner.nice}"
         print(f"  planner    {where if planner.process else 'in this process'}")
+        if settings.tls:
+            mutual = ", client certificates required" if settings.tls_client_ca else ""
+            print(f"  TLS        REST, dashboard and gRPC ({settings.tls_cert}{mutual})")
         if settings.token_value() is None:
             print("  writes     policy changes refused (no token); reports open on loopback")
         else:

@@ -196,6 +196,19 @@ class ExpertMeshService(pb_grpc.ExpertMeshServiceServicer):
         )
 
 
+def server_credentials(settings: SurfaceSettings) -> grpc.ServerCredentials | None:
+    """TLS credentials of the gRPC port (None: plaintext). With ``tls_client_ca`` every
+    client must present a certificate signed by it (mutual TLS)."""
+    if settings.tls_cert is None or settings.tls_key is None:
+        return None
+    ca = settings.tls_client_ca.read_bytes() if settings.tls_client_ca is not None else None
+    return grpc.ssl_server_credentials(
+        [(settings.tls_key.read_bytes(), settings.tls_cert.read_bytes())],
+        root_certificates=ca,
+        require_client_auth=ca is not None,
+    )
+
+
 class GrpcServer:
     """Runs the service on its own event loop in a daemon thread. ``start`` returns the port."""
 
@@ -281,7 +294,11 @@ class GrpcServer:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
-        bound = server.add_insecure_port(f"{host}:{port}")
+        creds = server_credentials(self.settings)
+        if creds is None:
+            bound = server.add_insecure_port(f"{host}:{port}")
+        else:
+            bound = server.add_secure_port(f"{host}:{port}", creds)
         if bound == 0:
             raise OSError(f"cannot bind {host}:{port}")
         await server.start()

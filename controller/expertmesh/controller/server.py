@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import threading
 import time
+from typing import Any
 
 import uvicorn
 
@@ -33,6 +35,21 @@ MEMORY_RETENTION = 16
 class _Uvicorn(uvicorn.Server):
     def install_signal_handlers(self) -> None:  # the host process owns signals
         pass
+
+
+def _uvicorn_tls(settings: SurfaceSettings) -> dict[str, Any]:
+    """uvicorn's TLS settings: the certificate and key; with a client CA, a client
+    certificate signed by it is required (the handshake fails without one)."""
+    if not settings.tls:
+        return {}
+    out: dict[str, Any] = {
+        "ssl_certfile": str(settings.tls_cert),
+        "ssl_keyfile": str(settings.tls_key),
+    }
+    if settings.tls_client_ca is not None:
+        out["ssl_ca_certs"] = str(settings.tls_client_ca)
+        out["ssl_cert_reqs"] = ssl.CERT_REQUIRED
+    return out
 
 
 class Surfaces:
@@ -91,7 +108,9 @@ class Surfaces:
 
     @property
     def rest_url(self) -> str:
-        return f"http://{self.settings.host}:{self.rest_port}"
+        host = self.settings.host
+        host = f"[{host}]" if ":" in host else host
+        return f"{self.settings.scheme}://{host}:{self.rest_port}"
 
     @property
     def grpc_target(self) -> str:
@@ -125,6 +144,7 @@ class Surfaces:
             limit_concurrency=1024,
             backlog=2048,
             h11_max_incomplete_event_size=64 * 1024,
+            **_uvicorn_tls(self.settings),
         )
         server = _Uvicorn(config)
         self._uvicorn = server

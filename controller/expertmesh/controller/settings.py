@@ -11,7 +11,7 @@ from __future__ import annotations
 import ipaddress
 from pathlib import Path
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["DEFAULT_GRPC_PORT", "DEFAULT_REST_PORT", "SurfaceSettings", "is_loopback"]
@@ -47,6 +47,37 @@ class SurfaceSettings(BaseSettings):
     max_concurrent_rpcs: int = Field(
         default=8192, ge=1, le=1_000_000, description="open gRPC calls (streams included)"
     )
+    tls_cert: Path | None = Field(
+        default=None,
+        description="PEM certificate (chain) REST and gRPC present; with tls_key, both speak "
+        "only TLS",
+    )
+    tls_key: Path | None = Field(default=None, description="PEM private key of tls_cert")
+    tls_client_ca: Path | None = Field(
+        default=None,
+        description="PEM CA certificate(s): when set, every REST and gRPC client must present "
+        "a certificate signed by one of them (mutual TLS)",
+    )
+
+    @model_validator(mode="after")
+    def _tls_files(self) -> SurfaceSettings:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+        for path in (self.tls_cert, self.tls_key, self.tls_client_ca):
+            if path is not None and not path.is_file():
+                raise ValueError(f"no such file: {path}")
+        return self
+
+    @property
+    def tls(self) -> bool:
+        """Whether REST and gRPC speak TLS (and only TLS)."""
+        return self.tls_cert is not None
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls else "http"
 
     def token_value(self) -> str | None:
         if self.token is None:

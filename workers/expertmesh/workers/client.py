@@ -8,11 +8,13 @@ a server stream (:meth:`ExpertMeshClient.watch_plans`).
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import queue
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -24,11 +26,45 @@ from expertmesh.v1 import convert
 from expertmesh.v1 import expertmesh_pb2 as pb
 from expertmesh.v1 import expertmesh_pb2_grpc as pb_grpc
 
-__all__ = ["ExpertMeshClient", "ReportStream", "SolveResult"]
+__all__ = ["ClientTls", "ExpertMeshClient", "ReportStream", "SolveResult"]
 
 log = logging.getLogger(__name__)
 
 _CLOSE = object()
+
+
+@dataclass(frozen=True)
+class ClientTls:
+    """TLS for the client's channel: which CA signed the controller's certificate, and the
+    client certificate to present when the controller asks for one (mutual TLS).
+
+    - ``ca``: PEM file of the CA to verify the server with (None: the system's roots).
+    - ``cert``, ``key``: PEM client certificate and its key (both or neither).
+    - ``server_name``: the name to check the server's certificate against, when it is not
+      the host part of the target (e.g. connecting by an IP its certificate does not name).
+    """
+
+    ca: Path | None = None
+    cert: Path | None = None
+    key: Path | None = None
+    server_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("a client certificate needs its key (cert and key go together)")
+        for path in (self.ca, self.cert, self.key):
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"no such file: {path}")
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        def read(p: Path | None) -> bytes | None:
+            return Path(p).read_bytes() if p is not None else None
+
+        return grpc.ssl_channel_credentials(
+            root_certificates=read(self.ca),
+            private_key=read(self.key),
+            certificate_chain=read(self.cert),
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -121,15 +157,21 @@ class ExpertMeshClient:
         token: str | None = None,
         timeout: float = 10.0,
         max_message_bytes: int = 64 * 1024 * 1024,
+        tls: ClientTls | None = None,
     ) -> None:
-        self.target, self.timeout = target, timeout
-        self._channel = grpc.insecure_channel(
-            target,
-            options=[
-                ("grpc.max_receive_message_length", max_message_bytes),
-                ("grpc.max_send_message_length", max_message_bytes),
-            ],
-        )
+        self.target, self.timeout, self.tls = target, timeout, tls
+        options: list[tuple[str, Any]] = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+        if tls is None:
+            if token and not _loopback_target(target):
+                log.warning("sending the bearer token to %s in clear text (no TLS)", target)
+            self._channel = grpc.insecure_channel(target, options=options)
+        else:
+            if tls.server_name:
+                options.append(("grpc.ssl_target_name_override", tls.server_name))
+            self._channel = grpc.secure_channel(target, tls.credentials(), options=options)
         self._stub = pb_grpc.ExpertMeshServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
@@ -210,6 +252,16 @@ class ExpertMeshClient:
             imbalance_after=resp.imbalance_after,
             plan=convert.layer_plan_from_msg(resp.plan),
         )
+
+
+def _loopback_target(target: str) -> bool:
+    host = target.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class PlanWatch:

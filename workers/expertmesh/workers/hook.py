@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from expertmesh.v1.convert import ReceivedPlan
-from expertmesh.workers.client import ExpertMeshClient, ReportStream
+from expertmesh.workers.client import ClientTls, ExpertMeshClient, ReportStream
 
 __all__ = ["LoadHook", "log2phy_from_phy2log", "topk_ids_from_output"]
 
@@ -104,8 +104,32 @@ class LoadHook:
         self._remaps: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._watch_thread: threading.Thread | None = None
         self._watch: Any = None
+        self._own_client = False
         if client is not None and watch:
             self._start_watch()
+
+    @classmethod
+    def connect(
+        cls,
+        target: str,
+        *,
+        rank: int,
+        num_experts: int,
+        token: str | None = None,
+        tls: ClientTls | None = None,
+        **kwargs: Any,
+    ) -> LoadHook:
+        """A hook with a client of its own for ``target`` (closed by :meth:`close`): over TLS
+        when ``tls`` is given (the server verified with ``tls.ca``, ``tls.cert`` presented
+        for mutual TLS). ``kwargs``: the constructor's (``top_k``, ``watch``, ...)."""
+        client = ExpertMeshClient(target, token=token, tls=tls)
+        try:
+            hook = cls(client, rank=rank, num_experts=num_experts, **kwargs)
+        except BaseException:
+            client.close()
+            raise
+        hook._own_client = True
+        return hook
 
     # ---- counting ----
 
@@ -208,8 +232,12 @@ class LoadHook:
         self._handles.clear()
         if self._watch is not None:
             self._watch.cancel()
-        if self._stream is not None:
-            try:
-                self._stream.close()
-            finally:
-                self._stream = None
+        try:
+            if self._stream is not None:
+                try:
+                    self._stream.close()
+                finally:
+                    self._stream = None
+        finally:
+            if self._own_client and self.client is not None:
+                self.client.close()
