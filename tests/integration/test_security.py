@@ -153,6 +153,33 @@ def test_writes_need_the_token_on_both_surfaces():
         assert resp.accepted == 1
 
 
+def test_near_miss_tokens_are_refused_on_both_surfaces():
+    """Longer, shorter, case-changed and empty tokens: 401 on REST, UNAUTHENTICATED on gRPC
+    (a check that compares only a prefix lets one of them through); nothing is applied."""
+    core = _core()
+    settings = SurfaceSettings(rest_port=0, grpc_port=0, token=TOKEN)
+    near = [TOKEN + "x", TOKEN + TOKEN, TOKEN[:-1], TOKEN[:1], TOKEN.upper(), ""]
+    with Surfaces(core, settings) as s, grpc.insecure_channel(s.grpc_target) as ch:
+        stub = pb_grpc.ExpertMeshServiceStub(ch)
+        msg = pb.ReportLoadRequest(reports=[pb.LoadReport(step=0, layer=0, rank=0, load=[1] * 8)])
+        report = {"step": 0, "layer": 0, "rank": 0, "load": [1] * 8}
+        for sent in near:
+            auth = {"Authorization": f"Bearer {sent}".rstrip()}  # httpx refuses "Bearer "
+            r = httpx.post(f"{s.rest_url}/api/v1/reports", json=report, headers=auth)
+            assert r.status_code == 401, sent
+            r = httpx.put(f"{s.rest_url}/api/v1/policy", json={"policy": "static"}, headers=auth)
+            assert r.status_code == 401, sent
+            with pytest.raises(grpc.RpcError) as err:
+                stub.ReportLoad(
+                    iter([msg]), metadata=(("authorization", f"Bearer {sent}"),), timeout=10
+                )
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, sent
+        assert not core._pending and core.reports_rejected == core.reports_received == 2 * len(near)
+        # the control: the token itself goes through on both
+        ok = (("authorization", f"Bearer {TOKEN}"),)
+        assert stub.ReportLoad(iter([msg]), metadata=ok, timeout=10).accepted == 1
+
+
 def test_size_limits_on_both_surfaces():
     core = _core()
     settings = SurfaceSettings(
