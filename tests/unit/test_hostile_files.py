@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import struct
+import subprocess
+import sys
 import tracemalloc
 import zipfile
 from pathlib import Path
@@ -15,6 +19,7 @@ import numpy as np
 import pytest
 import yaml
 
+from expertmesh import formats
 from expertmesh.cli.main import main
 from expertmesh.formats import read_topology, read_trace, read_yaml, write_topology, write_trace
 from expertmesh.planner import Topology
@@ -53,6 +58,22 @@ def _alias_bomb() -> str:
     return "\n".join(lines) + "\n"
 
 
+def _lying_zip(path: Path, declared: tuple[int, ...] = (1, 1, 2**14, 2**13)) -> Path:
+    """A trace whose ``load`` member declares a 1 GiB int64 array, holds 64 bytes of it, and
+    whose zip headers (local and central) claim the member is the full size: only counting
+    what the member really holds tells it apart from an honest 1 GiB array."""
+    data = _npy(declared, "<i8", b"\0" * 64)
+    _zip(path, {"load.npy": data})
+    claimed = len(data) - 64 + 8 * int(np.prod(declared))
+    raw = bytearray(path.read_bytes())
+    struct.pack_into("<I", raw, raw.index(b"PK\x03\x04") + 22, claimed)  # local header
+    struct.pack_into("<I", raw, raw.index(b"PK\x01\x02") + 24, claimed)  # central directory
+    path.write_bytes(bytes(raw))
+    with zipfile.ZipFile(path) as zf:
+        assert zf.getinfo("load.npy").file_size == claimed  # the lie is what zipfile reads
+    return path
+
+
 BAD_NPZ = {
     "truncated": lambda p, good: p.write_bytes(good.read_bytes()[: good.stat().st_size // 2]),
     "garbage": lambda p, good: p.write_bytes(bytes(range(256)) * 40),
@@ -64,6 +85,7 @@ BAD_NPZ = {
     "declared_1gb_tiny_data": lambda p, good: _zip(
         p, {"load.npy": _npy((1, 1, 2**14, 2**13), "<i8", b"\0" * 64)}
     ),
+    "zip_header_lies_about_size": lambda p, good: _lying_zip(p),
     "pickled_objects": lambda p, good: _pickled(p),
     "meta_pickled": lambda p, good: _zip(
         p,
@@ -231,3 +253,61 @@ def test_deep_json_on_the_command_line_is_one_line(good, capsys, argv, monkeypat
     (good / "t.npz").write_bytes((good / "trace.npz").read_bytes())
     (good / "t.yaml").write_bytes((good / "topo.yaml").read_bytes())
     _run_refused(argv, capsys)
+
+
+def test_a_zip_member_whose_header_lies_is_measured_before_numpy_allocates(tmp_path):
+    """The zip header says the member holds 1 GiB; it holds 64 bytes. The reader counts the
+    member's real bytes (above VERIFY_ABOVE_BYTES) and refuses it as truncated before numpy
+    allocates the declared array; without that count numpy allocates 1 GiB first."""
+    bad = _lying_zip(tmp_path / "lies.npz")
+    assert formats.VERIFY_ABOVE_BYTES < 2**30
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=r"'load' is truncated \(64 of 1073741824 bytes\)"):
+            read_trace(bad)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < PEAK_LIMIT, f"peak {peak >> 20} MiB"
+
+
+def _load_of_bytes(nbytes: int) -> np.ndarray:
+    return np.zeros((1, 1, 1, nbytes // 8), np.int64)  # zeros: deflates to a few bytes
+
+
+@pytest.mark.parametrize("limit", [4096, 1 << 20])
+def test_the_array_size_limit_refuses_an_array_just_over_it(tmp_path, monkeypatch, limit):
+    """With a small MAX_ARRAY_BYTES, an array of exactly the limit is read and one of 8 bytes
+    more is refused by its header, although both files are tiny on disk."""
+    monkeypatch.setattr(formats, "MAX_ARRAY_BYTES", limit)
+    at, over = tmp_path / "at.npz", tmp_path / "over.npz"
+    write_trace(at, _load_of_bytes(limit))
+    write_trace(over, _load_of_bytes(limit + 8))
+    assert over.stat().st_size < limit  # the header, not the file size, is over
+    assert read_trace(at).load.nbytes == limit
+    with pytest.raises(
+        ValueError, match=f"needs {limit + 8} bytes, more than the limit of {limit}"
+    ):
+        read_trace(over)
+
+
+def test_the_size_limit_set_in_the_environment_holds_in_a_new_process(tmp_path):
+    """EXPERTMESH_MAX_ARRAY_BYTES, read at import in a fresh CLI process: a deflated array
+    just over it exits 2 with one line naming the limit; one at the limit is inspected."""
+    at, over = tmp_path / "at.npz", tmp_path / "over.npz"
+    write_trace(at, _load_of_bytes(4096))
+    write_trace(over, _load_of_bytes(4096 + 8))
+    env = {**os.environ, "EXPERTMESH_MAX_ARRAY_BYTES": "4096"}
+
+    def inspect(path: Path) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "expertmesh.cli.main", "trace", "inspect", str(path)]
+        return subprocess.run(
+            argv, check=False, env=env, capture_output=True, text=True, timeout=120
+        )
+
+    ok = inspect(at)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    bad = inspect(over)
+    err = bad.stderr.strip()
+    assert bad.returncode == 2 and len(err.splitlines()) == 1, err[-2000:]
+    assert "needs 4104 bytes, more than the limit of 4096" in err
