@@ -234,3 +234,37 @@ def test_message_seconds_are_paid_by_every_communication_phase():
     chunked = cs.model_copy(update={"pipeline_chunks": 2})
     c = step_cost(TOPO, FWD, _traffic(STATIC), settings=chunked)
     assert c.seconds == pytest.approx(0.060 + (0.012 + 2 * o + 0.012 + 2 * o) / 2)
+
+
+def test_top2_nic_bottleneck_counts_a_token_once_per_remote_dc():
+    """Hand-worked top-2 case where the sender's NIC sets the step. DC a: rank 0; DC b: ranks
+    1-4 on four nodes, expert e on rank e. NIC 0.08 Gbit/s = 1e7 B/s, no latency; WAN 1e9 B/s,
+    10 ms. Rank 0 has 1,000 tokens and sends both top-2 choices of each to DC b: 2,000
+    assignments, 500 per expert 1-4. A token leaves rank 0's NIC once for DC b (rho = X / A =
+    1,000 / 2,000), so NIC out = 1,000 tokens * 2,000 B = 2e6 B: 0.2 s; each receiver's NIC
+    takes 500 * 2,000 B = 1e6 B: 0.1 s; the WAN 10 ms + 2e6 / 1e9 = 12 ms. Dispatch = 0.2 s,
+    combine the same reversed, compute 500 * 2 * 30,000 / 1e9 = 0.03 s."""
+    topo = Topology(
+        dcs=(DC("a", 1, 1), DC("b", 4, 1)),
+        masters_per_rank=1,
+        spare_per_rank=0,
+        intra_node=Link(8000, 0.0),
+        intra_dc=Link(0.08, 0.0),
+        inter_dc=Link(8, 10.0),
+    )
+    model = ModelSpec(num_experts=5, top_k=2, hidden=1000, ffn_hidden=10, training=False)
+    placement = Placement(np.arange(5, dtype=np.int32)[:, None], np.arange(5))
+    load = np.zeros((5, 5), np.int64)
+    load[0, 1:] = 500
+    traffic = even_traffic(load, placement, topo, model.top_k, domain="dc")
+    assert crossings(traffic, 2).tolist() == [1000.0]  # every token crosses exactly once
+    c = step_cost(topo, model, traffic, settings=CS)
+    assert c.phases["dispatch"] == pytest.approx(0.2)
+    assert c.phases["combine"] == pytest.approx(0.2)
+    assert c.phases["compute_fwd"] == pytest.approx(0.03)
+    assert c.seconds == pytest.approx(0.43)
+    assert c.bottleneck == "chain: dispatch"
+    assert c.cross_dc_token_bytes == pytest.approx(2 * 1000 * 2000)
+    # one crossing per assignment: the NIC carries both copies of every token
+    flat = step_cost(topo, model, traffic, settings=CS.model_copy(update={"hierarchical": False}))
+    assert flat.phases["dispatch"] == pytest.approx(0.4)
