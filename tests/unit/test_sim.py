@@ -112,10 +112,43 @@ def test_sweep_config_rejects_unknown_keys():
         load_sweep_config({"dcs": {"counts": []}})
 
 
+def _rows(res, name):
+    run = res.run(name)
+    assert run is not None, [(r.name, r.skipped) for r in res.runs]
+    return [
+        (r.seconds, r.replicas, r.cross_dc_token_bytes, r.cross_dc_weight_bytes) for r in run.rows
+    ]
+
+
 def test_cost_settings_reach_policies_with_a_cost_model():
-    cs = CostSettings(flops_per_second=1e12, pipeline_chunks=2)
-    res = simulate(_source(2), TOPO, MODEL, ["hybrid"], cost=cs)
-    assert res.run("hybrid") is not None
+    """The simulator's cost settings are the policies' cost model unless a policy names its own.
+    Case: small batches, big experts, 10 Gbit/s WAN; with gradients accumulated over 4
+    microbatches a replica's sync costs a quarter per step and fastermoe shadows (10, then 5
+    replicas), with the default (every microbatch) it shadows none."""
+    topo = Topology.generate(3, 2, masters=2, spare=2, inter_dc_gbps=10.0)
+    model = ModelSpec(num_layers=1, num_experts=8, top_k=2, hidden=1024, ffn_hidden=2048)
+    trace = TraceSettings(num_ranks=topo.num_ranks, num_experts=8, num_layers=1, num_steps=2,
+                          top_k=2, tokens_per_rank=128, imbalance=1.5, drift=0.1, seed=1)  # fmt: skip
+    source = dense_source(generate_trace(trace).load)
+    cs = CostSettings(microbatches_per_update=4)
+    names = ["fastermoe", "hybrid"]
+    given_sim = simulate(source, topo, model, names, cost=cs)
+    own = {name: {"cost": cs.model_dump()} for name in names}
+    given_policy = simulate(source, topo, model, names, cost=cs, policy_settings=own)
+    default = {name: {"cost": CostSettings().model_dump()} for name in names}
+    kept_default = simulate(source, topo, model, names, cost=cs, policy_settings=default)
+    for name in names:
+        assert _rows(given_sim, name) == _rows(given_policy, name), name
+    assert [r[1] for r in _rows(given_sim, "fastermoe")] == [10, 5]
+    assert [r[1] for r in _rows(kept_default, "fastermoe")] == [0, 0]  # its own settings win
+
+
+def test_cost_settings_change_the_modeled_seconds():
+    """The simulator costs every step with its cost settings (static: the same placement)."""
+    slow = simulate(_source(2), TOPO, MODEL, ["static"], cost=CostSettings(flops_per_second=1e9))
+    fast = simulate(_source(2), TOPO, MODEL, ["static"], cost=CostSettings(flops_per_second=1e15))
+    for a, b in zip(_rows(slow, "static"), _rows(fast, "static"), strict=True):
+        assert a[0] > b[0] and a[1:] == b[1:]
 
 
 # ---- CLI ----
