@@ -1,4 +1,4 @@
-"""The REST bearer-token check refuses every near miss of the configured token: longer
+"""The REST bearer-token check (controller/auth.py, shared with gRPC) refuses every near miss of the configured token: longer
 (the token plus a suffix), shorter (a prefix), case-changed and empty. A check that compares
 only a prefix (the first ``len(token)`` characters of what was sent, or of what is wanted)
 lets one of them through. Refused writes change nothing and reports are counted as rejected.
