@@ -13,6 +13,7 @@ import numpy as np
 from pydantic import BaseModel, ValidationError
 from tqdm import tqdm
 
+from expertmesh.cli.engines import add_export_parser
 from expertmesh.cli.main import UsageError
 from expertmesh.cli.output import console, fmt_bytes, table
 from expertmesh.formats import (
@@ -37,9 +38,10 @@ def add_parser(sub: Any) -> None:
         description="Plan every step and layer of a trace with one policy and write the plan "
         "(.npz, README: Interchange formats). Actions: `plan inspect PLAN --trace T` prints "
         "per-step figures, `plan compare --trace T PLAN...` one row per plan, `plan policies` "
-        "the policies and their settings.",
+        "the policies and their settings, `plan export PLAN --format ENGINE` an engine's "
+        "placement file.",
         usage="expertmesh plan --trace T.npz --topology TOPO.yaml --policy P --out PLAN.npz "
-        "[options]\n       expertmesh plan {inspect,compare,policies} ...",
+        "[options]\n       expertmesh plan {inspect,compare,policies,export} ...",
     )
     p.add_argument("--trace", type=Path, help="trace file (.npz)")
     p.add_argument("--topology", type=Path, help="topology YAML")
@@ -76,6 +78,8 @@ def add_parser(sub: Any) -> None:
     pol = actions.add_parser("policies", help="list the policies and their settings")
     pol.add_argument("--names", action="store_true", help="names only, one per line")
     pol.set_defaults(func=run_policies)
+
+    add_export_parser(actions)
 
 
 def _model_flags(p: argparse.ArgumentParser) -> None:
@@ -192,6 +196,8 @@ def run_plan(args: argparse.Namespace) -> int:
         "topology": topo.to_dict(),
         "trace": {"file": str(args.trace), "shape": list(trace.load.shape)},
     }
+    if isinstance(trace.meta.get("engine"), dict):  # an imported trace: its engine's layers
+        meta["engine"] = trace.meta["engine"]
     write_plan(args.out, arrays, meta)
     if args.quiet:
         return 0

@@ -1,4 +1,4 @@
-"""``expertmesh trace``: generate synthetic gating traces and inspect trace files."""
+"""``expertmesh trace``: generate synthetic gating traces, import engines' load, inspect traces."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 from pydantic import ValidationError
 
+from expertmesh.cli.engines import add_import_parser
 from expertmesh.cli.main import UsageError
 from expertmesh.cli.output import console, fmt_bytes, table
 from expertmesh.formats import read_topology, read_trace, write_trace
@@ -35,7 +36,7 @@ _FLAGS = {
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "trace",
-        help="generate synthetic gating traces; inspect trace files",
+        help="generate synthetic gating traces; import engine load statistics; inspect traces",
         description="Traces are .npz files with load [T, L, R, E] (README: Interchange formats).",
     )
     actions = p.add_subparsers(dest="trace_command", required=True, metavar="ACTION")
@@ -76,6 +77,8 @@ def add_parser(sub: Any) -> None:
     i = actions.add_parser("inspect", help="print a trace file's shape, meta and imbalance")
     i.add_argument("trace", type=Path, help="trace file (.npz)")
     i.set_defaults(func=run_inspect)
+
+    add_import_parser(actions)
 
 
 def _settings(args: argparse.Namespace, num_ranks: int) -> TraceSettings:

@@ -131,6 +131,37 @@ class PlanOut(PlanSummaryOut):
     layers: list[LayerPlanOut]
 
 
+# ---- engine placements (GET /plans/{version}/export; docs/engines.md) ----
+
+
+class SglangPlacementOut(_Out):
+    """SGLang ``--init-expert-location`` file: exactly this key (SGLang passes every key on)."""
+
+    physical_to_logical_map: list[list[int]] = Field(
+        description="[N, P] logical expert of each physical expert per model layer"
+    )
+
+
+class VllmPlacementOut(_Out):
+    """vLLM ``EplbModelState`` maps per MoE layer."""
+
+    physical_to_logical_map: list[list[int]] = Field(description="[L, P]")
+    logical_to_physical_map: list[list[list[int]]] = Field(
+        description="[L, E, P - E + 1] physical experts of each logical expert, -1 padded"
+    )
+    logical_replica_count: list[list[int]] = Field(description="[L, E]")
+
+
+class TrtllmPlacementOut(_Out):
+    """TensorRT-LLM MoE load balancer config (served as YAML)."""
+
+    num_slots: int = Field(description="P = EP size x slots per rank")
+    layer_updates_per_iter: int
+    initial_global_assignments: dict[int, list[int]] = Field(
+        description="model layer -> [expert of each slot], each rank's slots contiguous"
+    )
+
+
 class SlotChangeOut(_Out):
     rank: int
     slot: int

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Annotated
+from typing import Annotated, Literal
 
+import numpy as np
 from fastapi import APIRouter, HTTPException, Path, Query, Response
 
 from expertmesh.controller.api import schemas as s
 from expertmesh.controller.api import views
 from expertmesh.controller.api.deps import AppState, StateDep
 from expertmesh.controller.core import PlanState, PlanVersion
+from expertmesh.engines.files import export_bytes
+from expertmesh.engines.placement import EngineLayout, ExportError
 
 router = APIRouter(prefix="/plans", tags=["plans"])
 
@@ -112,3 +115,55 @@ def get_plan_layer(
     if layer >= len(pv.layers):
         raise HTTPException(404, f"unknown layer {layer}; plan {version} has {len(pv.layers)}")
     return views.layer_plan_out(layer, pv.layers[layer], state.core.model.num_experts, route=route)
+
+
+_EXPORT_MEDIA = {
+    "sglang": "application/json",
+    "vllm": "application/json",
+    "trtllm": "application/yaml",
+}
+_EXPORT_SUFFIX = {"sglang": "json", "vllm": "json", "trtllm": "yaml"}
+
+
+@router.get(
+    "/{version}/export",
+    response_model=s.SglangPlacementOut | s.VllmPlacementOut,
+    summary="A plan as an engine's expert placement file",
+    description="`sglang`: the `--init-expert-location` JSON; `vllm`: its EPLB maps (JSON); "
+    "`trtllm`: the MoE load balancer YAML. 422 when the engine cannot express the plan "
+    "(empty slots, an expert without a copy). docs/engines.md.",
+    responses={
+        200: {"content": {"application/yaml": {"schema": s.TrtllmPlacementOut.model_json_schema()}}}
+    },
+)
+def export_plan(
+    state: StateDep,
+    version: VersionPath,
+    *,
+    format: Annotated[Literal["sglang", "trtllm", "vllm"], Query(description="the engine")],
+    layer_offset: Annotated[
+        int, Query(ge=0, le=4096, description="engine layer of MoE layer 0 (dense layers first)")
+    ] = 0,
+    num_model_layers: Annotated[
+        int | None, Query(ge=1, le=8192, description="sglang: the model's num_hidden_layers")
+    ] = None,
+    layer_updates_per_iter: Annotated[int, Query(ge=0, le=4096, description="trtllm")] = 0,
+) -> Response:
+    pv = state.find_plan(version)
+    phy2log = np.stack([lp.phy2log for lp in pv.layers])  # [L, R, S]
+    try:
+        layout = EngineLayout.make(
+            len(pv.layers), layer_offset=layer_offset, num_model_layers=num_model_layers
+        )
+        body = export_bytes(
+            phy2log, state.core.model.num_experts, format, layout,
+            layer_updates_per_iter=layer_updates_per_iter,
+        )  # fmt: skip
+    except ExportError as err:
+        raise HTTPException(422, f"plan {version} cannot be written for {format}: {err}") from None
+    name = f"expertmesh-plan-{version}-{format}.{_EXPORT_SUFFIX[format]}"
+    return Response(
+        body,
+        media_type=_EXPORT_MEDIA[format],
+        headers={"Content-Disposition": f'attachment; filename="{name}"'},
+    )
