@@ -157,7 +157,7 @@ def export_plan(
         )
         body = export_bytes(
             phy2log, state.core.model.num_experts, format, layout,
-            layer_updates_per_iter=layer_updates_per_iter,
+            suffix=f".{_EXPORT_SUFFIX[format]}", layer_updates_per_iter=layer_updates_per_iter,
         )  # fmt: skip
     except ExportError as err:
         raise HTTPException(422, f"plan {version} cannot be written for {format}: {err}") from None
