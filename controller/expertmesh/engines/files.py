@@ -162,15 +162,11 @@ def read_torch(path: Path, kind: str) -> Any:
     """A ``.pt`` file loaded with ``weights_only=True`` (tensors and plain containers only;
     no code runs) on the CPU."""
     _check_file(path, kind)
-    import pickle
-    import zipfile
-
     import torch
 
     try:
         return torch.load(path, weights_only=True, map_location="cpu")
-    except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError,
-            KeyError, TypeError, AttributeError) as err:  # fmt: skip
+    except Exception as err:  # a hostile file raises many kinds (UnpicklingError, zip, EOF...)
         msg = " ".join(str(err).split())[:200] or type(err).__name__
         raise ValueError(f"{path}: not a tensor file torch can load safely ({msg})") from None
 
