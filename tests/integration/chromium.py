@@ -40,7 +40,11 @@ def find_chromium() -> str | None:
 class Chromium:
     """One headless browser with a fresh profile and one page."""
 
-    def __init__(self, binary: str, width: int = 1400, height: int = 1640) -> None:
+    def __init__(
+        self, binary: str, width: int = 1400, height: int = 1640, *, offline: bool = False
+    ) -> None:
+        """``offline``: every host name but the loopback addresses fails to resolve, as on a
+        machine without internet (a page that needs a CDN breaks)."""
         self._profile = tempfile.mkdtemp(prefix="expertmesh-chromium-")
         self.proc = subprocess.Popen(
             [
@@ -49,6 +53,7 @@ class Chromium:
                 f"--user-data-dir={self._profile}",
                 "--remote-debugging-port=0",
                 f"--window-size={width},{height}",
+                *(["--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"] if offline else []),
                 "about:blank",
             ],
             stdout=subprocess.DEVNULL,

@@ -62,3 +62,14 @@ def browser() -> Iterator[Chromium]:
     b = Chromium(binary)
     yield b
     b.close()
+
+
+@pytest.fixture
+def offline_browser() -> Iterator[Chromium]:
+    """A headless Chromium that resolves no host name but loopback (no internet)."""
+    binary = find_chromium()
+    if binary is None:
+        pytest.skip("chromium is not installed (scripts/setup.sh installs it)")
+    b = Chromium(binary, offline=True)
+    yield b
+    b.close()

@@ -176,3 +176,23 @@ def test_dashboard_escapes_what_it_shows(browser, tmp_path):
         assert browser.eval("document.querySelector('#dc-map g text').textContent") == evil
         assert browser.eval("document.querySelectorAll('img').length") == 0
         assert browser.eval("window.pwned === undefined")
+
+
+def test_docs_page_works_offline(offline_browser):
+    """/docs (Swagger UI) in a browser that reaches nothing but loopback: every operation of
+    the OpenAPI schema is listed, every asset came from the controller, nothing failed."""
+    core = _core()
+    with Surfaces(core, SurfaceSettings(rest_port=0, grpc_port=0)) as s:
+        schema = s.app.openapi()
+        want = sum(len(ops) for ops in schema["paths"].values())
+        offline_browser.navigate(f"{s.rest_url}/docs")
+        got = offline_browser.wait_for(
+            f"document.querySelectorAll('.opblock').length >= {want} && "
+            "document.querySelectorAll('.opblock').length"
+        )
+        assert got == want
+        title = offline_browser.eval("document.querySelector('.info .title').textContent")
+        assert title.startswith("expertmesh controller")
+        loaded = offline_browser.eval("performance.getEntriesByType('resource').map(e => e.name)")
+        assert loaded and all(url.startswith(s.rest_url) for url in loaded), loaded
+        assert offline_browser.console == [], offline_browser.console

@@ -224,6 +224,8 @@ class ControllerCore:
         self._committed: PlanVersion | None = None
         self._last_plan_step: int | None = None
         self._dead = np.zeros(topology.num_ranks, bool)  # ranks planned out (dead, cut off)
+        # [R] clock time of each rank's newest accepted report (NaN: none yet)
+        self._last_report = np.full(topology.num_ranks, np.nan)
         self._fresh = False  # membership changed: the next plan ignores the previous one
         self.reports_received = 0
         self.reports_rejected = 0
@@ -254,8 +256,9 @@ class ControllerCore:
     def store(self) -> PlanStore | None:
         return self._store
 
-    def attach_store(self, store: PlanStore) -> None:
-        """Save every commit from now on to ``store`` (replaces any previous one)."""
+    def attach_store(self, store: PlanStore | None) -> None:
+        """Save every commit from now on to ``store`` (replaces any previous one; None: no
+        store)."""
         with self._lock:
             self._store = store
 
@@ -300,6 +303,7 @@ class ControllerCore:
             except ValueError:
                 self.reports_rejected += 1
                 raise
+            self._last_report[rank] = self._clock()
             return self._apply_row(step, layer, rank, row)
 
     def _apply_row(self, step: int, layer: int, rank: int, row: np.ndarray) -> bool:
@@ -367,6 +371,7 @@ class ControllerCore:
                 if bad.any():
                     first_bad = int(np.argmax(bad))
             applied = completed = 0
+            now = self._clock()
             try:
                 for i in range(first_bad):
                     step, layer, rank = int(steps[i]), int(layers[i]), int(ranks[i])
@@ -375,6 +380,7 @@ class ControllerCore:
                     if pending is not None and pending[1][rank]:
                         raise ValueError(f"rank {rank} already reported layer {layer} step {step}")
                     completed += self._apply_row(step, layer, rank, loads[i].astype(np.int64))
+                    self._last_report[rank] = now
                     applied += 1
                 if first_bad < num:
                     if loads.ndim == 2 and loads.shape[0] == num and layers.shape[0] == num:
@@ -413,6 +419,13 @@ class ControllerCore:
                 raise
             self._pending.pop((step, layer), None)
             self._windows[layer].append((step, full.copy()))
+            self._last_report[:] = self._clock()
+
+    def last_reports(self) -> np.ndarray:
+        """[R] clock time of each rank's newest accepted load report (a whole-layer report
+        counts for every rank); NaN where none arrived yet."""
+        with self._lock:
+            return self._last_report.copy()
 
     def reject_report(self, count: int = 1) -> None:
         """Count a report that a surface (REST, gRPC) refused before it reached the core
@@ -562,18 +575,7 @@ class ControllerCore:
                     if w
                     else np.zeros((self.topology.num_ranks, self.model.num_experts), np.int64)
                 )
-                jobs.append(
-                    LayerJob(
-                        layer=layer,
-                        step=step,
-                        committed_step=committed.step if committed else step,
-                        load=np.where(self._dead[:, None], 0, load),
-                        history=self._history(layer, hw),
-                        committed=committed.layers[layer].placement if committed else None,
-                        fresh=self._fresh,
-                        dead_ranks=self.dead_ranks,
-                    )
-                )
+                jobs.append(self._job(layer, step, load, self._history(layer, hw), committed))
             fresh, self._fresh = self._fresh, False
         try:
             results = self._planner.run(policy, jobs)
@@ -599,6 +601,10 @@ class ControllerCore:
             self._notify("prepared", pv)
             return pv
 
+    # The step a what-if plans at: one where every periodic policy re-plans (eplb and hybrid
+    # re-plan at step 1 whatever their period, on the history they are given).
+    WHAT_IF_STEP = 1
+
     def what_if(
         self,
         load: np.ndarray,
@@ -611,7 +617,12 @@ class ControllerCore:
         """Plan ``load`` [R, E] for ``layer`` with ``policy`` (default: the active one), applying
         nothing. Returns (plan, imbalance before, imbalance after); "before" is the load under
         the committed placement (static EP when there is none or ``from_committed`` is False).
-        ``ValueError`` on a bad load, layer or policy."""
+
+        The job is the one :meth:`plan` would make if ``load`` were the layer's newest complete
+        load (it joins the window's history, as in :meth:`plan`), at a step where periodic
+        policies re-plan (:attr:`WHAT_IF_STEP`): a history-based policy (eplb, hybrid) plans
+        on the load sent rather than ignoring it. ``ValueError`` on a bad load, layer or
+        policy."""
         full = check_load(load, self.topology.num_ranks, self.model.num_experts)
         if full.size and full.max() > 2**40:
             raise ValueError("load count is implausibly large (> 2**40)")
@@ -621,29 +632,45 @@ class ControllerCore:
                 pol = self._policy
             else:
                 pol = make_policy(policy or self._settings.policy, policy_settings)
-            history = self._history(layer, pol.history_window())
+            history = self._history(layer, pol.history_window(), newest=full)
             committed = self._committed if from_committed else None
-        step = committed.step + 1 if committed is not None else 0
-        job = LayerJob(
-            layer=layer,
-            step=step,
-            committed_step=step,
-            load=full,
-            history=history,
-            committed=committed.layers[layer].placement if committed is not None else None,
-            fresh=False,
-            dead_ranks=(),
-        )
+            job = self._job(layer, self.WHAT_IF_STEP, full, history, committed)
         # in this thread: a what-if must not queue behind (or delay) the controller's plans
         (res,) = plan_jobs(pol, self.topology, self.model, [job])
         return res.plan, res.imbalance_before, res.imbalance_after
 
-    def _history(self, layer: int, hw: int) -> np.ndarray:
-        """[W, R, E] the newest ``hw`` complete loads of ``layer`` (caller holds the lock).
+    def _job(
+        self,
+        layer: int,
+        step: int,
+        load: np.ndarray,
+        history: np.ndarray,
+        committed: PlanVersion | None,
+    ) -> LayerJob:
+        """The planning job of ``layer`` (caller holds the lock): :meth:`plan` and
+        :meth:`what_if` both build theirs here. ``load`` [R, E] (rows of dead ranks are
+        zeroed), ``history`` [W, R, E]; ``committed``: the plan the job starts from."""
+        return LayerJob(
+            layer=layer,
+            step=step,
+            committed_step=committed.step if committed is not None else step,
+            load=np.where(self._dead[:, None], 0, load),
+            history=history,
+            committed=committed.layers[layer].placement if committed is not None else None,
+            fresh=self._fresh,
+            dead_ranks=self.dead_ranks,
+        )
+
+    def _history(self, layer: int, hw: int, newest: np.ndarray | None = None) -> np.ndarray:
+        """[W, R, E] the newest ``hw`` complete loads of ``layer`` (caller holds the lock),
+        with ``newest`` [R, E] appended as the newest one when given (a what-if's load).
 
         History-based policies plan on the window up to and including the newest complete
         load: by the time a plan applies, that microbatch is history too."""
-        win = [x for _, x in self._windows[layer]][-hw:] if hw else []
+        loads = [x for _, x in self._windows[layer]]
+        if newest is not None:
+            loads.append(newest)
+        win = loads[-hw:] if hw else []
         if not win:
             return np.zeros((0, self.topology.num_ranks, self.model.num_experts), np.int64)
         return np.stack(win)

@@ -151,9 +151,12 @@ def plan_jobs(
 
     Per job: the new plan is :func:`plan_layer` from the committed plan (or afresh); the
     imbalance before is the load routed over the committed placement (static EP when there
-    is none), after is the load under the new plan.
+    is none), after is the load under the new plan. With nothing committed the ranks hold
+    the static placement (workers start from it), so the first plan is aligned to it and
+    its migration moves from it, as every later plan's does from the committed one.
     """
     out = []
+    static = None
     for job in jobs:
         committed = None
         if job.committed is not None:
@@ -168,7 +171,17 @@ def plan_jobs(
             previous=None if job.fresh else committed,
             dead_ranks=job.dead_ranks,
         )
-        lp = plan_layer(policy, ctx)
+        origin = None
+        if job.committed is None and not job.fresh:
+            if static is None:
+                static = static_placement(
+                    topology.num_ranks,
+                    topology.slots_per_rank,
+                    model.num_experts,
+                    topology.masters_per_rank,
+                )
+            origin = static
+        lp = plan_layer(policy, ctx, origin=origin)
         if job.committed is None:
             before = imbalance(static_rank_tokens(job.load, topology))
         else:

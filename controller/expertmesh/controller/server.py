@@ -55,10 +55,12 @@ def _uvicorn_tls(settings: SurfaceSettings) -> dict[str, Any]:
 class Surfaces:
     """REST + dashboard + ``/metrics`` and gRPC over ``core``.
 
-    ``store``: where committed plans persist; when None one is opened at
-    ``settings.db_path`` and the core's newest committed plan and settings are
-    recovered from it (pass ``recover=False`` to skip). The store is attached to
-    the core (``core`` saves every commit to it).
+    ``store``: where committed plans persist. When None and the core already saves its
+    commits to a :class:`SqlitePlanStore` (the runtime's controller actor attaches its own),
+    that store is used: the plan list must read the store the commits go to. Otherwise one
+    is opened at ``settings.db_path`` and the core's newest committed plan and settings are
+    recovered from it (pass ``recover=False`` to skip), and attached to the core (``core``
+    saves every commit to it).
     """
 
     def __init__(
@@ -77,6 +79,8 @@ class Surfaces:
                 "or bind 127.0.0.1"
             )
         self.core = core
+        if store is None and isinstance(core.store, SqlitePlanStore):
+            store = core.store  # the host (the runtime's actor) owns it and recovered from it
         self._own_store = store is None
         keep = self.settings.plan_retention
         if self.settings.db_path == ":memory:":  # the plans would live in this process's RAM
@@ -168,6 +172,8 @@ class Surfaces:
         if self._own_telemetry:
             self.telemetry.close()
         if self._own_store:
+            if self.core.store is self.store:  # a later host must not adopt a closed store
+                self.core.attach_store(None)
             self.store.close()
 
     def __enter__(self) -> Surfaces:

@@ -14,6 +14,14 @@ model's layers, ``rank`` by the topology's ranks (capped by
 ``src_dc``/``dst_dc`` by the topology's DCs (pairs beyond
 ``max_dc_pair_series`` are summed into ``other``/``other``), ``kind`` in
 {tokens, weights}, ``when`` in {before, after}.
+
+No data is not a value: a gauge with nothing to report yet is absent from ``/metrics``
+(``expertmesh_step_loss`` until a step with a loss is recorded, which ``expertmesh serve``
+never does; ``expertmesh_step`` until a step is; a layer's imbalance and balancedness until
+the layer has a complete load), rather than a 0 or a 1.0 that reads as "perfect". Counters
+start at 0 (nothing counted is a value); the ``*_created`` timestamps prometheus_client
+adds to counters and histograms are left out. The migration counters start at 0 for every
+DC pair when the pairs fit ``max_dc_pair_series``.
 """
 
 from __future__ import annotations
@@ -159,8 +167,9 @@ class Telemetry:
         self.step_seconds = Histogram(
             "expertmesh_step_seconds", "Training step time", buckets=STEP_BUCKETS, registry=r
         )
-        self.step_loss = Gauge("expertmesh_step_loss", "Loss of the newest step", registry=r)
-        self.last_step = Gauge("expertmesh_step", "Newest step recorded", registry=r)
+        # expertmesh_step and expertmesh_step_loss: _CoreCollector, once there is a value
+        self._last_step: int | None = None
+        self._last_loss: float | None = None
         self.rank_tokens = Gauge(
             "expertmesh_rank_tokens",
             "Tokens computed by each rank in the newest step",
@@ -179,10 +188,18 @@ class Telemetry:
         self._cross = np.zeros((2, self._num_dcs, self._num_dcs), np.float64)  # [kind, D, D]
         self._workers: dict[int, tuple[bool, float]] = {}
         self._pair_labels: dict[tuple[int, int], tuple[str, str]] = {}
-        self._imb_cache: tuple[Any, list[float]] | None = None
+        self._imb_cache: tuple[Any, list[float | None]] | None = None
         core.listeners.append(self._on_plan)
         if core.committed is not None:
             self.plan_version.set(core.committed.version)
+        num_pairs = self._num_dcs * (self._num_dcs - 1)
+        if 0 < num_pairs <= self.settings.max_dc_pair_series:  # 0 moved so far, per DC pair
+            for a in range(self._num_dcs):
+                for b in range(self._num_dcs):
+                    if a != b:
+                        src, dst = self._pair(a, b)
+                        self.migrations.labels(src_dc=src, dst_dc=dst)
+                        self.migration_bytes.labels(src_dc=src, dst_dc=dst)
 
     def close(self) -> None:
         """Stop following the core's plan events (idempotent)."""
@@ -236,9 +253,9 @@ class Telemetry:
             self._steps.append(rec)
             self._last_tokens = tpr.astype(np.int64)
             self.step_seconds.observe(rec.seconds)
-            self.last_step.set(rec.step)
+            self._last_step = rec.step
             if rec.loss is not None:
-                self.step_loss.set(rec.loss)
+                self._last_loss = rec.loss
             self.tokens.inc(rec.tokens)
             for r in range(min(self._num_ranks, self.settings.max_rank_series)):
                 self.rank_tokens.labels(rank=str(r)).set(float(tpr[r]))
@@ -317,8 +334,9 @@ class Telemetry:
 
     # ---- reads ----
 
-    def layer_imbalance(self) -> list[float]:
-        """[L] max/mean of each layer's newest load under the committed placement (cached)."""
+    def layer_imbalance(self) -> list[float | None]:
+        """[L] max/mean of each layer's newest load under the committed placement (cached);
+        None for a layer without a complete load yet."""
         core = self.core
         committed = core.committed
         key = (
@@ -328,7 +346,10 @@ class Telemetry:
         cached = self._imb_cache
         if cached is not None and cached[0] == key:
             return cached[1]
-        values = [core.layer_stats(layer).imbalance for layer in range(core.model.num_layers)]
+        values: list[float | None] = [
+            None if newest is None else core.layer_stats(layer).imbalance
+            for layer, newest in enumerate(key[1])
+        ]
         self._imb_cache = (key, values)
         return values
 
@@ -355,9 +376,27 @@ class Telemetry:
         with self._lock:
             return dict(self._workers)
 
+    def step_values(self) -> tuple[int | None, float | None]:
+        """(newest step recorded, newest loss recorded), None where there is none yet."""
+        with self._lock:
+            return self._last_step, self._last_loss
+
     def render(self) -> bytes:
-        """The Prometheus text exposition of every metric."""
-        return generate_latest(self.registry)
+        """The Prometheus text exposition of every metric (no ``*_created`` samples)."""
+        return generate_latest(_WithoutCreated(self.registry))
+
+
+class _WithoutCreated:
+    """A registry view without the ``<name>_created`` samples (each counter's and histogram's
+    creation time, which prometheus_client adds and nobody queries)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterable[Metric]:
+        for metric in self._registry.collect():
+            metric.samples = [s for s in metric.samples if not s.name.endswith("_created")]
+            yield metric
 
 
 class _CoreCollector:
@@ -395,9 +434,21 @@ class _CoreCollector:
             log.exception("layer imbalance for /metrics failed")
             values = []
         for layer, v in enumerate(values):
+            if v is None:  # no complete load yet: no value (1.0 would read as balanced)
+                continue
             imb.add_metric([str(layer)], v)
             bal.add_metric([str(layer)], 1.0 / v if v > 0 else 0.0)
-        return [received, rejected, imb, bal]
+        out: list[Metric] = [received, rejected, imb, bal]
+        step, loss = self._t.step_values()
+        if step is not None:
+            last = GaugeMetricFamily("expertmesh_step", "Newest step recorded")
+            last.add_metric([], float(step))
+            out.append(last)
+        if loss is not None:
+            gauge = GaugeMetricFamily("expertmesh_step_loss", "Loss of the newest step")
+            gauge.add_metric([], loss)
+            out.append(gauge)
+        return out
 
 
 def _check_vector(x: Any, n: int, name: str) -> np.ndarray:

@@ -17,7 +17,7 @@ import numpy as np
 from expertmesh.planner.membership import expand_plan, live_mask, survivor_context
 from expertmesh.planner.migration import align_placement, plan_migration
 from expertmesh.planner.model import ModelSpec
-from expertmesh.planner.plan import LayerPlan, check_trace
+from expertmesh.planner.plan import LayerPlan, Placement, check_trace
 from expertmesh.planner.policy import Policy, PolicyContext
 from expertmesh.planner.topology import Topology
 
@@ -76,8 +76,19 @@ class TracePlan:
         }
 
 
-def plan_layer(policy: Policy, ctx: PolicyContext, relabel_ranks: bool | None = None) -> LayerPlan:
+def plan_layer(
+    policy: Policy,
+    ctx: PolicyContext,
+    relabel_ranks: bool | None = None,
+    *,
+    origin: Placement | None = None,
+) -> LayerPlan:
     """Place, align to the previous placement, route, and plan the migration for one layer.
+
+    ``origin``: where the copies are when there is no previous plan (``ctx.previous`` is
+    None), e.g. the static placement workers start from: the new placement is aligned to it
+    and the migration moves from it; the policy itself does not see it (it plans as on a
+    first step). Ignored when ``ctx.previous`` is set or ranks are dead.
 
     With ``ctx.dead_ranks`` the survivors plan (:mod:`expertmesh.planner.membership`) and the
     plan comes back over every rank, nothing on the dead ones."""
@@ -87,16 +98,17 @@ def plan_layer(policy: Policy, ctx: PolicyContext, relabel_ranks: bool | None = 
         return expand_plan(lp, live_mask(ctx.topology.num_ranks, ctx.dead_ranks))
     t0 = time.perf_counter()
     placement = policy.place(ctx)
-    if ctx.previous is not None and placement is not ctx.previous.placement:
+    base = ctx.previous.placement if ctx.previous is not None else origin
+    if base is not None and placement is not base:
         relabel = (
             getattr(policy, "relabel_ranks", False) if relabel_ranks is None else relabel_ranks
         )
-        placement = align_placement(ctx.previous.placement, placement, ctx.topology, relabel)
+        placement = align_placement(base, placement, ctx.topology, relabel)
     route = policy.route(ctx, placement)
     solve = time.perf_counter() - t0
-    if ctx.previous is None or placement is ctx.previous.placement:
+    if base is None or placement is base:
         return LayerPlan(placement=placement, route=route, solve_seconds=solve)
-    migration = plan_migration(ctx.previous.placement, placement, ctx.topology, ctx.model)
+    migration = plan_migration(base, placement, ctx.topology, ctx.model)
     return LayerPlan(placement=placement, route=route, migration=migration, solve_seconds=solve)
 
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from importlib.resources import files
 
 from fastapi import APIRouter, FastAPI, Response
-from fastapi.responses import FileResponse
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -37,7 +39,14 @@ __all__ = ["create_app"]
 
 log = logging.getLogger(__name__)
 
-# The dashboard loads nothing from elsewhere; /docs keeps FastAPI's default (CDN) assets.
+# The dashboard loads nothing from elsewhere. /docs (Swagger UI) loads nothing from elsewhere
+# either, but its page starts the UI with an inline script: it gets a CSP of its own.
+_SWAGGER_ASSETS = str(files("fastapi_offline") / "static")
+_DOCS_CSP = (
+    b"default-src 'self'; img-src 'self' data:; style-src 'self' 'unsafe-inline'; "
+    b"script-src 'self' 'unsafe-inline'; connect-src 'self'; frame-ancestors 'none'; "
+    b"base-uri 'none'; form-action 'none'"
+)
 _CSP = (
     b"default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; "
     b"connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
@@ -59,8 +68,7 @@ class _SecurityHeaders:
                 headers = list(msg.get("headers", []))
                 headers.append((b"x-content-type-options", b"nosniff"))
                 headers.append((b"referrer-policy", b"no-referrer"))
-                if not docs:
-                    headers.append((b"content-security-policy", _CSP))
+                headers.append((b"content-security-policy", _DOCS_CSP if docs else _CSP))
                 msg = {**msg, "headers": headers}
             await send(msg)
 
@@ -102,7 +110,7 @@ def create_app(
             'policy (bearer token); ingest load reports. Errors are JSON: `{"error": ...}`.'
         ),
         openapi_url="/openapi.json",
-        docs_url="/docs",
+        docs_url=None,  # served below from local assets
         redoc_url=None,
     )
     state = AppState(
@@ -129,9 +137,25 @@ def create_app(
         api.include_router(mod.router)
     app.include_router(api)
 
-    @app.get("/metrics", include_in_schema=False)
+    # HEAD too: uptime checks and some scrapers probe with it (it answered 405)
+    @app.api_route("/metrics", methods=["GET", "HEAD"], include_in_schema=False)
     def metrics() -> Response:
         return Response(telemetry.render(), media_type=CONTENT_TYPE)
+
+    # Swagger UI from the fastapi-offline package's copy of its assets: /docs works without
+    # reaching a CDN (FastAPI's default page loads them from one)
+    app.mount("/docs/assets", StaticFiles(directory=_SWAGGER_ASSETS), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    def docs() -> HTMLResponse:
+        return get_swagger_ui_html(
+            openapi_url="/openapi.json",
+            title=f"{app.title} - API",
+            swagger_js_url="/docs/assets/swagger-ui-bundle.js",
+            swagger_css_url="/docs/assets/swagger-ui.css",
+            swagger_favicon_url="/dashboard/favicon.svg",
+            swagger_ui_parameters={"validatorUrl": None},  # no badge from validator.swagger.io
+        )
 
     web = settings.dashboard_dir
     if (web / "index.html").is_file():

@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Mount
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger(__name__)
@@ -52,12 +53,35 @@ def install_error_handlers(app: FastAPI, on_report_rejected: Callable[[], None])
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+        headers = getattr(exc, "headers", None)
+        if exc.status_code == 405:
+            # Starlette names the methods of the first route whose path matched; a path
+            # served by several routes (GET and PUT /api/v1/policy) allows all of theirs
+            headers = {**(headers or {}), "Allow": ", ".join(allowed_methods(request))}
+        return _error(exc.status_code, str(exc.detail), headers=headers)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return _error(500, "internal error")
+
+
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """Every method some route of the app serves at the request's path: each method is
+    matched against the app's routes as a request with it would be (static mounts serve
+    GET and HEAD)."""
+    allowed: list[str] = []
+    for method in _METHODS:
+        scope = {**request.scope, "method": method}
+        for route in request.app.router.routes:
+            match, _ = route.matches(scope)
+            if match == Match.FULL and (not isinstance(route, Mount) or method in ("GET", "HEAD")):
+                allowed.append(method)
+                break
+    return allowed
 
 
 class BodyLimit:

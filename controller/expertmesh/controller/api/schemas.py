@@ -300,8 +300,14 @@ class DCLinkTrafficOut(_Out):
 class WorkerOut(_Out):
     rank: int
     dc: str
-    up: bool | None = Field(description="None: never reported")
+    up: bool | None = Field(
+        description="the worker's health as a runtime reports it; None: no runtime reported it "
+        "(`expertmesh serve` has none: see last_report)"
+    )
     since: float | None
+    last_report: float | None = Field(
+        default=None, description="unix time of the rank's newest accepted load report; None: none"
+    )
 
 
 class DashboardOut(_Out):
@@ -315,7 +321,14 @@ class DashboardOut(_Out):
     rank_after: list[float] = Field(description="[R] tokens per rank under the committed plan")
     imbalance_before: float
     imbalance_after: float
-    layer_imbalance: list[float]
+    layer_imbalance: list[float | None] = Field(
+        description="[L] max/mean of each layer's newest load under the committed plan; "
+        "null for a layer without a complete load yet"
+    )
+    runtime: bool = Field(
+        description="a runtime records steps, cross-DC traffic and worker health (`expertmesh "
+        "demo`); false under `expertmesh serve`, which only receives load reports"
+    )
     steps: list[StepOut]
     plan_events: list[PlanEventOut]
     plans: list[PlanSummaryOut]

@@ -47,12 +47,14 @@ def build(state: AppState, layer: int) -> s.DashboardOut:
         for _, a, b, tok, wts in pairs[:MAX_LINKS]
     ]  # fmt: skip
     known = tel.workers()
+    reported = core.last_reports()
     workers = [
         s.WorkerOut(
             rank=r,
             dc=names[int(topo.rank_dc[r])],
             up=known[r][0] if r in known else None,
             since=known[r][1] if r in known else None,
+            last_report=None if np.isnan(reported[r]) else float(reported[r]),
         )
         for r in range(min(topo.num_ranks, MAX_WORKERS))
     ]
@@ -68,6 +70,7 @@ def build(state: AppState, layer: int) -> s.DashboardOut:
         imbalance_before=imbalance(before),
         imbalance_after=imbalance(after),
         layer_imbalance=tel.layer_imbalance(),
+        runtime=bool(steps) or bool(known),
         steps=[s.StepOut(**vars(x)) for x in steps],
         plan_events=[s.PlanEventOut(**vars(x)) for x in events],
         plans=[views.summary_out(x) for x in state.store.summaries(limit=20)],
