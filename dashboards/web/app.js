@@ -276,7 +276,8 @@
   function render(d) {
     $("kpi-policy").textContent = d.policy;
     $("kpi-version").textContent = d.plan_version ? "v" + d.plan_version : "none";
-    const worst = d.layer_imbalance.length ? Math.max(...d.layer_imbalance) : NaN;
+    const known = d.layer_imbalance.filter((v) => v !== null);  // null: no load yet
+    const worst = known.length ? Math.max(...known) : NaN;
     $("kpi-imbalance").textContent = fmt(worst);
     $("kpi-balancedness").textContent = fmt(worst ? 1 / worst : NaN);
     $("kpi-reports").textContent = d.reports_received.toLocaleString();
