@@ -41,6 +41,7 @@ from expertmesh.controller.planning import (
     plan_jobs,
     static_rank_tokens,
 )
+from expertmesh.controller.windows import WindowAssembler
 from expertmesh.planner import (
     LayerPlan,
     ModelSpec,
@@ -52,6 +53,7 @@ from expertmesh.planner import (
 )
 from expertmesh.planner.costmodel import TransferEncoding
 from expertmesh.planner.policy import Policy
+from expertmesh.planner.window import WindowReport
 
 __all__ = [
     "BatchReportError",
@@ -230,6 +232,8 @@ class ControllerCore:
         self.reports_received = 0
         self.reports_rejected = 0
         self.pending_dropped = 0  # incomplete steps dropped past max_pending_steps
+        # DC window reports (hierarchical aggregation): pending windows and their counts
+        self.windows_in = WindowAssembler(topology, num_layers, model.num_experts)
         self.listeners: list[Callable[[str, PlanVersion], None]] = []
 
     def close(self) -> None:
@@ -285,6 +289,7 @@ class ControllerCore:
             self._fresh = self._fresh or not np.array_equal(dead, self._dead)
             self._dead = dead
             self._pending.clear()
+            self.windows_in.set_live(~dead)
 
     # ---- load reports ----
 
@@ -397,6 +402,37 @@ class ControllerCore:
                     )
             except ValueError as err:
                 self.reports_rejected += num - applied
+                raise BatchReportError(applied, completed, str(err)) from None
+            return applied, completed
+
+    def report_windows(self, reports: list[WindowReport]) -> tuple[int, int]:
+        """Record DC window reports in order (hierarchical aggregation: one per DC per layer
+        per window, :mod:`expertmesh.controller.windows`). A window complete from every DC
+        with a live rank enters the layer's load window as its mean load per microbatch, at
+        its last step. Returns (applied, completed windows). On the first bad report the
+        ones before it stay applied, it and every later one are counted as rejected, and
+        :class:`BatchReportError` names it."""
+        with self._lock:
+            num, agg = len(reports), self.windows_in
+            self.reports_received += num
+            agg.received += num
+            applied = completed = 0
+            try:
+                for rep in reports:
+                    self._check_step(rep.first_step, rep.layer)
+                    agg.check(rep)
+                    done = agg.add(rep, self._settings.max_pending_steps)
+                    applied += 1
+                    if done is not None:
+                        completed += 1
+                        self._windows[rep.layer].append(done)
+                        for k in [
+                            k for k in self._pending if k[1] == rep.layer and k[0] <= done[0]
+                        ]:
+                            del self._pending[k]  # per-rank reports the window covers
+            except ValueError as err:
+                self.reports_rejected += num - applied
+                agg.rejected += num - applied
                 raise BatchReportError(applied, completed, str(err)) from None
             return applied, completed
 

@@ -1,0 +1,161 @@
+"""Load summed per DC over a window of microbatches (hierarchical load aggregation).
+
+At 1,000 DCs x 8 ranks x 58 MoE layers a step is 464,000 per-rank load reports: more
+than one controller ingests. A DC's aggregator (``expertmesh.workers.aggregate``) sums
+its ranks' reports over an aligned window of ``N`` microbatches and sends one
+:class:`WindowReport` per layer per window: the DC's ``[E]`` sum, or ``[n, E]`` sums per
+rank of the DC when a policy needs the ranks apart. The controller assembles the DCs'
+reports of a window into one ``[R, E]`` load per layer, the window's *mean per
+microbatch* (:func:`window_mean`), which enters the layer's load window like one
+microbatch's load: every policy plans on it unchanged (per-DC and per-expert sums exact
+up to rounding; ranks inside a DC evenly split when only the DC's sum came).
+
+Pure: numpy only. :func:`window_mean_reference` is the slow, obvious version the
+tests compare against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from expertmesh.planner.topology import Topology
+
+__all__ = ["MAX_COUNT", "WindowReport", "spread_table", "window_mean", "window_mean_reference"]
+
+MAX_COUNT = 2**40  # most tokens one rank sends one expert in one microbatch
+
+
+@dataclass(frozen=True, eq=False)
+class WindowReport:
+    """One DC's load of one layer summed over the window ``[first_step, last_step]``.
+
+    - ``dc``: index of the DC in the topology; ``layer``: the MoE layer.
+    - ``steps``: microbatches summed (``1 <= steps <= last_step - first_step + 1``; fewer
+      than the window when the aggregator closed it early, e.g. a rank died).
+    - ``reports``: per-rank reports summed into it (for end-to-end accounting).
+    - ``load``: ``[E]`` the DC's tokens per expert summed over its ranks and the window's
+      microbatches, or ``[n, E]`` per rank of the DC (its ranks in topology order).
+
+    Checked here (``ValueError``): ranges, shapes against nothing but themselves. The
+    controller checks layer, DC, ``n`` and ``E`` against its topology and model.
+    """
+
+    first_step: int
+    last_step: int
+    layer: int
+    dc: int
+    steps: int
+    reports: int
+    load: np.ndarray
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.first_step <= self.last_step < 2**62:
+            raise ValueError(
+                f"window must satisfy 0 <= first_step <= last_step < 2**62, got "
+                f"[{self.first_step}, {self.last_step}]"
+            )
+        if not 1 <= self.steps <= self.last_step - self.first_step + 1:
+            raise ValueError(
+                f"steps must be in [1, {self.last_step - self.first_step + 1}], got {self.steps}"
+            )
+        if self.layer < 0 or self.dc < 0 or self.reports < 0:
+            raise ValueError("layer, dc and reports must be >= 0")
+        load = np.asarray(self.load)
+        if load.ndim not in (1, 2) or load.dtype.kind not in "iu":
+            raise ValueError(f"load must be integer [E] or [n, E], got {load.dtype} {load.shape}")
+        rows = 1 if load.ndim == 1 else load.shape[0]
+        if load.size and (load.min() < 0 or load.max() > MAX_COUNT * self.steps * rows):
+            raise ValueError("load counts must be in [0, 2**40 * steps * rows]")
+        object.__setattr__(self, "load", load.astype(np.int64, copy=False))
+
+    @property
+    def per_rank(self) -> bool:
+        return self.load.ndim == 2
+
+
+def spread_table(topology: Topology, live: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """How :func:`window_mean` splits a DC's sum over its live ranks.
+
+    ``live``: [R] bool. Returns (``n_live`` [D] live ranks per DC, ``turn`` [R] int64:
+    rank ``r``'s position among its DC's live ranks, -1 when dead). Depends only on
+    membership: compute it once per change."""
+    live = np.asarray(live, bool)
+    dc = topology.rank_dc
+    n_live = np.bincount(dc, weights=live, minlength=topology.num_dcs).astype(np.int64)
+    order = np.cumsum(live) - 1  # [R] running count of live ranks
+    starts = np.concatenate([[0], np.cumsum(n_live)[:-1]])  # [D] first live index of each DC
+    turn = np.where(live, order - starts[dc], -1).astype(np.int64)
+    return n_live, turn
+
+
+def window_mean(
+    topology: Topology,
+    live: np.ndarray,
+    *,
+    steps: np.ndarray,
+    dc_sum: np.ndarray,
+    rank_sum: np.ndarray | None,
+    per_rank: np.ndarray,
+    table: tuple[np.ndarray, np.ndarray] | None = None,
+) -> np.ndarray:
+    """The window's mean load per microbatch, ``[R, E]`` int64.
+
+    - ``live``: [R] bool, ranks taking part (dead ranks get 0).
+    - ``steps``: [D] microbatches each DC summed (>= 1 where the DC has live ranks).
+    - ``dc_sum``: [D, E] each DC's sum over its ranks and the window.
+    - ``rank_sum``: [R, E] per-rank sums for the DCs with ``per_rank[d]``, else unused
+      (may be None when no DC sent per-rank sums).
+    - ``per_rank``: [D] bool, the DC sent its ranks apart.
+
+    Per-rank DCs: each rank's sum / steps, rounded to the nearest integer. Others: each
+    expert's DC total / steps, rounded, split over the DC's live ranks as evenly as integers
+    allow; the remainder of expert ``e`` goes to the live ranks whose position ``j``
+    satisfies ``(j - e) mod n < rem`` (rotating with the expert, so no rank is favoured)."""
+    num_experts = dc_sum.shape[1]
+    n_live, turn = table if table is not None else spread_table(topology, live)
+    dc = topology.rank_dc
+    denom = np.maximum(np.asarray(steps, np.int64), 1)
+    total = (2 * dc_sum + denom[:, None]) // (2 * denom[:, None])  # [D, E] rounded half up
+    n = np.maximum(n_live, 1)
+    q, rem = np.divmod(total, n[:, None])  # [D, E]
+    pos = (turn[:, None] - np.arange(num_experts)[None, :]) % n[dc][:, None]  # [R, E]
+    out = q[dc] + (pos < rem[dc])  # [R, E]
+    if rank_sum is not None and np.any(per_rank):
+        rows = np.asarray(per_rank, bool)[dc]
+        d = denom[dc][rows][:, None]
+        out[rows] = (2 * rank_sum[rows] + d) // (2 * d)
+    out[~np.asarray(live, bool)] = 0
+    return out
+
+
+def window_mean_reference(
+    topology: Topology,
+    live: np.ndarray,
+    *,
+    steps: np.ndarray,
+    dc_sum: np.ndarray,
+    rank_sum: np.ndarray | None,
+    per_rank: np.ndarray,
+) -> np.ndarray:
+    """:func:`window_mean`, one DC, rank and expert at a time."""
+    num_experts = dc_sum.shape[1]
+    out = np.zeros((topology.num_ranks, num_experts), np.int64)
+    for d, ranks in enumerate(topology.dc_ranks):
+        s = max(int(steps[d]), 1)
+        alive = [int(r) for r in ranks if live[r]]
+        if not alive:
+            continue
+        if per_rank[d]:
+            assert rank_sum is not None
+            for r in alive:
+                for e in range(num_experts):
+                    out[r, e] = (2 * int(rank_sum[r, e]) + s) // (2 * s)
+            continue
+        for e in range(num_experts):
+            total = (2 * int(dc_sum[d, e]) + s) // (2 * s)
+            base, rem = divmod(total, len(alive))
+            for j, r in enumerate(alive):
+                out[r, e] = base + (1 if (j - e) % len(alive) < rem else 0)
+    return out
