@@ -188,7 +188,7 @@ def test_the_controller_sees_each_window_mean_and_accounts_for_every_report(per_
             sums = loads[w * N : (w + 1) * N, :, layer].sum(axis=0)  # [R, E]
             if per_rank:
                 assert np.array_equal(win[w], (2 * sums + N) // (2 * N))
-            for d, ranks in enumerate(topo.dc_ranks):
+            for ranks in topo.dc_ranks:
                 want = (2 * sums[ranks].sum(axis=0) + N) // (2 * N)
                 if per_rank:
                     assert (np.abs(win[w][ranks].sum(axis=0) - want) <= len(ranks)).all()
@@ -250,15 +250,17 @@ def test_bad_window_reports_are_refused_and_change_nothing():
         WindowReport(first_step=0, last_step=1, layer=0, dc=0, steps=3, reports=1, load=load)
 
 
+def _window(**kw) -> WindowReport:
+    base = {"first_step": 0, "last_step": N - 1, "layer": 0, "steps": N, "reports": 1}
+    return WindowReport(**{**base, **kw})
+
+
 def test_dead_ranks_need_no_report_and_get_no_load():
     topo = _topo()
     core = _core(topo)
     core.set_dead_ranks([5, 3])  # DC c (rank 5) entirely, one rank of DC b
     load = np.full(E, 10, np.int64)
-    reps = [
-        WindowReport(first_step=0, last_step=N - 1, layer=0, dc=d, steps=N, reports=1, load=load)
-        for d in (0, 1)
-    ]
+    reps = [_window(dc=d, load=load) for d in (0, 1)]
     with pytest.raises(BatchReportError, match="no live rank"):
         core.report_windows(
             [
