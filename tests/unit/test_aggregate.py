@@ -262,13 +262,7 @@ def test_dead_ranks_need_no_report_and_get_no_load():
     load = np.full(E, 10, np.int64)
     reps = [_window(dc=d, load=load) for d in (0, 1)]
     with pytest.raises(BatchReportError, match="no live rank"):
-        core.report_windows(
-            [
-                WindowReport(
-                    first_step=0, last_step=N - 1, layer=0, dc=2, steps=N, reports=1, load=load
-                )
-            ]  # fmt: skip
-        )
+        core.report_windows([_window(dc=2, load=load)])
     assert core.report_windows(reps) == (2, 1)
     win = core.window(0)[-1]
     assert (win[[3, 5]] == 0).all()
