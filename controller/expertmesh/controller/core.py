@@ -463,15 +463,18 @@ class ControllerCore:
         with self._lock:
             return self._last_report.copy()
 
-    def reject_report(self, count: int = 1) -> None:
+    def reject_report(self, count: int = 1, *, windows: bool = False) -> None:
         """Count a report that a surface (REST, gRPC) refused before it reached the core
         (malformed body, wrong types): received and rejected both grow by ``count``, nothing
-        else changes."""
+        else changes. ``windows``: they were DC window reports (counted there too)."""
         if count < 0:
             raise ValueError(f"count must be >= 0, got {count}")
         with self._lock:
             self.reports_received += count
             self.reports_rejected += count
+            if windows:
+                self.windows_in.received += count
+                self.windows_in.rejected += count
 
     def _check_step(self, step: int, layer: int) -> None:
         if not 0 <= layer < self.model.num_layers:

@@ -133,6 +133,40 @@ class ExpertMeshService(pb_grpc.ExpertMeshServiceServicer):
                 completed += int(one)
         return pb.ReportLoadResponse(accepted=accepted, completed=completed)
 
+    async def ReportWindows(
+        self, request: pb.ReportWindowsRequest, context: Any
+    ) -> pb.ReportWindowsResponse:
+        core = self.core
+        n = len(request.reports)
+        if not self._authorized(context):
+            core.reject_report(n, windows=True)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
+        if n > MAX_REPORTS_PER_MESSAGE:
+            core.reject_report(n, windows=True)
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"a message may hold at most {MAX_REPORTS_PER_MESSAGE} reports, got {n}",
+            )
+        reps, bad = convert.windows_from_msg(request, core.model.num_experts)
+        try:
+            # a completed window builds an [R, E] load: off the event loop
+            applied, done = await asyncio.to_thread(core.report_windows, reps)
+        except BatchReportError as err:
+            if bad is not None:
+                core.reject_report(n - len(reps), windows=True)  # the undecodable rest
+            r = request.reports[err.applied]
+            text = (
+                f"window report {err.applied} (layer {r.layer}, DC {r.dc}, steps "
+                f"{r.first_step}..{r.last_step}): {err}"
+            )
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, text)
+        if bad is not None:
+            core.reject_report(n - len(reps), windows=True)  # this one and the rest
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"window report {bad[0]}: {bad[1]}"
+            )
+        return pb.ReportWindowsResponse(accepted=applied, completed=done)
+
     async def WatchPlans(
         self, request: pb.WatchPlansRequest, context: Any
     ) -> AsyncIterator[pb.WatchPlansResponse]:
@@ -271,6 +305,8 @@ class GrpcServer:
         def refused(method: str) -> None:  # an undecodable report message counts as rejected
             if method == f"/{SERVICE_NAME}/ReportLoad":
                 core.reject_report()
+            elif method == f"/{SERVICE_NAME}/ReportWindows":
+                core.reject_report(windows=True)
 
         server = grpc.aio.server(
             interceptors=[UndecodableRequests(refused)],

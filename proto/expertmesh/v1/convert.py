@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from expertmesh.planner import LayerPlan, Migration, Placement, Transfer, TransferKind
+from expertmesh.planner.window import WindowReport
 from expertmesh.v1 import expertmesh_pb2 as pb
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "ReceivedPlan",
     "Report",
     "SolveArgs",
+    "WindowReport",
     "layer_plan_from_msg",
     "layer_plan_to_msg",
     "plan_from_msg",
@@ -149,6 +151,52 @@ def report_batch_from_msg(
         np.fromiter((r.rank for r in reports), np.int64, num),
         loads,
     )
+
+
+def window_to_msg(rep: WindowReport) -> pb.WindowReport:
+    """A DC's window report (``load`` [E] or [n, E]) as a message."""
+    return pb.WindowReport(
+        first_step=rep.first_step,
+        last_step=rep.last_step,
+        layer=rep.layer,
+        dc=rep.dc,
+        steps=rep.steps,
+        reports=rep.reports,
+        rows=rep.load.shape[0] if rep.per_rank else 1,
+        load=rep.load.ravel().tolist(),
+    )
+
+
+def windows_from_msg(
+    msg: pb.ReportWindowsRequest, num_experts: int
+) -> tuple[list[WindowReport], tuple[int, str] | None]:
+    """Decode a message's window reports in order: (the reports before the first bad one,
+    (its index, why) or None). ``rows`` 1 gives ``[E]`` loads, ``n`` gives ``[n, E]``; the
+    core checks the rest against its topology."""
+    out: list[WindowReport] = []
+    for i, r in enumerate(msg.reports):
+        try:
+            load = np.array(r.load, np.int64)
+            rows = int(r.rows)
+            if rows < 1 or load.size != rows * num_experts:
+                raise ValueError(
+                    f"load must hold rows x {num_experts} counts with rows >= 1, got "
+                    f"{load.size} counts for {rows} rows"
+                )
+            out.append(
+                WindowReport(
+                    first_step=int(r.first_step),
+                    last_step=int(r.last_step),
+                    layer=int(r.layer),
+                    dc=int(r.dc),
+                    steps=int(r.steps),
+                    reports=int(r.reports),
+                    load=load if rows == 1 else load.reshape(rows, num_experts),
+                )
+            )
+        except ValueError as err:
+            return out, (i, str(err))
+    return out, None
 
 
 def reports_from_msg(msg: pb.ReportLoadRequest, max_reports: int = 4096) -> list[Report]:

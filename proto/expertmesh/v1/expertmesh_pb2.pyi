@@ -140,6 +140,98 @@ class ReportLoadResponse(_message.Message):
 Global___ReportLoadResponse: _TypeAlias = ReportLoadResponse  # noqa: Y015
 
 @_typing.final
+class WindowReport(_message.Message):
+    """One DC's load of one layer summed over the microbatches first_step..last_step (inclusive;
+    windows are aligned, every DC's the same). rows = 1: load is the DC's [E] sum over its
+    ranks; rows = n (the DC's ranks): load is [n * E], per rank in topology order.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FIRST_STEP_FIELD_NUMBER: _builtins.int
+    LAST_STEP_FIELD_NUMBER: _builtins.int
+    LAYER_FIELD_NUMBER: _builtins.int
+    DC_FIELD_NUMBER: _builtins.int
+    STEPS_FIELD_NUMBER: _builtins.int
+    REPORTS_FIELD_NUMBER: _builtins.int
+    ROWS_FIELD_NUMBER: _builtins.int
+    LOAD_FIELD_NUMBER: _builtins.int
+    first_step: _builtins.int
+    last_step: _builtins.int
+    layer: _builtins.int
+    dc: _builtins.int
+    """index of the DC in the topology"""
+    steps: _builtins.int
+    """microbatches summed (1 .. last_step - first_step + 1)"""
+    reports: _builtins.int
+    """per-rank reports summed (accounting)"""
+    rows: _builtins.int
+    @_builtins.property
+    def load(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        first_step: _builtins.int = ...,
+        last_step: _builtins.int = ...,
+        layer: _builtins.int = ...,
+        dc: _builtins.int = ...,
+        steps: _builtins.int = ...,
+        reports: _builtins.int = ...,
+        rows: _builtins.int = ...,
+        load: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dc", b"dc", "first_step", b"first_step", "last_step", b"last_step", "layer", b"layer", "load", b"load", "reports", b"reports", "rows", b"rows", "steps", b"steps"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WindowReport: _TypeAlias = WindowReport  # noqa: Y015
+
+@_typing.final
+class ReportWindowsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPORTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def reports(self) -> _containers.RepeatedCompositeFieldContainer[Global___WindowReport]: ...
+    def __init__(
+        self,
+        *,
+        reports: _abc.Iterable[Global___WindowReport] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reports", b"reports"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportWindowsRequest: _TypeAlias = ReportWindowsRequest  # noqa: Y015
+
+@_typing.final
+class ReportWindowsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACCEPTED_FIELD_NUMBER: _builtins.int
+    COMPLETED_FIELD_NUMBER: _builtins.int
+    accepted: _builtins.int
+    completed: _builtins.int
+    """windows these reports completed (every DC with a live rank reported)"""
+    def __init__(
+        self,
+        *,
+        accepted: _builtins.int = ...,
+        completed: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "completed", b"completed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportWindowsResponse: _TypeAlias = ReportWindowsResponse  # noqa: Y015
+
+@_typing.final
 class Transfer(_message.Message):
     """One expert copy sent over one link in one round of a migration."""
 

@@ -55,6 +55,11 @@ class ExpertMeshServiceStub:
                 request_serializer=expertmesh_dot_v1_dot_expertmesh__pb2.SolveRequest.SerializeToString,
                 response_deserializer=expertmesh_dot_v1_dot_expertmesh__pb2.SolveResponse.FromString,
                 _registered_method=True)
+        self.ReportWindows = channel.unary_unary(
+                '/expertmesh.v1.ExpertMeshService/ReportWindows',
+                request_serializer=expertmesh_dot_v1_dot_expertmesh__pb2.ReportWindowsRequest.SerializeToString,
+                response_deserializer=expertmesh_dot_v1_dot_expertmesh__pb2.ReportWindowsResponse.FromString,
+                _registered_method=True)
 
 
 class ExpertMeshServiceServicer:
@@ -90,6 +95,16 @@ class ExpertMeshServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportWindows(self, request, context):
+        """Hierarchical load aggregation: a DC's aggregator sends its ranks' load summed over a
+        window of microbatches, one WindowReport per DC per layer per window, instead of every
+        rank's report of every step. A write (token). The first bad report ends the call with
+        INVALID_ARGUMENT (earlier reports stay applied; it and the rest are counted as rejected).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExpertMeshServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +127,11 @@ def add_ExpertMeshServiceServicer_to_server(servicer, server):
                     servicer.Solve,
                     request_deserializer=expertmesh_dot_v1_dot_expertmesh__pb2.SolveRequest.FromString,
                     response_serializer=expertmesh_dot_v1_dot_expertmesh__pb2.SolveResponse.SerializeToString,
+            ),
+            'ReportWindows': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportWindows,
+                    request_deserializer=expertmesh_dot_v1_dot_expertmesh__pb2.ReportWindowsRequest.FromString,
+                    response_serializer=expertmesh_dot_v1_dot_expertmesh__pb2.ReportWindowsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -223,6 +243,33 @@ class ExpertMeshService:
             '/expertmesh.v1.ExpertMeshService/Solve',
             expertmesh_dot_v1_dot_expertmesh__pb2.SolveRequest.SerializeToString,
             expertmesh_dot_v1_dot_expertmesh__pb2.SolveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportWindows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expertmesh.v1.ExpertMeshService/ReportWindows',
+            expertmesh_dot_v1_dot_expertmesh__pb2.ReportWindowsRequest.SerializeToString,
+            expertmesh_dot_v1_dot_expertmesh__pb2.ReportWindowsResponse.FromString,
             options,
             channel_credentials,
             insecure,

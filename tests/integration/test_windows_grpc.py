@@ -1,0 +1,99 @@
+"""Aggregated load over gRPC, as a trainer outside Ray sends it to `expertmesh serve`: one
+DcAggregator per DC, ReportWindows over a real loopback server (with mutual TLS and a
+token), serve's plan loop planning on the windows; refused reports counted, state kept."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+from expertmesh.cli.serve import PlanLoop
+from expertmesh.controller.certs import make_certs
+from expertmesh.controller.core import ControllerCore, ControllerSettings, Trigger
+from expertmesh.controller.server import Surfaces
+from expertmesh.controller.settings import SurfaceSettings
+from expertmesh.planner import ModelSpec, Topology
+from expertmesh.planner.window import WindowReport
+from expertmesh.v1 import expertmesh_pb2 as pb
+from expertmesh.workers.aggregate import DcAggregator
+from expertmesh.workers.client import ClientTls, ExpertMeshClient
+
+TOKEN = "windows-token"
+E, L, N = 8, 2, 5
+
+
+def _core() -> ControllerCore:
+    topo = Topology.generate(dcs=3, ranks_per_dc=2, masters=2, spare=1)
+    settings = ControllerSettings(policy="eplb", trigger=Trigger(mode="every_step"))
+    return ControllerCore(topo, ModelSpec(num_layers=L, num_experts=E, top_k=2), settings)
+
+
+def test_serve_plans_on_dc_windows_sent_over_mutual_tls(tmp_path):
+    make_certs(tmp_path, {"controller": [], "dc0": []})
+    core = _core()
+    topo = core.topology
+    settings = SurfaceSettings(
+        rest_port=0,
+        grpc_port=0,
+        token=TOKEN,
+        tls_cert=tmp_path / "controller.pem",
+        tls_key=tmp_path / "controller.key",
+        tls_client_ca=tmp_path / "ca.pem",
+    )
+    tls = ClientTls(ca=tmp_path / "ca.pem", cert=tmp_path / "dc0.pem", key=tmp_path / "dc0.key")
+    aggs = [DcAggregator(d, topo.dc_ranks[d].tolist(), L, E, N) for d in range(topo.num_dcs)]
+    rng = np.random.default_rng(0)
+    loads = rng.integers(0, 30, (2 * N, topo.num_ranks, L, E))
+    with Surfaces(core, settings) as s, ExpertMeshClient(s.grpc_target, token=TOKEN, tls=tls) as c:
+        loop = PlanLoop(core)
+        accepted = completed = 0
+        for t in range(2 * N):
+            for agg in aggs:
+                reps = [w for r in agg.ranks for w in agg.add_step(t, r, loads[t, r])]
+                if reps:
+                    a, done = c.report_windows(reps)
+                    accepted, completed = accepted + a, completed + done
+            loop.tick()
+        assert (accepted, completed) == (2 * L * topo.num_dcs, 2 * L)
+        # serve's loop planned and committed on the windows
+        assert core.committed is not None and core.committed.step == 2 * N - 1
+        for layer in range(L):
+            newest = core.windows_in.newest(layer)
+            want = loads[N:, :, layer].sum(axis=0)  # [R, E] over the second window
+            assert np.array_equal(newest.dc_sum, np.stack([want[r].sum(0) for r in topo.dc_ranks]))
+        sent = sum(a.reports_sent for a in aggs)
+        assert sent == 2 * N * topo.num_ranks * L == core.windows_in.rank_reports
+        # refusals: wrong token, a bad window (after a good one), garbage bytes
+        w = core.windows_in
+        before = (w.received, w.rejected, core.window(0).shape[0])
+        good = WindowReport(
+            first_step=2 * N, last_step=3 * N - 1, layer=0, dc=0, steps=N, reports=1,
+            load=np.ones(E, np.int64),
+        )  # fmt: skip
+        with ExpertMeshClient(s.grpc_target, token="wrong", tls=tls) as wrong:
+            with pytest.raises(grpc.RpcError) as err:
+                wrong.report_windows([good])
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as err:
+            c.report_windows([good, good])  # the second: a duplicate
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "already reported" in err.value.details()
+        raw = c._channel.unary_unary(
+            "/expertmesh.v1.ExpertMeshService/ReportWindows",
+            request_serializer=lambda b: b,
+            response_deserializer=pb.ReportWindowsResponse.FromString,
+        )
+        with pytest.raises(grpc.RpcError) as err:
+            raw(b"\xff\xff\xff garbage", metadata=(("authorization", f"Bearer {TOKEN}"),))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        msg = pb.ReportWindowsRequest(reports=[pb.WindowReport(layer=0, rows=2, load=[1, 2, 3])])
+        with pytest.raises(grpc.RpcError) as err:
+            raw(msg.SerializeToString(), metadata=(("authorization", f"Bearer {TOKEN}"),))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # 1 (wrong token) + 2 (good applied, duplicate refused) + 1 (garbage) + 1 (rows)
+        assert w.received == before[0] + 5
+        assert w.rejected == before[1] + 4
+        assert w.received == w.applied + w.rejected
+        assert core.reports_received - core.reports_rejected == accepted + 1
+        assert core.window(0).shape[0] == before[2]  # the pending window did not complete
