@@ -1,0 +1,233 @@
+"""The process groups of one rank and the collectives the data plane runs over them.
+
+Tensors move between ranks over ``torch.distributed`` (gloo on CPU, NCCL on CUDA), never
+through Ray or a driver. :class:`Comm` holds the groups every rank forms in the same order:
+
+- ``world``: every rank taking part (``members``; the group rank of expertmesh rank
+  ``members[i]`` is ``i``);
+- one group per DC (the domain inside which tokens fan out and replica gradients meet);
+- ``leaders``: the lowest member rank of every DC (dense gradients cross the WAN there).
+
+Every send that crosses a DC pair is charged to the :class:`LinkShaper` bucket of that
+pair before the collective runs (the sender waits until its bytes would have arrived, so
+a collective finishes when the slowest crossing does), and counted by kind (``tokens``,
+``weights``, ``migration``). Off (``shaper=None``) only the counting remains, for real DCs.
+
+:func:`exchange` is the one differentiable collective: an ``all_to_all`` of a 1-D tensor
+whose backward is the ``all_to_all`` of the gradient the other way. Every rank issues the
+same collectives in the same order; a step that would not is a bug, never a data-dependent
+skip (a rank with nothing to send still takes part with empty splits).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from expertmesh.workers.shaper import LinkShaper
+
+__all__ = ["KINDS", "Comm", "Group", "exchange", "pick_backend"]
+
+KINDS = ("tokens", "weights", "migration")  # what crossed: activations, sync, plan moves
+
+
+def pick_backend(device: torch.device) -> str:
+    """NCCL for CUDA tensors, gloo otherwise."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+@dataclass(eq=False)
+class Group:
+    """A process group: ``ranks`` (expertmesh ranks, ascending; the group rank of
+    ``ranks[i]`` is ``i``) and the torch group (``None``: the default, world, group)."""
+
+    ranks: list[int]
+    pg: Any = None
+    index: dict[int, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.index = {r: i for i, r in enumerate(self.ranks)}
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+class Comm:
+    """One rank's groups, shaper and byte counters. Build it on every rank of ``members``
+    (after ``torch.distributed`` is initialized with ``len(members)`` processes) in the same
+    order: it creates the DC and leader groups collectively."""
+
+    def __init__(
+        self,
+        rank: int,
+        rank_dc: np.ndarray,
+        members: Sequence[int],
+        *,
+        shaper: LinkShaper | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        members = sorted(int(r) for r in members)
+        if rank not in members:
+            raise ValueError(f"rank {rank} is not among the members {members}")
+        self.rank, self.device = rank, torch.device(device)
+        self.num_dcs = int(np.max(rank_dc)) + 1
+        live = np.zeros(len(rank_dc), bool)
+        live[members] = True
+        self.live = live
+        self.rank_dc = np.where(live, np.asarray(rank_dc), -1)  # [R]; -1: not taking part
+        self.dc = int(self.rank_dc[rank])
+        self.dc_ranks = [np.flatnonzero(self.rank_dc == d) for d in range(self.num_dcs)]
+        self.world = Group(members)
+        self.dcs: list[Group | None] = []
+        for ranks in self.dc_ranks:  # every rank creates every group, in DC order
+            pg = _new_group([self.world.index[r] for r in ranks.tolist()]) if ranks.size else None
+            self.dcs.append(Group(ranks.tolist(), pg) if ranks.size else None)
+        leaders = [int(r[0]) for r in self.dc_ranks if r.size]
+        self.leaders = Group(leaders, _new_group([self.world.index[r] for r in leaders]))
+        self.shaper = shaper
+        self.bytes = np.zeros((len(KINDS), self.num_dcs, self.num_dcs), np.int64)
+        self.shaped_seconds = 0.0
+        self.collectives = 0
+
+    @property
+    def my_dc(self) -> Group:
+        g = self.dcs[self.dc]
+        assert g is not None  # this rank is a member of its DC
+        return g
+
+    @property
+    def leader(self) -> int:
+        """The lowest rank of this rank's DC."""
+        return int(self.dc_ranks[self.dc][0])
+
+    # ---- shaping ----
+
+    def charge(self, kind: str, nbytes_to: dict[int, int]) -> None:
+        """Count and shape this rank's sends: ``nbytes_to`` expertmesh rank -> bytes. Waits
+        until the crossing ones would have arrived over their DC pair's link."""
+        k = KINDS.index(kind)
+        arrive = 0.0
+        for q, nbytes in nbytes_to.items():
+            b = int(self.rank_dc[q])
+            if nbytes <= 0 or b == self.dc:
+                continue
+            self.bytes[k, self.dc, b] += nbytes
+            if self.shaper is not None:
+                arrive = max(arrive, self.shaper.reserve(self.dc, b, nbytes))
+        if arrive > 0:
+            wait = arrive - time.time()
+            if wait > 0:
+                self.shaped_seconds += wait
+                time.sleep(wait)
+
+    # ---- collectives ----
+
+    def all_to_all(
+        self, x: torch.Tensor, send: Sequence[int], recv: Sequence[int], group: Group, kind: str
+    ) -> torch.Tensor:
+        """``all_to_all_single`` of 1-D ``x``: ``send[i]`` elements to ``group.ranks[i]``,
+        ``recv[i]`` from it. Not differentiable (see :func:`exchange`)."""
+        send, recv = [int(s) for s in send], [int(r) for r in recv]
+        if len(send) != group.size or len(recv) != group.size or sum(send) != x.numel():
+            raise ValueError(
+                f"splits {send}/{recv} do not fit {x.numel()} elements, {group.size} ranks"
+            )
+        size = x.element_size()
+        self.charge(kind, {q: s * size for q, s in zip(group.ranks, send, strict=True)})
+        out = torch.empty(sum(recv), dtype=x.dtype, device=x.device)
+        self.collectives += 1
+        if group.size == 1:
+            out.copy_(x)
+            return out
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group.pg)
+        return out
+
+    def exchange_counts(self, counts: np.ndarray, group: Group, kind: str = "tokens") -> np.ndarray:
+        """``counts`` [G, c] int: row ``i`` goes to ``group.ranks[i]``; returns [G, c], row
+        ``i`` from ``group.ranks[i]``."""
+        g, c = counts.shape
+        t = torch.as_tensor(np.ascontiguousarray(counts, dtype=np.int64)).reshape(-1)
+        out = self.all_to_all(t.to(self.device), [c] * g, [c] * g, group, kind)
+        return out.cpu().numpy().reshape(g, c)
+
+    def all_reduce(self, x: torch.Tensor, group: Group, kind: str = "weights") -> torch.Tensor:
+        """Sum ``x`` over ``group`` in place, bit-identical on every member: all-gather, then
+        add in group order (a ring all-reduce's order depends on the rank)."""
+        if group.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(group.size)]
+        nbytes = x.numel() * x.element_size()
+        self.charge(kind, {q: nbytes for q in group.ranks if q != self.rank})
+        self.collectives += 1
+        dist.all_gather(parts, x.contiguous(), group=group.pg)
+        total = parts[0].clone()
+        for p in parts[1:]:
+            total += p
+        x.copy_(total)
+        return x
+
+    def broadcast(self, x: torch.Tensor, src: int, group: Group, kind: str = "weights") -> None:
+        """``x`` of expertmesh rank ``src`` to every member of ``group``, in place."""
+        if group.size == 1:
+            return
+        if self.rank == src:
+            nbytes = x.numel() * x.element_size()
+            self.charge(kind, {q: nbytes for q in group.ranks if q != src})
+        self.collectives += 1
+        dist.broadcast(x, src=self.world.index[src], group=group.pg)
+
+    def barrier_min(self, value: int) -> int:
+        """The smallest ``value`` over the world (every rank gets the same answer)."""
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        self.collectives += 1
+        if self.world.size > 1:
+            self.charge("weights", {q: 8 for q in self.world.ranks if q != self.rank})
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+
+def _new_group(group_ranks: list[int]) -> Any:
+    return dist.new_group(sorted(group_ranks)) if dist.is_initialized() else None
+
+
+class _Exchange(torch.autograd.Function):
+    @staticmethod
+    def forward(  # noqa: PLR0917
+        ctx: Any,
+        x: torch.Tensor,
+        comm: Comm,
+        send: list[int],
+        recv: list[int],
+        group: Group,
+        kind: str,
+    ) -> torch.Tensor:
+        ctx.args = (comm, send, recv, group, kind)
+        return comm.all_to_all(x, send, recv, group, kind)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        comm, send, recv, group, kind = ctx.args
+        return (
+            comm.all_to_all(g.contiguous(), recv, send, group, kind),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def exchange(  # noqa: PLR0917
+    x: torch.Tensor, comm: Comm, send: list[int], recv: list[int], group: Group, kind: str
+) -> torch.Tensor:
+    """Differentiable :meth:`Comm.all_to_all`: the gradient travels back the other way
+    (``recv`` elements to each rank it came from), shaped and counted the same."""
+    out: torch.Tensor = _Exchange.apply(x, comm, send, recv, group, kind)
+    return out

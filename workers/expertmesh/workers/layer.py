@@ -1,0 +1,292 @@
+"""The expert-parallel MoE layer as a ``torch.nn.Module`` any ``torch.distributed`` job can use.
+
+:class:`MoELayer` runs, on every rank at once (SPMD), for ``u`` [n, d]:
+
+1. gate: top-k over a linear router, weights a softmax over the k chosen logits; the exact
+   per-expert ``counts`` [E] of this rank go to ``on_counts`` (load reports);
+2. destinations: each assignment (token, expert) goes to a rank holding the expert, split
+   by the committed route's shares (:func:`~expertmesh.workers.moe.assign_destinations`);
+3. dispatch, hierarchical (the NVIDIA Hybrid-EP structure): a token crosses each DC pair
+   once, to the *relay* of the remote DC (:func:`~expertmesh.workers.moe.relay_rank`),
+   which fans it out inside its DC (stage A over the world group, stage B over the DC's);
+4. experts: each rank computes the experts it holds on what it received;
+5. combine: results travel back the same way, summed per token at the relay before they
+   cross back, and are summed into ``y`` [n, d] at the source.
+
+Every float transfer is one :func:`~expertmesh.workers.comm.exchange`, so autograd's
+backward sends gradients back over the same groups, in the reverse order, on every rank
+alike; expert parameters get their gradients where they live. The layer holds the
+weights of the experts its rank holds (``experts[e]``: W1, W3, W2 parameters) and the
+committed placement (:class:`LayerPlan`); plans change between steps
+(:meth:`MoELayer.set_plan`).
+
+Shapes: ``n`` tokens, ``k`` top-k, ``d`` hidden, ``E`` experts, ``R`` ranks, ``m``
+assignments, ``u`` distinct tokens of a bundle.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from expertmesh.planner.plan import Placement
+from expertmesh.workers.comm import Comm, exchange
+from expertmesh.workers.model import ExpertWeights, expert_forward
+from expertmesh.workers.moe import assign_destinations, relay_rank
+
+__all__ = ["LayerPlan", "MoELayer"]
+
+_META = 3  # int32 per assignment in stage A: (row, expert, destination rank)
+
+
+@dataclass(eq=False)
+class LayerPlan:
+    """A layer's committed plan as a rank uses it: ``placement`` and ``route`` [N, 4] rows
+    ``(src_rank, expert, dst_rank, tokens)`` whose shares split each microbatch's tokens."""
+
+    placement: Placement
+    route: np.ndarray
+    holds: np.ndarray = field(init=False)  # [R, E] bool
+    master_rank: np.ndarray = field(init=False)  # [E]
+
+    def __post_init__(self) -> None:
+        self.route = np.asarray(self.route, dtype=np.int64).reshape(-1, 4)
+        self.holds = self.placement.holds()
+        self.master_rank = self.placement.master_rank()
+
+    def held_by(self, rank: int) -> list[int]:
+        """Distinct experts in ``rank``'s slots (two slots may hold one expert)."""
+        return sorted({int(e) for e in self.placement.phy2log[rank] if e >= 0})
+
+
+class MoELayer(nn.Module):
+    """Gate, dispatch, experts, combine; see the module docstring.
+
+    ``gate``: the router (``nn.Linear(d, E, bias=False)``; shared with a dense model when
+    given). ``experts``: initial weights of the experts this rank holds under ``plan``.
+    """
+
+    def __init__(
+        self,
+        comm: Comm,
+        plan: LayerPlan,
+        experts: dict[int, ExpertWeights],
+        *,
+        top_k: int,
+        gate: nn.Linear,
+        on_counts: Callable[[np.ndarray], None] | None = None,
+    ) -> None:
+        super().__init__()
+        self.comm, self.top_k, self.gate = comm, top_k, gate
+        self.num_experts = gate.out_features
+        self.on_counts = on_counts
+        self.experts = nn.ParameterDict()
+        self.plan = plan
+        self.set_experts(experts)
+        self.counts = np.zeros(self.num_experts, np.int64)  # of the last forward
+        self.computed = 0  # assignments this rank computed in the last forward
+        self.crossings = np.zeros(comm.num_dcs, np.int64)  # distinct tokens sent per DC
+        self.routed = np.zeros((0, 4), np.int64)  # [N, 4] (rank, expert, dst, assignments)
+        self.expert_seconds = 0.0
+
+    # ---- the experts this rank holds ----
+
+    def set_experts(self, experts: dict[int, ExpertWeights]) -> None:
+        """Hold exactly ``experts`` (e -> W1, W3, W2); tensors become parameters."""
+        for key in list(self.experts.keys()):
+            del self.experts[key]
+        for e, w in sorted(experts.items()):
+            for i, t in enumerate(w):
+                self.experts[f"{e}_{i}"] = nn.Parameter(t.detach().clone().to(self.comm.device))
+
+    def expert(self, e: int) -> ExpertWeights:
+        p = self.experts
+        return p[f"{e}_0"], p[f"{e}_1"], p[f"{e}_2"]
+
+    def held(self) -> list[int]:
+        return sorted({int(k.split("_")[0]) for k in self.experts})
+
+    def set_plan(self, plan: LayerPlan, experts: dict[int, ExpertWeights]) -> None:
+        """Switch to ``plan``; ``experts``: the weights of every expert it gives this rank."""
+        want = plan.held_by(self.comm.rank)
+        if sorted(experts) != want:
+            raise ValueError(f"rank {self.comm.rank} needs experts {want}, got {sorted(experts)}")
+        self.plan = plan
+        self.set_experts(experts)
+
+    # ---- forward ----
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        """``u`` [n, d] -> ``y`` [n, d] = sum_j w[t, j] * expert_{idx[t, j]}(u[t])."""
+        logits = self.gate(u)  # [n, E]
+        top, idx = torch.topk(logits, self.top_k, dim=-1)
+        w = torch.softmax(top, dim=-1)  # [n, k]
+        idx_np = idx.detach().cpu().numpy()
+        self.counts = np.bincount(idx_np.reshape(-1), minlength=self.num_experts)
+        if self.on_counts is not None:
+            self.on_counts(self.counts)
+        c = self.comm
+        dst = assign_destinations(
+            c.rank, idx_np, self.plan.route, self.plan.holds, c.rank_dc
+        ).reshape(-1)
+        flat_e = idx_np.reshape(-1)
+        key, num = np.unique(flat_e.astype(np.int64) * len(c.rank_dc) + dst, return_counts=True)
+        self.routed = np.stack(
+            [np.full_like(key, c.rank), key // len(c.rank_dc), key % len(c.rank_dc), num], 1
+        )
+        return self._dispatch_combine(u, w.reshape(-1), flat_e, dst)
+
+    def _dispatch_combine(
+        self, u: torch.Tensor, w: torch.Tensor, flat_e: np.ndarray, dst: np.ndarray
+    ) -> torch.Tensor:
+        c, dev = self.comm, self.comm.device
+        n, d = u.shape
+        k = self.top_k
+        tok = np.repeat(np.arange(n), k)  # [n*k] token of each assignment
+        world = c.world
+        # stage A: one bundle per DC, to its relay (this rank itself for its own DC)
+        bundles: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        dst_dc = c.rank_dc[dst]
+        self.crossings[:] = 0
+        for b in np.unique(dst_dc).tolist():
+            a_ids = np.flatnonzero(dst_dc == b)
+            uniq, pos = np.unique(tok[a_ids], return_inverse=True)
+            relay = c.rank if b == c.dc else relay_rank(c.rank, b, c.rank_dc)
+            bundles[world.index[relay]] = (uniq, a_ids, pos)
+            if b != c.dc:
+                self.crossings[b] = uniq.size
+        sizes = np.zeros((world.size, 2), np.int64)
+        for i, (uniq, a_ids, _) in bundles.items():
+            sizes[i] = (uniq.size, a_ids.size)
+        got = c.exchange_counts(sizes, world)  # [G, 2] (tokens, assignments) from each rank
+        parts, order = [], sorted(bundles)
+        for i in order:
+            uniq, a_ids, pos = bundles[i]
+            m3 = np.stack([pos, flat_e[a_ids], dst[a_ids]], 1).reshape(-1)
+            parts += [u[_ix(uniq, dev)].reshape(-1), w[_ix(a_ids, dev)], _bits(m3, dev)]
+        send = [int(s[0]) * d + int(s[1]) * (1 + _META) for s in sizes]
+        recv = [int(g[0]) * d + int(g[1]) * (1 + _META) for g in got]
+        flat = torch.cat(parts) if parts else u.new_zeros(0)
+        got_a = exchange(flat, c, send, recv, world, "tokens")
+        # unpack what each source sent to this rank (as relay of its DC)
+        xs, ws, pos_l, e_l, dst_l, offs = [], [], [], [], [], []
+        row = at = 0
+        for g in got.tolist():
+            nu, nm = g
+            xs.append(got_a[at : at + nu * d].reshape(nu, d))
+            ws.append(got_a[at + nu * d : at + nu * d + nm])
+            meta = _ints(got_a[at + nu * d + nm : at + nu * d + nm * (1 + _META)]).reshape(nm, 3)
+            pos_l.append(meta[:, 0] + row)
+            e_l.append(meta[:, 1])
+            dst_l.append(meta[:, 2])
+            offs.append(row)
+            row, at = row + nu, at + nu * d + nm * (1 + _META)
+        x_in = torch.cat(xs) if xs else u.new_zeros(0, d)  # [U, d] tokens this relay holds
+        w_in = torch.cat(ws) if ws else u.new_zeros(0)  # [M]
+        pos_in, e_in, dst_in = (np.concatenate(v) for v in (pos_l, e_l, dst_l))
+        z = self._fan_out(x_in, w_in, pos_in, e_in, dst_in)  # [U, d] summed per token
+        # combine A: each source's rows back to it
+        back = [int(g[0]) * d for g in got]
+        y_parts = exchange(z.reshape(-1), c, back, [int(s[0]) * d for s in sizes], world, "tokens")
+        y = u.new_zeros(n, d)
+        at = 0
+        for i in order:
+            uniq = bundles[i][0]
+            y = y.index_add(0, _ix(uniq, dev), y_parts[at : at + uniq.size * d].reshape(-1, d))
+            at += uniq.size * d
+        return y
+
+    def _fan_out(
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        pos: np.ndarray,
+        experts: np.ndarray,
+        dst: np.ndarray,
+    ) -> torch.Tensor:
+        """Stage B inside this rank's DC: the relay's tokens ``x`` [U, d] to the ranks that
+        compute them (``pos``, ``experts``, ``dst``, ``w`` [M] per assignment); returns the
+        results summed per token [U, d]."""
+        c, dev = self.comm, self.comm.device
+        d = x.shape[1]
+        grp = c.my_dc
+        per: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        for q in np.unique(dst).tolist():
+            sel = np.flatnonzero(dst == q)
+            uniq, p = np.unique(pos[sel], return_inverse=True)
+            per[grp.index[q]] = (uniq, sel, p)
+        sizes = np.zeros((grp.size, 2), np.int64)
+        for i, (uniq, sel, _) in per.items():
+            sizes[i] = (uniq.size, sel.size)
+        got = c.exchange_counts(sizes, grp)
+        parts = []
+        for i in sorted(per):
+            uniq, sel, p = per[i]
+            m2 = np.stack([p, experts[sel]], 1).reshape(-1)
+            parts += [x[_ix(uniq, dev)].reshape(-1), w[_ix(sel, dev)], _bits(m2, dev)]
+        send = [int(s[0]) * d + int(s[1]) * 3 for s in sizes]
+        recv = [int(g[0]) * d + int(g[1]) * 3 for g in got]
+        flat = torch.cat(parts) if parts else x.new_zeros(0)
+        got_b = exchange(flat, c, send, recv, grp, "tokens")
+        xs, ws, ps, es = [], [], [], []
+        row = at = 0
+        for nu, nm in got.tolist():
+            xs.append(got_b[at : at + nu * d].reshape(nu, d))
+            ws.append(got_b[at + nu * d : at + nu * d + nm])
+            meta = _ints(got_b[at + nu * d + nm : at + nu * d + nm * 3]).reshape(nm, 2)
+            ps.append(meta[:, 0] + row)
+            es.append(meta[:, 1])
+            row, at = row + nu, at + nu * d + nm * 3
+        xq = torch.cat(xs) if xs else x.new_zeros(0, d)
+        wq = torch.cat(ws) if ws else x.new_zeros(0)
+        yq = self._compute(xq, wq, np.concatenate(ps), np.concatenate(es))
+        # combine B: results back to each relay, summed there per token
+        back = exchange(
+            yq.reshape(-1), c, [int(g[0]) * d for g in got], [int(s[0]) * d for s in sizes],
+            grp, "tokens",
+        )  # fmt: skip
+        z = x.new_zeros(x.shape[0], d)
+        at = 0
+        for i in sorted(per):
+            uniq = per[i][0]
+            z = z.index_add(0, _ix(uniq, dev), back[at : at + uniq.size * d].reshape(-1, d))
+            at += uniq.size * d
+        return z
+
+    def _compute(
+        self, x: torch.Tensor, w: torch.Tensor, pos: np.ndarray, experts: np.ndarray
+    ) -> torch.Tensor:
+        """This rank's experts: ``y[t] = sum over assignments a at row t of w[a] *
+        expert_{experts[a]}(x[t])``; ``x`` [u, d], ``w``/``pos``/``experts`` [m]."""
+        t0 = time.perf_counter()
+        y = torch.zeros_like(x)
+        self.computed = int(experts.size)
+        dev = self.comm.device
+        held = set(self.held())
+        for e in np.unique(experts).tolist():
+            if e not in held:
+                raise ValueError(f"rank {self.comm.rank}: tokens for expert {e}, not held here")
+            ids = np.flatnonzero(experts == e)
+            rows = _ix(pos[ids], dev)
+            out = expert_forward(x[rows], self.expert(e))  # [m_e, d]
+            y = y.index_add(0, rows, w[_ix(ids, dev), None] * out)
+        self.expert_seconds += time.perf_counter() - t0
+        return y
+
+
+def _ix(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
+
+
+def _bits(meta: np.ndarray, device: torch.device) -> torch.Tensor:
+    """int32 metadata travelling inside a float32 buffer (bit for bit, no gradient)."""
+    return torch.from_numpy(meta.astype(np.int32)).view(torch.float32).to(device)
+
+
+def _ints(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().contiguous().view(torch.int32).numpy().astype(np.int64)
