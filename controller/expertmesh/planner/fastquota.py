@@ -1,0 +1,418 @@
+"""``balance_domain``: quota inside one domain, fast enough for every microbatch (issue 12).
+
+The fast loop of the brief, as the workers run it: after the gate, the ranks of one
+domain exchange their exact counts and every rank calls :func:`balance_domain` on the
+same input, so every rank gets the same answer without a round trip. It is the rule of
+:mod:`expertmesh.planner.quota` (``refs.quota_fit_ref`` in plain loops) for one
+domain, with the same smallest quota ``T``, the same replicas in the same slots and the
+same token split (``settings=EXACT``; ``tests/unit/test_fastquota.py`` checks it against
+the reference and against ``quota_balance``), plus the replica economy of
+:class:`BalanceSettings`. ``expertmesh.workers.quota_torch`` is the same solve on torch
+tensors (on their device), equal to this one.
+
+**Call** (shapes; ``R`` ranks of the domain, ``S`` slots per rank, ``E`` experts)::
+
+    balance_domain(counts [R_src, E] int, phy2log [R, S] int, settings=BalanceSettings())
+        -> DomainBalance
+
+- ``counts[r, e]``: tokens (top-k assignments) source row ``r`` sends to expert ``e``
+  this microbatch. Rows ``0 .. R-1`` are the domain's ranks in order; rows ``R ..``
+  (optional) are sources outside the domain that send tokens in (another DC's ranks,
+  or one row per remote DC): they are routed like the others but have no own-rank copy.
+  Every expert with tokens must be held in the domain.
+- ``phy2log[r, s]``: the expert in slot ``s`` of rank ``r`` before this microbatch's
+  replicas: masters and the slow loop's copies, each expert at most once in the domain
+  (its *home*, which computes what its replicas leave), ``-1`` for a free (spare) slot.
+  ``domainquota.rehome`` turns a placement with several copies into one.
+
+**Result** (:class:`DomainBalance`, numpy int64; ``N`` replicas, ``K`` experts with
+replicas, ``C = N + K`` copies of those experts):
+
+- ``replicas`` [N, 3] ``(rank, slot, expert)`` to add, in line order, each in the lowest
+  free slot of its rank; ``replica_tokens`` [N] the tokens each computes.
+- ``copy_rank``, ``copy_expert`` [C]: the replicas (same order), then the home of every
+  expert with replicas (experts ascending); ``split`` [C, R_src]: tokens each source row
+  sends to each copy. Every other expert's tokens go whole to its home:
+  ``counts[r, e]`` to ``home_rank[e]`` ([E], ``-1`` where not held).
+- ``rank_tokens`` [R]: tokens each rank computes; ``quota``: the ``T`` used,
+  ``smallest``: the rule's smallest feasible ``T``, ``lower_bound``: no plan goes below.
+
+:func:`route_rows` expands a result into the planner's route rows ``[M, 4]``
+``(src, expert, dst, tokens)``. Deterministic: plain integer arithmetic, ties broken by
+id, no randomness, no floating point in a decision.
+
+**Speed.** One domain needs no vector bookkeeping across domains: the rule for one ``T``
+is a plain loop over the few pieces and receivers (a few dozen), and the search steps
+from the lower bound by the tokens the last probe left unplaced divided by the ranks
+that take part (the rule's shortfall shrinks by at most that many tokens per unit of
+``T``), so a solve takes 1-4 probes where bisection took 10-20. Only the split of the
+replicated experts' tokens touches ``[C, R_src]`` arrays; the others need no rows at all.
+Figures: ``docs/benchmarks.md`` (``make bench-balance``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from expertmesh.planner.plan import check_load
+
+__all__ = [
+    "EXACT",
+    "BalanceSettings",
+    "DomainBalance",
+    "Prepared",
+    "balance_domain",
+    "choose",
+    "prepare",
+    "route_rows",
+]
+
+# a product need * tokens in the split must fit in int64: one expert's tokens stay below this
+MAX_EXPERT_TOKENS = 1 << 31
+
+
+class BalanceSettings(BaseModel):
+    """The replica economy of one domain's solve (defaults: ``docs/quota.md``, measured)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    tolerance: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="accept T up to (1 + tolerance) x the smallest feasible T when the rule "
+        "needs fewer replicas there",
+    )
+    min_tokens_per_replica: int = Field(
+        default=0,
+        ge=0,
+        description="a replica that would compute fewer tokens is not made; its tokens stay "
+        "at the home (the home's rank may then exceed T by them)",
+    )
+    max_replicas_per_expert: int | None = Field(
+        default=None, ge=1, description="at most this many replicas of one expert (None: no bound)"
+    )
+
+
+EXACT = BalanceSettings()  # the rule alone: the smallest T, every replica it makes
+
+
+@dataclass(frozen=True, eq=False)
+class DomainBalance:
+    """One microbatch of one layer in one domain (shapes: the module docstring)."""
+
+    quota: int
+    smallest: int
+    lower_bound: int
+    replicas: np.ndarray
+    replica_tokens: np.ndarray
+    home_rank: np.ndarray
+    copy_rank: np.ndarray
+    copy_expert: np.ndarray
+    split: np.ndarray
+    rank_tokens: np.ndarray
+
+
+class Prepared(NamedTuple):
+    """What the rule needs, as plain ints (shared by the numpy and torch solves)."""
+
+    over: list[tuple[int, list[tuple[int, int]]]]  # (M, [(demand, expert)...]) by M desc
+    recv: list[tuple[int, int, int]]  # (M, rank, free slots) by M asc, rank asc
+    lower: int
+    upper: int
+    work: np.ndarray  # [R] M: the demand of the experts each rank is home to
+
+
+def prepare(
+    demand: np.ndarray, home_rank: np.ndarray, free: np.ndarray, max_rep: int | None = None
+) -> Prepared:
+    """The rule's inputs from per-expert ``demand`` [E], ``home_rank`` [E] (-1: not held)
+    and ``free`` [R] slots; bounds as in ``quota``: the ceiling mean, and an expert split
+    over every copy it can have (1 + min(max_rep, the other ranks with a free slot))."""
+    num_ranks = free.size
+    held = np.flatnonzero((home_rank >= 0) & (demand > 0))  # [H]
+    rank, dem = home_rank[held], demand[held]
+    work = np.bincount(rank, weights=dem, minlength=num_ranks).astype(np.int64)  # M, [R]
+    recv = np.flatnonzero(free > 0)
+    recv = recv[np.argsort(work[recv], kind="stable")]  # M ascending, rank ascending
+    upper = int(work.max(initial=0))
+    lower = -(-int(work.sum()) // num_ranks)
+    if held.size:  # an expert split over its home and every other rank with a free slot
+        others = recv.size - (free[rank] > 0)
+        copies = 1 + (others if max_rep is None else np.minimum(others, max_rep))
+        lower = max(lower, int((-(-dem // copies)).max()))
+    lower = min(lower, upper)
+    over = np.flatnonzero(work > lower)
+    over = over[np.argsort(-work[over], kind="stable")]  # [O] M descending
+    pos = np.full(num_ranks, -1, np.int64)
+    pos[over] = np.arange(over.size)
+    mine = np.flatnonzero(pos[rank] >= 0)  # the experts of ranks that may shed
+    order = mine[np.lexsort((held[mine], -dem[mine], pos[rank[mine]]))]
+    items = list(zip(dem[order].tolist(), held[order].tolist(), strict=True))
+    cut = np.searchsorted(pos[rank[order]], np.arange(over.size + 1)).tolist()
+    return Prepared(
+        over=[(m, items[a:b]) for m, a, b in zip(work[over].tolist(), cut, cut[1:], strict=False)],
+        recv=list(zip(work[recv].tolist(), recv.tolist(), free[recv].tolist(), strict=True)),
+        lower=lower,
+        upper=upper,
+        work=work,
+    )
+
+
+Segment = tuple[int, int, int, int]  # (expert, rank, tokens, j: the j-th replica of its expert)
+
+
+def _fit(pb: Prepared, quota: int, max_rep: int | None) -> tuple[int, int, list[Segment]]:
+    """The rule for ``quota`` (``quota``'s module doc): ``(shortfall, ranks in play,
+    replicas)``; feasible iff ``shortfall == 0`` and no bound was broken (then
+    ``shortfall`` is -1)."""
+    pieces: list[tuple[int, int]] = []  # (-amount, expert)
+    busy = 0
+    for m, items in pb.over:
+        if m <= quota:
+            break
+        busy += 1
+        excess = m - quota
+        for d, e in items:
+            if d >= excess:
+                pieces.append((-excess, e))
+                break
+            pieces.append((-d, e))
+            excess -= d
+    if not pieces:
+        return 0, busy, []
+    pieces.sort()
+    recv = pb.recv
+    num_recv = len(recv)
+    q, out = 0, list[Segment]()
+    cap, slots, rank = (quota - recv[0][0], recv[0][2], recv[0][1]) if recv else (0, 0, -1)
+    for i, (neg, e) in enumerate(pieces):
+        amount, j = -neg, 0
+        while amount:
+            if q == num_recv or cap <= 0:  # no receiver left below the quota
+                return amount + sum(-p for p, _ in pieces[i + 1 :]), busy + q, out
+            take = amount if amount < cap else cap
+            out.append((e, rank, take, j))
+            j += 1
+            amount -= take
+            cap -= take
+            slots -= 1
+            if cap == 0 or slots == 0:  # full, or out of slots: the rest stays unused
+                q += 1
+                if q < num_recv:
+                    m, rank, slots = recv[q]
+                    cap = quota - m
+        if max_rep is not None and j > max_rep:
+            return -1, busy + q, out
+    return 0, busy + q, out
+
+
+def _search(pb: Prepared, max_rep: int | None) -> tuple[int, list[Segment]]:
+    """The smallest ``T`` for which the rule succeeds, and its replicas.
+
+    Invariant: ``lo`` fails (``lower - 1`` at first), ``hi`` succeeds (the static max
+    needs no replica). After a failure the next probe is ``lo`` plus the larger of a gap
+    that doubles (2, 4, 8, ...) and the shortfall over the ranks in play, at most the
+    midpoint; after the first success ``T - 1``, then plain bisection. Without
+    ``max_replicas_per_expert`` the rule is monotone in ``T`` (see ``quota``), so this is
+    the smallest feasible ``T``. With it, where it is not, the probes are ``quota``'s (the
+    doubling gap alone, then bisection), so both end at the same ``T`` (``T - 1`` fails).
+    """
+    lo, hi = pb.lower - 1, pb.upper
+    best: list[Segment] = []
+    probe, found, gap = pb.lower, False, 1
+    while hi - lo > 1:
+        short, busy, segs = _fit(pb, probe, max_rep)
+        if short == 0:
+            hi, best = probe, segs
+            bisect = found or max_rep is not None
+            probe = (lo + hi) // 2 if bisect else hi - 1  # stepped up from below: T - 1?
+            found = True
+        else:
+            lo = probe
+            gap *= 2
+            step = gap if max_rep is not None else max(gap, -(-short // max(busy, 1)))
+            probe = min(lo + step, (lo + hi) // 2) if not found else (lo + hi) // 2
+    return hi, best
+
+
+def choose(pb: Prepared, settings: BalanceSettings) -> tuple[int, int, list[Segment]]:
+    """``(T used, smallest T, replicas)`` under ``settings``: the smallest ``T``; with a
+    tolerance, ``floor(T (1 + tol))`` instead when the rule succeeds there with fewer
+    replicas; then the replicas below ``min_tokens_per_replica`` are dropped."""
+    max_rep = settings.max_replicas_per_expert
+    smallest, segs = _search(pb, max_rep)
+    quota = smallest
+    if settings.tolerance > 0 and segs:
+        loose = min(int(smallest * (1.0 + settings.tolerance)), pb.upper)
+        if loose > smallest:
+            short, _, more = _fit(pb, loose, max_rep)
+            if short == 0 and len(more) < len(segs):
+                quota, segs = loose, more
+    if settings.min_tokens_per_replica > 0:
+        segs = _drop_small(segs, settings.min_tokens_per_replica)
+    return quota, smallest, segs
+
+
+def _drop_small(segs: list[Segment], least: int) -> list[Segment]:
+    """``segs`` without those under ``least`` tokens, ``j`` renumbered per expert."""
+    out: list[Segment] = []
+    nth: dict[int, int] = {}
+    for e, r, t, _ in segs:
+        if t >= least:
+            j = nth.get(e, 0)
+            out.append((e, r, t, j))
+            nth[e] = j + 1
+    return out
+
+
+def _check(counts: np.ndarray, phy2log: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``counts`` as int64 and ``phy2log`` as int64, or ``ValueError``."""
+    counts = check_load(counts)
+    phy2log = np.asarray(phy2log)
+    if phy2log.ndim != 2 or phy2log.dtype.kind not in "iu":
+        raise ValueError(f"phy2log must be [R, S] integer, got {phy2log.shape} {phy2log.dtype}")
+    num_ranks, num_experts = phy2log.shape[0], counts.shape[1]
+    if counts.shape[0] < num_ranks or num_ranks == 0:
+        raise ValueError(f"counts has {counts.shape[0]} source rows for {num_ranks} ranks")
+    phy2log = phy2log.astype(np.int64, copy=False)
+    if phy2log.size and (phy2log.min() < -1 or phy2log.max() >= num_experts):
+        raise ValueError(f"phy2log holds an expert outside -1 .. {num_experts - 1}")
+    return counts, phy2log
+
+
+def _homes(demand: np.ndarray, phy2log: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``home_rank`` [E] (-1: not held), ``free`` [R] slots, and the flat free slots [F]
+    ascending; ``ValueError`` on an expert held twice, tokens for an expert
+    the domain does not hold, or an expert with too many tokens."""
+    num_experts, num_slots = demand.size, phy2log.shape[1]
+    flat = phy2log.ravel()
+    held = np.flatnonzero(flat >= 0)
+    experts = flat[held]
+    home_slot = np.full(num_experts, -1, np.int64)
+    home_slot[experts] = held
+    if np.bincount(experts, minlength=1).max() > 1:
+        raise ValueError("phy2log holds an expert twice in the domain (keep one home per expert)")
+    home_rank = np.where(home_slot >= 0, home_slot // num_slots, -1)
+    if (demand[home_rank < 0] > 0).any():
+        missing = np.flatnonzero((home_rank < 0) & (demand > 0))
+        raise ValueError(f"tokens for experts the domain does not hold: {missing[:8].tolist()}")
+    if demand.size and demand.max() >= MAX_EXPERT_TOKENS:
+        raise ValueError(f"an expert has {int(demand.max())} tokens (at most 2^31 - 1)")
+    empty = np.flatnonzero(flat < 0)
+    free = np.bincount(empty // num_slots, minlength=phy2log.shape[0])
+    return home_rank, free, empty
+
+
+def place_replicas(segs: list[Segment], empty: np.ndarray, num_slots: int) -> np.ndarray:
+    """[N] flat slot of each replica: the next free slot of its rank, in line order.
+    ``empty``: the free flat slots ascending."""
+    ranks = np.fromiter((r for _, r, _, _ in segs), np.int64, len(segs))
+    order = np.argsort(ranks, kind="stable")
+    nth = np.empty_like(order)
+    nth[order] = np.arange(ranks.size) - np.searchsorted(ranks[order], ranks[order])
+    return empty[np.searchsorted(empty // num_slots, ranks) + nth]
+
+
+def _split(
+    counts: np.ndarray, home_rank: np.ndarray, segs: list[Segment]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``copy_rank``, ``copy_expert`` [C] and ``split`` [C, R_src] (module docstring): each
+    copy first takes its own rank's tokens; then replica ``j`` of every expert, pass by
+    pass, takes what it still needs from the sources' remaining tokens in proportion,
+    floors plus one token each to the largest remainders (lower source first on ties);
+    the home takes the rest."""
+    num_src = counts.shape[0]
+    if not segs:
+        z = np.zeros(0, np.int64)
+        return z, z, np.zeros((0, num_src), np.int64)
+    seg = np.array(segs, np.int64)  # [N, 4] expert, rank, tokens, j
+    n = seg.shape[0]
+    hot, col = np.unique(seg[:, 0], return_inverse=True)  # [K], [N]
+    k = hot.size
+    c_col = np.concatenate([col, np.arange(k)])  # [C]
+    c_rank = np.concatenate([seg[:, 1], home_rank[hot]])
+    left = counts.T[hot]  # [K, R_src] tokens of each source not yet given to a copy
+    need = np.empty(n + k, np.int64)
+    need[:n] = seg[:, 2]
+    need[n:] = left.sum(axis=1) - np.bincount(col, weights=seg[:, 2], minlength=k).astype(np.int64)
+    own = np.minimum(need, left[c_col, c_rank])  # own rank first
+    left[c_col, c_rank] -= own
+    need -= own
+    split = np.empty((n + k, num_src), np.int64)
+    rev = np.arange(num_src - 1, -1, -1)  # [R_src] remainder ties to the lower source
+    passes = int(seg[:, 3].max()) + 1
+    for j in range(passes):
+        c = np.flatnonzero(seg[:, 3] == j) if passes > 1 else np.arange(n)
+        cols = c_col[c]
+        w, nd = left[cols], need[c]  # [n_j, R_src], [n_j]
+        share, rem = np.divmod(w * nd[:, None], np.maximum(w.sum(axis=1), 1)[:, None])
+        short = nd - share.sum(axis=1)  # < R_src tokens the floors leave out
+        key = rem * num_src + rev  # distinct within a row
+        cut = np.sort(key, axis=1)[np.arange(c.size), num_src - np.maximum(short, 1)]
+        cut[short == 0] = np.iinfo(np.int64).max
+        share += key >= cut[:, None]
+        left[cols] = w - share
+        split[c] = share
+    split[n:] = left
+    split[np.arange(n + k), c_rank] += own
+    return c_rank, np.concatenate([seg[:, 0], hot]), split
+
+
+def balance_domain(
+    counts: np.ndarray, phy2log: np.ndarray, settings: BalanceSettings = EXACT
+) -> DomainBalance:
+    """Replicas and token split for one domain's microbatch (module docstring).
+
+    ``ValueError`` on shapes that do not match, negative counts, an expert held twice,
+    tokens for an expert the domain does not hold."""
+    counts, phy2log = _check(counts, phy2log)
+    demand = counts.sum(axis=0)  # [E]
+    home_rank, free, empty = _homes(demand, phy2log)
+    pb = prepare(demand, home_rank, free, settings.max_replicas_per_expert)
+    quota, smallest, segs = choose(pb, settings)
+    num_slots = phy2log.shape[1]
+    slots = place_replicas(segs, empty, num_slots)
+    copy_rank, copy_expert, split = _split(counts, home_rank, segs)
+    n = len(segs)
+    replicas = np.zeros((n, 3), np.int64)
+    rank_tokens = pb.work.copy()
+    if n:
+        replicas[:, 0], replicas[:, 1] = np.divmod(slots, num_slots)
+        replicas[:, 2] = copy_expert[:n]
+        rep_t = split[:n].sum(axis=1)
+        np.add.at(rank_tokens, copy_rank[:n], rep_t)
+        np.subtract.at(rank_tokens, home_rank[copy_expert[:n]], rep_t)
+    return DomainBalance(
+        quota=quota,
+        smallest=smallest,
+        lower_bound=pb.lower,
+        replicas=replicas,
+        replica_tokens=np.array([t for _, _, t, _ in segs], np.int64),
+        home_rank=home_rank,
+        copy_rank=copy_rank,
+        copy_expert=copy_expert,
+        split=split,
+        rank_tokens=rank_tokens,
+    )
+
+
+def route_rows(result: DomainBalance, counts: np.ndarray) -> np.ndarray:
+    """Route rows [M, 4] ``(src, expert, dst, tokens)`` of ``counts`` [R_src, E] under
+    ``result`` (rows with tokens only; the planner's route format)."""
+    counts = np.asarray(counts, dtype=np.int64)
+    n_copies = result.copy_expert.size
+    cold = np.ones(counts.shape[1], bool)
+    cold[result.copy_expert] = False
+    src, exp = np.nonzero(counts * cold[None, :])
+    rows = [np.stack([src, exp, result.home_rank[exp], counts[src, exp]], axis=1)]
+    if n_copies:
+        c, s = np.nonzero(result.split)
+        rows.append(
+            np.stack([s, result.copy_expert[c], result.copy_rank[c], result.split[c, s]], axis=1)
+        )
+    return np.concatenate(rows).astype(np.int64)
