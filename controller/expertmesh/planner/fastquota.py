@@ -62,12 +62,15 @@ from expertmesh.planner.plan import check_load
 
 __all__ = [
     "EXACT",
+    "MAX_EXPERT_TOKENS",
     "BalanceSettings",
     "DomainBalance",
     "Prepared",
     "balance_domain",
     "choose",
+    "homes",
     "prepare",
+    "replica_table",
     "route_rows",
 ]
 
@@ -285,7 +288,7 @@ def _check(counts: np.ndarray, phy2log: np.ndarray) -> tuple[np.ndarray, np.ndar
     return counts, phy2log
 
 
-def _homes(demand: np.ndarray, phy2log: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def homes(demand: np.ndarray, phy2log: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``home_rank`` [E] (-1: not held), ``free`` [R] slots, and the flat free slots [F]
     ascending; ``ValueError`` on an expert held twice, tokens for an expert
     the domain does not hold, or an expert with too many tokens."""
@@ -308,14 +311,25 @@ def _homes(demand: np.ndarray, phy2log: np.ndarray) -> tuple[np.ndarray, np.ndar
     return home_rank, free, empty
 
 
-def place_replicas(segs: list[Segment], empty: np.ndarray, num_slots: int) -> np.ndarray:
-    """[N] flat slot of each replica: the next free slot of its rank, in line order.
-    ``empty``: the free flat slots ascending."""
-    ranks = np.fromiter((r for _, r, _, _ in segs), np.int64, len(segs))
+def replica_table(
+    segs: list[Segment], empty: np.ndarray, num_slots: int, home_rank: np.ndarray, work: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``replicas`` [N, 3] ``(rank, slot, expert)``, each in the next free slot of its rank
+    in line order (``empty``: the free flat slots ascending), ``replica_tokens`` [N] and
+    ``rank_tokens`` [R] (``work`` [R] less what the replicas take from their homes)."""
+    seg = np.array(segs, np.int64).reshape(-1, 4)  # expert, rank, tokens, j
+    ranks = seg[:, 1]
     order = np.argsort(ranks, kind="stable")
     nth = np.empty_like(order)
     nth[order] = np.arange(ranks.size) - np.searchsorted(ranks[order], ranks[order])
-    return empty[np.searchsorted(empty // num_slots, ranks) + nth]
+    replicas = np.empty((ranks.size, 3), np.int64)
+    slot = empty[np.searchsorted(empty // num_slots, ranks) + nth]
+    replicas[:, 0], replicas[:, 1] = np.divmod(slot, num_slots)
+    replicas[:, 2] = seg[:, 0]
+    rank_tokens = work.copy()
+    np.add.at(rank_tokens, ranks, seg[:, 2])
+    np.subtract.at(rank_tokens, home_rank[seg[:, 0]], seg[:, 2])
+    return replicas, seg[:, 2].copy(), rank_tokens
 
 
 def _split(
@@ -372,27 +386,19 @@ def balance_domain(
     tokens for an expert the domain does not hold."""
     counts, phy2log = _check(counts, phy2log)
     demand = counts.sum(axis=0)  # [E]
-    home_rank, free, empty = _homes(demand, phy2log)
+    home_rank, free, empty = homes(demand, phy2log)
     pb = prepare(demand, home_rank, free, settings.max_replicas_per_expert)
     quota, smallest, segs = choose(pb, settings)
-    num_slots = phy2log.shape[1]
-    slots = place_replicas(segs, empty, num_slots)
+    replicas, replica_tokens, rank_tokens = replica_table(
+        segs, empty, phy2log.shape[1], home_rank, pb.work
+    )
     copy_rank, copy_expert, split = _split(counts, home_rank, segs)
-    n = len(segs)
-    replicas = np.zeros((n, 3), np.int64)
-    rank_tokens = pb.work.copy()
-    if n:
-        replicas[:, 0], replicas[:, 1] = np.divmod(slots, num_slots)
-        replicas[:, 2] = copy_expert[:n]
-        rep_t = split[:n].sum(axis=1)
-        np.add.at(rank_tokens, copy_rank[:n], rep_t)
-        np.subtract.at(rank_tokens, home_rank[copy_expert[:n]], rep_t)
     return DomainBalance(
         quota=quota,
         smallest=smallest,
         lower_bound=pb.lower,
         replicas=replicas,
-        replica_tokens=np.array([t for _, _, t, _ in segs], np.int64),
+        replica_tokens=replica_tokens,
         home_rank=home_rank,
         copy_rank=copy_rank,
         copy_expert=copy_expert,
