@@ -118,6 +118,15 @@ ROWS: list[tuple[str, list[tuple[str, str, str, str, list[tuple[str, str]]]]]] =
                 [(f"expertmesh_layer_balancedness_ratio{SEL}", "layer {{layer}}")],
             ),
             (
+                "Balancedness over layers (vLLM's min, p50, p90, avg)",
+                "Mean/max tokens per rank per layer, summarized over layers as vLLM's "
+                "vllm:eplb_balancedness_{min,p50,p90,avg}; add those to this panel to compare "
+                "(docs/engines.md)",
+                "percentunit",
+                "timeseries",
+                [(f"expertmesh_eplb_balancedness_ratio{SEL}", "{{stat}}")],
+            ),
+            (
                 "Committed plan: imbalance before and after",
                 "Max/mean tokens per rank of the load the plan was made for",
                 "none",

@@ -202,3 +202,32 @@ def test_close_stops_following_plan_events():
     _fill(core, 0)
     core.plan(0)
     assert tel.plan_events() == [] and core.listeners == []
+
+
+def test_balancedness_summary_is_vllms():
+    """Per layer mean/max tokens over ranks, then min, median, 10th percentile and mean over
+    layers, computed here the way vLLM does (torch over a [layers, ranks] token tensor)."""
+    import torch
+
+    topo = Topology.generate(dcs=2, ranks_per_dc=2, masters=2, spare=1)
+    model = ModelSpec(num_layers=5, num_experts=8, top_k=2, hidden=16, ffn_hidden=8)
+    core = ControllerCore(topo, model, ControllerSettings(trigger={"mode": "every_step"}))
+    tel = Telemetry(core)
+    rng = np.random.default_rng(3)
+    for layer in range(5):
+        core.report_layer(0, layer, rng.integers(0, 50, (4, 8)) * (1 + 3 * (layer == 2)))
+    tokens = torch.tensor(np.stack([core.newest_rank_tokens(layer) for layer in range(5)]))
+    tokens = tokens.float()  # [L, R]
+    per_layer = tokens.mean(dim=-1) / tokens.max(dim=-1).values
+    want = {
+        "min": per_layer.min().item(),
+        "p50": torch.quantile(per_layer, 0.5).item(),
+        "p90": torch.quantile(per_layer, 0.1).item(),
+        "avg": per_layer.mean().item(),
+    }
+    s = _samples(tel)
+    for stat, v in want.items():
+        assert s[("expertmesh_eplb_balancedness_ratio", (("stat", stat),))] == pytest.approx(
+            v, rel=1e-6
+        )
+    assert want["min"] < want["p90"] < want["p50"] <= 1.0  # the statistics differ on this load

@@ -46,7 +46,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from pydantic import BaseModel, ConfigDict, Field
 
 from expertmesh.controller.core import ControllerCore, PlanVersion
-from expertmesh.planner import imbalance
+from expertmesh.planner import balancedness_stats, imbalance
 
 __all__ = ["CONTENT_TYPE", "StepRecord", "Telemetry", "TelemetrySettings"]
 
@@ -433,12 +433,25 @@ class _CoreCollector:
         except Exception:  # a scrape must not fail because one read did
             log.exception("layer imbalance for /metrics failed")
             values = []
+        per_layer: list[float] = []  # mean / max tokens per rank, as vLLM's
         for layer, v in enumerate(values):
             if v is None:  # no complete load yet: no value (1.0 would read as balanced)
                 continue
             imb.add_metric([str(layer)], v)
-            bal.add_metric([str(layer)], 1.0 / v if v > 0 else 0.0)
-        out: list[Metric] = [received, rejected, imb, bal]
+            per_layer.append(1.0 / v if v > 0 else 0.0)
+            bal.add_metric([str(layer)], per_layer[-1])
+        # vLLM's summary over layers (vllm:eplb_balancedness_{min,p50,p90,avg}), one series
+        # per statistic: one Grafana panel plots both engines (docs/engines.md)
+        summary = GaugeMetricFamily(
+            "expertmesh_eplb_balancedness_ratio",
+            "Balancedness (mean/max tokens per rank) over the MoE layers: min (worst layer), "
+            "p50, p90 (reached by 90% of layers: the 10th percentile), avg",
+            labels=["stat"],
+        )
+        if per_layer:
+            for stat, b in balancedness_stats(np.array(per_layer)).items():
+                summary.add_metric([stat], b)
+        out: list[Metric] = [received, rejected, imb, bal, summary]
         step, loss = self._t.step_values()
         if step is not None:
             last = GaugeMetricFamily("expertmesh_step", "Newest step recorded")

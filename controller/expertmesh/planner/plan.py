@@ -180,6 +180,22 @@ def imbalance(per_rank: np.ndarray) -> float:
     return float(np.max(per_rank)) / mean if mean > 0 else 1.0
 
 
+def balancedness_stats(balancedness: np.ndarray) -> dict[str, float]:
+    """vLLM's summary of per-layer balancedness (``b[l]`` = mean / max tokens per rank of layer
+    ``l``, i.e. ``1 / imbalance``), over the layers [L]: ``min`` (the worst layer), ``p50``,
+    ``p90`` (the value 90% of layers reach or beat: the 10th percentile) and ``avg``. Linear
+    interpolation between layers, as ``np.percentile``; all 1.0 for no layers."""
+    b = np.asarray(balancedness, dtype=np.float64)
+    if b.size == 0:
+        return {"min": 1.0, "p50": 1.0, "p90": 1.0, "avg": 1.0}
+    return {
+        "min": float(b.min()),
+        "p50": float(np.percentile(b, 50)),
+        "p90": float(np.percentile(b, 10)),
+        "avg": float(b.mean()),
+    }
+
+
 def straggler(per_rank: np.ndarray) -> float:
     """max - mean of per-rank tokens."""
     return float(np.max(per_rank) - np.mean(per_rank))
