@@ -27,6 +27,13 @@
     return (n / 10 ** (3 * i)).toFixed(i ? 1 : 0) + " " + u[i];
   }
   function when(t) { return t ? new Date(t * 1000).toLocaleTimeString() : "–"; }
+  function ago(s) { return s < 1 ? "now" : s < 90 ? `${Math.round(s)} s ago` : s < 5400 ? `${Math.round(s / 60)} min ago` : `${Math.round(s / 3600)} h ago`; }
+  // integer ticks 0, k, 2k, ... with k in 1, 2, 5, 10, 20, ... so that at most ~max labels show
+  function ticks(n, max) {
+    let k = 1;
+    for (const m of [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]) { k = m; if (Math.ceil(n / m) <= max) break; }
+    return Array.from({ length: Math.ceil(n / k) }, (_, i) => i * k);
+  }
   function clear(node) { while (node.firstChild) node.removeChild(node.firstChild); }
 
   // ---- heatmap (canvas) ----
@@ -54,6 +61,19 @@
         ctx.fillRect(Math.floor(e * cw), Math.floor(l * ch), Math.ceil(cw), Math.ceil(ch) - 1);
       }
     }
+    // axis labels as text beside the canvas: a layer per row, expert numbers below
+    const layers = $("heatmap-layers");
+    layers.style.height = height + "px";
+    layers.replaceChildren(...rows.map((_, l) => {
+      const s = el("span", null, `layer ${l}`);
+      s.style.height = (L ? height / L : 0) + "px";
+      return s;
+    }));
+    $("heatmap-experts").replaceChildren(...ticks(E, 24).map((e) => {
+      const s = el("span", { "data-expert": e }, e);
+      s.style.left = ((e + 0.5) / E * 100) + "%";
+      return s;
+    }));
     cv.dataset.layers = L; cv.dataset.experts = E; cv.dataset.max = max.toFixed(2);
     cv.dataset.sum = rows.reduce((s, r) => s + r.reduce((a, b) => a + b, 0), 0).toFixed(2);
     $("heatmap-max").textContent = max.toFixed(1);
@@ -86,15 +106,26 @@
     $("ranks-chart").dataset.ranks = n;
     $("ranks-chart").dataset.imbalanceAfter = fmt(d.imbalance_after, 4);
     if (!state.ranksPlot) {
-      const bars = uPlot.paths.bars({ size: [0.45, 40], align: 0 });
+      // ranks are categories: x spans [-0.5, R - 0.5] so the first and last pairs of bars fit,
+      // ticks are whole ranks, tokens start at 0; static EP left of each rank, the plan right
+      const box = $("ranks-chart");
       state.ranksPlot = new uPlot({
         width: chartWidth("ranks-chart"), height: 230,
-        scales: { x: { time: false } },
-        axes: [{ stroke: "#8a9aab", grid: { show: false }, label: "rank" },
-               { stroke: "#8a9aab", grid: { stroke: "#263341" }, label: "tokens" }],
+        scales: {
+          x: { time: false, range: (u) => [-0.5, Math.max(1, u.data[0].length) - 0.5] },
+          y: { range: (u, lo, hi) => [0, hi > 0 ? hi * 1.08 : 1] },
+        },
+        axes: [{ stroke: "#8a9aab", grid: { show: false }, label: "rank",
+                 splits: (u) => ticks(u.data[0].length, 16), values: (u, sp) => sp.map((v) => String(v)) },
+               { stroke: "#8a9aab", grid: { stroke: "#263341" }, label: "tokens", size: 60 }],
         series: [{ label: "rank" },
-          { label: "static EP", stroke: "#8a9aab", fill: "#8a9aab55", paths: uPlot.paths.bars({ size: [0.45, 40], align: -1 }), points: { show: false } },
-          { label: "plan", stroke: "#4fb3ff", fill: "#4fb3ff88", paths: bars, points: { show: false } }],
+          { label: "static EP", stroke: "#8a9aab", fill: "#8a9aab55", paths: uPlot.paths.bars({ size: [0.4, 40], align: -1 }), points: { show: false } },
+          { label: "plan", stroke: "#4fb3ff", fill: "#4fb3ff88", paths: uPlot.paths.bars({ size: [0.4, 40], align: 1 }), points: { show: false } }],
+        hooks: { draw: [(u) => {
+          box.dataset.xMin = u.scales.x.min; box.dataset.xMax = u.scales.x.max;
+          box.dataset.yMin = u.scales.y.min;
+          box.dataset.xTicks = ticks(u.data[0].length, 16).join(",");
+        }] },
       }, data, $("ranks-chart"));
     } else {
       state.ranksPlot.setData(data);
@@ -120,7 +151,8 @@
       state.timelinePlot = new uPlot({
         width: chartWidth("timeline-chart"), height: 240,
         scales: { x: { time: false } },
-        axes: [{ stroke: "#8a9aab", grid: { stroke: "#263341" }, label: "step" },
+        axes: [{ stroke: "#8a9aab", grid: { stroke: "#263341" }, label: "step",
+                 incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1e3, 2e3, 5e3, 1e4, 2e4, 5e4, 1e5, 1e6] },
                { stroke: "#8a9aab", grid: { stroke: "#263341" } }],
         series: [{ label: "step" },
           { label: "before plan", stroke: "#ff6b6b", width: 2, spanGaps: true },
@@ -166,13 +198,15 @@
       g.appendChild(t1); g.appendChild(t2);
       map.appendChild(g);
     }
+    $("traffic-note").hidden = d.runtime;
     const body = $("links-table").tBodies[0];
     clear(body);
     for (const l of d.links.slice(0, 12)) {
       const tr = el("tr");
       tr.appendChild(el("td", null, `${l.src} ↔ ${l.dst}`));
-      tr.appendChild(el("td", null, bytes(l.token_bytes)));
-      tr.appendChild(el("td", null, bytes(l.weight_bytes)));
+      // without a runtime nothing measures the links: no figure rather than a 0 B
+      tr.appendChild(el("td", null, d.runtime ? bytes(l.token_bytes) : "–"));
+      tr.appendChild(el("td", null, d.runtime ? bytes(l.weight_bytes) : "–"));
       tr.appendChild(el("td", null, fmt(l.gbps, 1)));
       body.appendChild(tr);
     }
@@ -187,15 +221,35 @@
       if (!groups.has(w.dc)) groups.set(w.dc, []);
       groups.get(w.dc).push(w);
     }
+    // with a runtime: worker health (up / down); without (expertmesh serve): what the
+    // controller knows, each rank's newest load report
+    $("workers-legend").hidden = !d.runtime;
+    $("workers-note").hidden = d.runtime;
+    const FRESH_S = 30;
     for (const [dc, ws] of groups) {
       const g = el("div", { class: "dc-group" });
-      const up = ws.filter((w) => w.up === true).length;
-      g.appendChild(el("div", { class: "dc-name" }, `${dc} · ${up}/${ws.length} up`));
+      let head;
+      if (d.runtime) {
+        head = `${dc} · ${ws.filter((w) => w.up === true).length}/${ws.length} up`;
+      } else {
+        const seen = ws.filter((w) => w.last_report !== null).map((w) => w.last_report);
+        const fresh = seen.filter((t) => d.now - t <= FRESH_S).length;
+        head = `${dc} · ${fresh}/${ws.length} reporting` +
+          (seen.length ? ` · last report ${ago(d.now - Math.max(...seen))}` : " · no report yet");
+      }
+      g.appendChild(el("div", { class: "dc-name" }, head));
       const grid = el("div", { class: "grid" });
       for (const w of ws) {
-        const st = w.up === true ? "up" : w.up === false ? "down" : "unknown";
+        let st, tip;
+        if (d.runtime) {
+          st = w.up === true ? "up" : w.up === false ? "down" : "unknown";
+          tip = st + (w.since ? ` since ${when(w.since)}` : "");
+        } else {
+          st = w.last_report === null ? "unknown" : d.now - w.last_report <= FRESH_S ? "reporting" : "silent";
+          tip = w.last_report === null ? "no load report yet" : `last load report ${ago(d.now - w.last_report)}`;
+        }
         const dot = el("span", { class: "dot " + st, "data-rank": w.rank });
-        dot.title = `rank ${w.rank}: ${st}` + (w.since ? ` since ${when(w.since)}` : "");
+        dot.title = `rank ${w.rank}: ${tip}`;
         grid.appendChild(dot);
       }
       g.appendChild(grid);
@@ -278,8 +332,9 @@
     $("kpi-version").textContent = d.plan_version ? "v" + d.plan_version : "none";
     const known = d.layer_imbalance.filter((v) => v !== null);  // null: no load yet
     const worst = known.length ? Math.max(...known) : NaN;
-    $("kpi-imbalance").textContent = fmt(worst);
-    $("kpi-balancedness").textContent = fmt(worst ? 1 / worst : NaN);
+    const at = known.length ? ` (layer ${d.layer_imbalance.indexOf(worst)})` : "";
+    $("kpi-imbalance").textContent = fmt(worst) + at;
+    $("kpi-balancedness").textContent = fmt(worst ? 1 / worst : NaN) + at;
     $("kpi-reports").textContent = d.reports_received.toLocaleString();
     $("kpi-rejected").textContent = d.reports_rejected.toLocaleString();
     fillLayers(d.heatmap.length);

@@ -196,3 +196,75 @@ def test_docs_page_works_offline(offline_browser):
         loaded = offline_browser.eval("performance.getEntriesByType('resource').map(e => e.name)")
         assert loaded and all(url.startswith(s.rest_url) for url in loaded), loaded
         assert offline_browser.console == [], offline_browser.console
+
+
+def test_rank_chart_heatmap_and_header_say_what_they_show(browser, tmp_path):
+    core = _core()
+    settings = SurfaceSettings(rest_port=0, grpc_port=0, db_path=str(tmp_path / "p.sqlite"))
+    with Surfaces(core, settings) as s:
+        feeder = Feeder(s)
+        for _ in range(4):
+            feeder.run_step()
+        browser.navigate(f"{s.rest_url}/")
+        browser.wait_for("document.getElementById('ranks-chart').dataset.yMin !== undefined")
+        chart = browser.eval("Object.assign({}, document.getElementById('ranks-chart').dataset)")
+        ranks = core.topology.num_ranks
+        # every rank's pair of bars inside the plot, tokens from 0, whole ranks as ticks
+        assert float(chart["xMin"]) <= -0.5 and float(chart["xMax"]) >= ranks - 0.5, chart
+        assert float(chart["yMin"]) == 0, chart
+        ticks = [float(x) for x in chart["xTicks"].split(",")]
+        assert ticks[0] == 0 and all(t.is_integer() and 0 <= t < ranks for t in ticks), ticks
+        # the heatmap names its rows and columns
+        rows = browser.eval(
+            "[...document.querySelectorAll('#heatmap-layers span')].map(s => s.textContent)"
+        )
+        assert rows == [f"layer {i}" for i in range(L)]
+        cols = browser.eval(
+            "[...document.querySelectorAll('#heatmap-experts span')].map(s => s.textContent)"
+        )
+        assert cols[0] == "0" and all(0 <= int(c) < E for c in cols) and len(cols) >= 4, cols
+        # the header's imbalance is the worst layer's, and says which
+        values = s.telemetry.layer_imbalance()
+        worst = max(v for v in values if v is not None)
+        label = browser.eval(
+            "document.querySelector('#kpi-imbalance').previousElementSibling.textContent"
+        )
+        assert "worst layer" in label
+        text = browser.eval("document.getElementById('kpi-imbalance').textContent")
+        assert text == f"{worst:.3f} (layer {values.index(worst)})"
+        assert browser.console == [], browser.console
+
+
+def test_serve_dashboard_shows_reporting_ranks_not_an_outage(browser):
+    """Under `expertmesh serve` no runtime reports worker health or traffic: the page shows
+    which ranks report load and how recently, and says where traffic would come from."""
+    core = _core()
+    with Surfaces(core, SurfaceSettings(rest_port=0, grpc_port=0)) as s:
+        num_ranks = core.topology.num_ranks
+        silent = num_ranks - 1  # one rank never reports
+        rng = np.random.default_rng(0)
+        for rank in range(num_ranks - 1):
+            for layer in range(L):
+                core.report_load(0, layer, rank, rng.integers(0, 30, E))
+        browser.navigate(f"{s.rest_url}/")
+        browser.wait_for("Number(document.body.dataset.polls || 0) >= 1")
+        heads = browser.eval(
+            "[...document.querySelectorAll('#workers .dc-name')].map(d => d.textContent)"
+        )
+        assert heads[0].startswith("us-east · 8/8 reporting · last report"), heads
+        assert heads[-1].startswith("ap-south · 3/4 reporting"), heads
+        assert not any(" up" in h for h in heads), heads
+        assert browser.eval("document.querySelectorAll('#workers .dot.reporting').length") == silent
+        assert (
+            browser.eval(
+                f"document.querySelector('#workers .dot[data-rank=\"{silent}\"]').className"
+            )
+            == "dot unknown"
+        )
+        assert browser.eval("document.getElementById('workers-note').hidden") is False
+        assert browser.eval("document.getElementById('traffic-note').hidden") is False
+        cells = browser.eval(
+            "[...document.querySelectorAll('#links-table tbody td')].map(t => t.textContent)"
+        )
+        assert cells and "0 B" not in cells, cells
+        assert browser.console == [], browser.console
