@@ -3,16 +3,26 @@ the replica economy's promises, bad input."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from expertmesh.planner import Placement, rank_tokens
-from expertmesh.planner.fastquota import EXACT, BalanceSettings, balance_domain, route_rows
+from expertmesh.planner import ModelSpec, Placement, rank_tokens
+from expertmesh.planner.costmodel import CostSettings
+from expertmesh.planner.fastquota import (
+    EXACT,
+    BalanceSettings,
+    balance_domain,
+    replica_min_tokens,
+    route_rows,
+)
 from expertmesh.planner.quota import quota_balance
 from expertmesh.planner.refs import quota_balance_ref
 from expertmesh.planner.static import static_placement
+from expertmesh.planner.topology import Link
 
 GOLDEN_LOAD = np.array([[30, 2, 2, 2], [20, 4, 2, 2], [10, 2, 6, 2], [4, 4, 2, 10]])
 
@@ -104,11 +114,14 @@ def test_fast_equals_reference_and_quota(case, max_rep):
     domains(),
     st.sampled_from([0.0, 0.01, 0.05, 0.3]),
     st.sampled_from([0, 1, 5, 50]),
+    st.sampled_from([0.0, 0.0, 0.02, 0.2]),
 )
-def test_economy_settings_keep_their_promises(case, tol, least):
+def test_economy_settings_keep_their_promises(case, tol, least, share):
     counts, phy2log, _ = case
     num_ranks = phy2log.shape[0]
-    econ = BalanceSettings(tolerance=tol, min_tokens_per_replica=least)
+    econ = BalanceSettings(tolerance=tol, min_tokens_per_replica=least, min_replica_share=share)
+    held = np.isin(np.arange(counts.shape[1]), phy2log)
+    least = max(least, math.ceil(share * counts[:, held].sum() / num_ranks))
     sol = balance_domain(counts, phy2log, econ)
     exact = balance_domain(counts, phy2log, EXACT)
     assert sol.smallest == exact.quota
@@ -146,6 +159,35 @@ def test_tolerance_trades_a_little_balance_for_fewer_replicas():
     loose = balance_domain(counts, phy2log, BalanceSettings(tolerance=0.05))
     assert loose.replicas.shape[0] < exact.replicas.shape[0]
     assert loose.rank_tokens.max() <= 1.05 * exact.rank_tokens.max()
+
+
+def test_min_replica_share_drops_the_small_replicas():
+    rng = np.random.default_rng(7)
+    counts = rng.poisson(50 * rng.zipf(1.4, size=32).clip(max=80), size=(8, 32)).astype(np.int64)
+    phy2log = static_placement(8, 6, 32, 4).phy2log
+    exact = balance_domain(counts, phy2log, EXACT)
+    least = math.ceil(0.1 * counts.sum() / 8)
+    assert (exact.replica_tokens < least).any()  # the case has small replicas
+    econ = balance_domain(counts, phy2log, BalanceSettings(min_replica_share=0.1))
+    assert econ.replica_tokens.tolist() == [t for t in exact.replica_tokens if t >= least]
+    assert econ.quota == exact.quota
+
+
+def test_replica_break_even_by_the_cost_model():
+    model = ModelSpec(hidden=1024, ffn_hidden=512)  # 1.5M params, bf16
+    link = Link(gbps=8, latency_ms=1.0)  # 1 GB/s
+    cost = CostSettings(flops_per_second=1e12)
+    # training: weights + gradient (6 MiB-ish) over 1 GB/s + 1 ms, against 6 * params / 1e12
+    params = 3 * 1024 * 512
+    seconds = 1e-3 + 2 * params * 2 / 1e9
+    assert replica_min_tokens(model, link, cost) == math.ceil(seconds / (6 * params / 1e12))
+    fwd = model.model_copy(update={"training": False})
+    assert replica_min_tokens(fwd, link, cost) == math.ceil(
+        (1e-3 + 2 * params / 1e9) / (2 * params / 1e12)
+    )
+    assert replica_min_tokens(model, Link(gbps=80, latency_ms=1.0), cost) < replica_min_tokens(
+        model, link, cost
+    )
 
 
 def test_bad_input_is_a_value_error():

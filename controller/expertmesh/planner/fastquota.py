@@ -52,13 +52,17 @@ Figures: ``docs/benchmarks.md`` (``make bench-balance``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from expertmesh.planner.costmodel import CostSettings, TransferEncoding
+from expertmesh.planner.model import ModelSpec
 from expertmesh.planner.plan import check_load
+from expertmesh.planner.topology import Link
 
 __all__ = [
     "EXACT",
@@ -70,6 +74,7 @@ __all__ = [
     "choose",
     "homes",
     "prepare",
+    "replica_min_tokens",
     "replica_table",
     "route_rows",
 ]
@@ -94,7 +99,15 @@ class BalanceSettings(BaseModel):
         default=0,
         ge=0,
         description="a replica that would compute fewer tokens is not made; its tokens stay "
-        "at the home (the home's rank may then exceed T by them)",
+        "at the home (the home's rank may then exceed T by them); see replica_min_tokens "
+        "for the cost model's break-even",
+    )
+    min_replica_share: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="the same as a share of the domain's mean tokens per rank (the larger "
+        "of the two minimums applies)",
     )
     max_replicas_per_expert: int | None = Field(
         default=None, ge=1, description="at most this many replicas of one expert (None: no bound)"
@@ -128,6 +141,7 @@ class Prepared(NamedTuple):
     lower: int
     upper: int
     work: np.ndarray  # [R] M: the demand of the experts each rank is home to
+    mean: float  # tokens per rank of the domain
 
 
 def prepare(
@@ -163,6 +177,7 @@ def prepare(
         lower=lower,
         upper=upper,
         work=work,
+        mean=float(work.sum()) / num_ranks,
     )
 
 
@@ -246,7 +261,8 @@ def _search(pb: Prepared, max_rep: int | None) -> tuple[int, list[Segment]]:
 def choose(pb: Prepared, settings: BalanceSettings) -> tuple[int, int, list[Segment]]:
     """``(T used, smallest T, replicas)`` under ``settings``: the smallest ``T``; with a
     tolerance, ``floor(T (1 + tol))`` instead when the rule succeeds there with fewer
-    replicas; then the replicas below ``min_tokens_per_replica`` are dropped."""
+    replicas; then the replicas below the larger of ``min_tokens_per_replica`` and
+    ``ceil(min_replica_share * mean)`` are dropped."""
     max_rep = settings.max_replicas_per_expert
     smallest, segs = _search(pb, max_rep)
     quota = smallest
@@ -256,8 +272,9 @@ def choose(pb: Prepared, settings: BalanceSettings) -> tuple[int, int, list[Segm
             short, _, more = _fit(pb, loose, max_rep)
             if short == 0 and len(more) < len(segs):
                 quota, segs = loose, more
-    if settings.min_tokens_per_replica > 0:
-        segs = _drop_small(segs, settings.min_tokens_per_replica)
+    least = max(settings.min_tokens_per_replica, math.ceil(settings.min_replica_share * pb.mean))
+    if least > 1:
+        segs = _drop_small(segs, least)
     return quota, smallest, segs
 
 
@@ -422,3 +439,25 @@ def route_rows(result: DomainBalance, counts: np.ndarray) -> np.ndarray:
             np.stack([s, result.copy_expert[c], result.copy_rank[c], result.split[c, s]], axis=1)
         )
     return np.concatenate(rows).astype(np.int64)
+
+
+def replica_min_tokens(
+    model: ModelSpec,
+    link: Link,
+    cost: CostSettings | None = None,
+    encoding: TransferEncoding | None = None,
+) -> int:
+    """Tokens a replica must compute to pay for itself on the domain's ``link``
+    (``topology.intra_node`` for a node domain, ``intra_dc`` for a DC), by the cost model:
+    it costs its weights once per microbatch (and, training, its gradient back to the
+    home) on that link, ``latency + bytes / bandwidth``; each token it computes is taken
+    off an overloaded rank, saving ``model.flops_per_token / flops_per_second`` of
+    straggler compute. The break-even, rounded up; a value for
+    ``BalanceSettings.min_tokens_per_replica`` when the fan-out is not hidden."""
+    cost = cost or CostSettings()
+    encoding = encoding or TransferEncoding()
+    nbytes = encoding.refresh_bytes(model) / cost.microbatches_per_update
+    if model.training:
+        nbytes += encoding.gradient_bytes(model) / cost.microbatches_per_update
+    per_token = model.flops_per_token / cost.flops_per_second
+    return math.ceil(link.transfer_seconds(nbytes) / per_token)
