@@ -9,7 +9,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 
 .DEFAULT_GOAL := help
 .PHONY: help setup demo demo-planner test test-unit test-integration lint fmt typecheck bench \
-	bench-planner bench-migration bench-soak bench-runtime bench-checkpoint clean serve proto emulate-up emulate-down emulate-status ci-deps results
+	bench-planner bench-balance bench-migration bench-soak bench-runtime bench-checkpoint clean serve proto emulate-up emulate-down emulate-status ci-deps results
 
 help: ## list the verbs
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -57,7 +57,7 @@ fmt: setup ## apply ruff's formatting and safe fixes
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-bench: bench-planner bench-migration bench-api bench-runtime bench-checkpoint ## every benchmark (not the soak)
+bench: bench-planner bench-balance bench-migration bench-api bench-runtime bench-checkpoint ## every benchmark (not the soak)
 
 serve: setup ## controller + REST/dashboard (127.0.0.1:8700) + gRPC (127.0.0.1:8701), no Ray workers
 	$(VENV)/bin/expertmesh serve --topology deploy/topologies/two-dc.yaml
@@ -78,6 +78,9 @@ bench-soak: setup ## soak: 1,000 ranks stream reports to `expertmesh serve` for 
 
 bench-planner: setup ## planner: quota/eplb vs DeepSeek EPLB at EP64 (table + ratios)
 	$(PY) bench/bench_planner.py
+
+bench-balance: setup ## per-microbatch quota in one domain: solve ms at 8/16/64 ranks (numpy, torch, vs quota_balance), replica economy
+	$(PY) bench/bench_balance.py
 
 results: setup ## docs/results.md: simulator sweeps (bandwidth, DC count), 1,000-DC run, growth with DCs (~20 min)
 	$(PY) bench/results.py

@@ -52,6 +52,7 @@ Figures: ``docs/benchmarks.md`` (``make bench-balance``).
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -79,8 +80,10 @@ __all__ = [
     "route_rows",
 ]
 
-# a product need * tokens in the split must fit in int64: one expert's tokens stay below this
-MAX_EXPERT_TOKENS = 1 << 31
+# The split computes need * tokens and their quotients in float64, exactly: every
+# integer below 2^53 is a float64, so one expert's tokens stay below 2^26 (67M tokens of one
+# expert in one microbatch) and the domain below 2^26 source rows.
+MAX_EXPERT_TOKENS = 1 << 26
 
 
 class BalanceSettings(BaseModel):
@@ -322,76 +325,90 @@ def homes(demand: np.ndarray, phy2log: np.ndarray) -> tuple[np.ndarray, np.ndarr
         missing = np.flatnonzero((home_rank < 0) & (demand > 0))
         raise ValueError(f"tokens for experts the domain does not hold: {missing[:8].tolist()}")
     if demand.size and demand.max() >= MAX_EXPERT_TOKENS:
-        raise ValueError(f"an expert has {int(demand.max())} tokens (at most 2^31 - 1)")
+        raise ValueError(f"an expert has {int(demand.max())} tokens (at most 2^26 - 1)")
     empty = np.flatnonzero(flat < 0)
     free = np.bincount(empty // num_slots, minlength=phy2log.shape[0])
     return home_rank, free, empty
 
 
 def replica_table(
-    segs: list[Segment], empty: np.ndarray, num_slots: int, home_rank: np.ndarray, work: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``replicas`` [N, 3] ``(rank, slot, expert)``, each in the next free slot of its rank
-    in line order (``empty``: the free flat slots ascending), ``replica_tokens`` [N] and
-    ``rank_tokens`` [R] (``work`` [R] less what the replicas take from their homes)."""
-    seg = np.array(segs, np.int64).reshape(-1, 4)  # expert, rank, tokens, j
+    seg: np.ndarray, empty: np.ndarray, num_slots: int, home_rank: np.ndarray, work: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """``replicas`` [N, 3] ``(rank, slot, expert)`` of the replicas ``seg`` [N, 4]
+    (expert, rank, tokens, j), each in the next free slot of its rank in line order
+    (``empty``: the free flat slots ascending), and ``rank_tokens`` [R] (``work`` [R] less
+    what the replicas take from their homes). A rank's replicas are consecutive in line
+    order (the walk fills one receiver at a time)."""
     ranks = seg[:, 1]
-    order = np.argsort(ranks, kind="stable")
-    nth = np.empty_like(order)
-    nth[order] = np.arange(ranks.size) - np.searchsorted(ranks[order], ranks[order])
+    num_ranks = work.size
+    idx = np.arange(ranks.size)
+    start = np.flatnonzero(np.diff(ranks, prepend=-1))  # where each rank's run starts
+    nth = idx - np.repeat(start, np.diff(start, append=ranks.size))
     replicas = np.empty((ranks.size, 3), np.int64)
     slot = empty[np.searchsorted(empty // num_slots, ranks) + nth]
     replicas[:, 0], replicas[:, 1] = np.divmod(slot, num_slots)
     replicas[:, 2] = seg[:, 0]
-    rank_tokens = work.copy()
-    np.add.at(rank_tokens, ranks, seg[:, 2])
-    np.subtract.at(rank_tokens, home_rank[seg[:, 0]], seg[:, 2])
-    return replicas, seg[:, 2].copy(), rank_tokens
+    moved = np.bincount(ranks, weights=seg[:, 2], minlength=num_ranks)
+    moved -= np.bincount(home_rank[seg[:, 0]], weights=seg[:, 2], minlength=num_ranks)
+    return replicas, work + moved.astype(np.int64)
 
 
 def _split(
-    counts: np.ndarray, home_rank: np.ndarray, segs: list[Segment]
+    counts: np.ndarray, home_rank: np.ndarray, seg: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``copy_rank``, ``copy_expert`` [C] and ``split`` [C, R_src] (module docstring): each
-    copy first takes its own rank's tokens; then replica ``j`` of every expert, pass by
-    pass, takes what it still needs from the sources' remaining tokens in proportion,
-    floors plus one token each to the largest remainders (lower source first on ties);
-    the home takes the rest."""
+    """``copy_rank``, ``copy_expert`` [C] and ``split`` [C, R_src] (module docstring) for
+    the replicas ``seg`` [N, 4] (expert, rank, tokens, j): each copy first takes its own
+    rank's tokens; then replica ``j`` of every expert, pass by pass, takes what it still
+    needs from the sources' remaining tokens in proportion, floors plus one token each to
+    the largest remainders (lower source first on ties); the home takes the rest.
+
+    Integer arithmetic carried in float64 (exact below 2^53, see ``MAX_EXPERT_TOKENS``):
+    numpy's int64 division is several times slower than its float division."""
     num_src = counts.shape[0]
-    if not segs:
+    n = seg.shape[0]
+    if not n:
         z = np.zeros(0, np.int64)
         return z, z, np.zeros((0, num_src), np.int64)
-    seg = np.array(segs, np.int64)  # [N, 4] expert, rank, tokens, j
-    n = seg.shape[0]
     hot, col = np.unique(seg[:, 0], return_inverse=True)  # [K], [N]
     k = hot.size
     c_col = np.concatenate([col, np.arange(k)])  # [C]
     c_rank = np.concatenate([seg[:, 1], home_rank[hot]])
-    left = counts.T[hot]  # [K, R_src] tokens of each source not yet given to a copy
-    need = np.empty(n + k, np.int64)
+    left = counts.T[hot].astype(np.float64)  # [K, R_src] tokens not yet given to a copy
+    need = np.empty(n + k)
     need[:n] = seg[:, 2]
-    need[n:] = left.sum(axis=1) - np.bincount(col, weights=seg[:, 2], minlength=k).astype(np.int64)
+    need[n:] = left.sum(axis=1) - np.bincount(col, weights=seg[:, 2], minlength=k)
     own = np.minimum(need, left[c_col, c_rank])  # own rank first
     left[c_col, c_rank] -= own
     need -= own
-    split = np.empty((n + k, num_src), np.int64)
-    rev = np.arange(num_src - 1, -1, -1)  # [R_src] remainder ties to the lower source
-    passes = int(seg[:, 3].max()) + 1
-    for j in range(passes):
-        c = np.flatnonzero(seg[:, 3] == j) if passes > 1 else np.arange(n)
+    split = np.empty((n + k, num_src))
+    rev = np.arange(num_src - 1, -1, -1, dtype=np.float64)  # remainder ties: lower source
+    order = np.argsort(seg[:, 3], kind="stable")  # replicas pass by pass
+    bounds = np.searchsorted(seg[order, 3], np.arange(int(seg[:, 3].max()) + 2)).tolist()
+    for a, b in itertools.pairwise(bounds):
+        c = order[a:b]
         cols = c_col[c]
         w, nd = left[cols], need[c]  # [n_j, R_src], [n_j]
-        share, rem = np.divmod(w * nd[:, None], np.maximum(w.sum(axis=1), 1)[:, None])
+        num = w * nd[:, None]
+        tot = np.maximum(w.sum(axis=1), 1.0)[:, None]
+        share = np.floor(num / tot)  # the rounded quotient is at most one too large:
+        rem = num - share * tot
+        low = rem < 0
+        if low.any():
+            share -= low
+            rem += low * tot
         short = nd - share.sum(axis=1)  # < R_src tokens the floors leave out
-        key = rem * num_src + rev  # distinct within a row
-        cut = np.sort(key, axis=1)[np.arange(c.size), num_src - np.maximum(short, 1)]
-        cut[short == 0] = np.iinfo(np.int64).max
-        share += key >= cut[:, None]
+        if short.any():
+            key = rem * num_src + rev  # distinct within a row
+            cut = np.sort(key, axis=1)[
+                np.arange(c.size), num_src - np.maximum(short, 1).astype(np.int64)
+            ]
+            cut[short == 0] = np.inf
+            share += key >= cut[:, None]
         left[cols] = w - share
         split[c] = share
     split[n:] = left
     split[np.arange(n + k), c_rank] += own
-    return c_rank, np.concatenate([seg[:, 0], hot]), split
+    return c_rank, np.concatenate([seg[:, 0], hot]), split.astype(np.int64)
 
 
 def balance_domain(
@@ -406,16 +423,15 @@ def balance_domain(
     home_rank, free, empty = homes(demand, phy2log)
     pb = prepare(demand, home_rank, free, settings.max_replicas_per_expert)
     quota, smallest, segs = choose(pb, settings)
-    replicas, replica_tokens, rank_tokens = replica_table(
-        segs, empty, phy2log.shape[1], home_rank, pb.work
-    )
-    copy_rank, copy_expert, split = _split(counts, home_rank, segs)
+    seg = np.array(segs, np.int64).reshape(-1, 4)  # [N] expert, rank, tokens, j
+    replicas, rank_tokens = replica_table(seg, empty, phy2log.shape[1], home_rank, pb.work)
+    copy_rank, copy_expert, split = _split(counts, home_rank, seg)
     return DomainBalance(
         quota=quota,
         smallest=smallest,
         lower_bound=pb.lower,
         replicas=replicas,
-        replica_tokens=replica_tokens,
+        replica_tokens=seg[:, 2].copy(),
         home_rank=home_rank,
         copy_rank=copy_rank,
         copy_expert=copy_expert,

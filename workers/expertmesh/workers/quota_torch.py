@@ -130,9 +130,8 @@ def balance_torch(
     home_rank, free, empty = homes(demand, p2l)
     pb = prepare(demand, home_rank, free, settings.max_replicas_per_expert)
     quota, smallest, segs = choose(pb, settings)
-    replicas, replica_tokens, rank_tokens = replica_table(
-        segs, empty, p2l.shape[1], home_rank, pb.work
-    )
+    seg = np.array(segs, np.int64).reshape(-1, 4)  # [N] expert, rank, tokens, j
+    replicas, rank_tokens = replica_table(seg, empty, p2l.shape[1], home_rank, pb.work)
     home_t = torch.from_numpy(home_rank).to(dev)
     copy_rank, copy_expert, split = _split(counts, home_t, segs)
 
@@ -144,7 +143,7 @@ def balance_torch(
         smallest=smallest,
         lower_bound=pb.lower,
         replicas=put(replicas),
-        replica_tokens=put(replica_tokens),
+        replica_tokens=put(seg[:, 2].copy()),
         home_rank=home_t,
         copy_rank=copy_rank,
         copy_expert=copy_expert,
