@@ -246,5 +246,10 @@ def test_policy_over_a_trace(domain):
 
 def test_policy_settings_and_relabel():
     policy = make_policy("quota", {"domain": "node", "max_replicas_per_expert": 3})
-    assert policy.settings.model_dump() == {"domain": "node", "max_replicas_per_expert": 3}
+    assert policy.settings.model_dump() == {
+        "domain": "node",
+        "max_replicas_per_expert": 3,
+        "tolerance": 0.0,
+        "min_replica_share": 0.0,
+    }
     assert policy.relabel_ranks is False  # type: ignore[attr-defined]

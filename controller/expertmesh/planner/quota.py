@@ -70,6 +70,20 @@ class QuotaSettings(PolicySettings):
     max_replicas_per_expert: int | None = Field(
         default=None, ge=1, description="at most this many replicas of one expert (None: no bound)"
     )
+    tolerance: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="accept T up to (1 + tolerance) x the smallest feasible T of a domain when "
+        "the rule makes fewer replicas there (0: the exact optimum; docs/quota.md)",
+    )
+    min_replica_share: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="drop replicas computing fewer tokens than this share of their domain's "
+        "mean tokens per rank (their tokens stay at the master)",
+    )
 
 
 @dataclass(frozen=True, eq=False)
@@ -78,7 +92,9 @@ class QuotaSolution:
 
     - ``placement``: masters in their slots plus this microbatch's replicas in free slots.
     - ``route``: [N, 4] int64 ``(src_rank, expert, dst_rank, tokens)``.
-    - ``quota``: [D] the smallest feasible ``T`` of each domain (its max tokens per rank).
+    - ``quota``: [D] the ``T`` of each domain: the smallest feasible one, or a larger one
+      within the tolerance (the domain's max tokens per rank, but for the tokens of
+      replicas dropped by ``min_replica_share``).
     - ``lower_bound``: [D] the bound the search started from (no plan can go below it).
     - ``replicas``: ``(expert, rank, tokens)`` of every replica in line order, each [N].
     """
@@ -254,6 +270,24 @@ def _search(pb: _Problem) -> tuple[np.ndarray, _Fit]:
     return np.array(hi, dtype=np.int64), fit
 
 
+def _loosen(
+    pb: _Problem, quota: np.ndarray, fit: _Fit, dom: np.ndarray, tolerance: float
+) -> tuple[np.ndarray, _Fit]:
+    """Per domain, ``floor(T (1 + tolerance))`` (at most the static max) instead of the
+    smallest ``T`` where the rule succeeds there with fewer replicas."""
+    loose = np.minimum((quota * (1.0 + tolerance)).astype(np.int64), pb.upper)
+    other = _fit(pb, loose)
+
+    def count(f: _Fit) -> np.ndarray:
+        return np.bincount(dom[_replicas(f)[1]], minlength=quota.size)
+
+    better = other.feasible & (loose > quota) & (count(other) < count(fit))
+    if not better.any():
+        return quota, fit
+    quota = np.where(better, loose, quota)
+    return quota, _fit(pb, quota)
+
+
 def _overlaps(fit: _Fit) -> tuple[np.ndarray, ...]:
     """Receivers each piece overlaps: first [P] and count [P], indices into the
     receivers' rank, start and end [Q'] (also returned)."""
@@ -291,6 +325,8 @@ def quota_balance(
     max_replicas_per_expert: int | None = None,
     *,
     with_route: bool = True,
+    tolerance: float = 0.0,
+    min_replica_share: float = 0.0,
 ) -> QuotaSolution:
     """Balance one layer's microbatch by quota inside each domain (see the module doc).
 
@@ -301,12 +337,22 @@ def quota_balance(
     - ``max_replicas_per_expert``: bound on replicas of one expert, ``None`` for none.
     - ``with_route``: build the route rows (``False``: an empty route; see
       :func:`quota_route` and :func:`quota_traffic`).
+    - ``tolerance``, ``min_replica_share``: the replica economy of :class:`QuotaSettings`
+      (0: the rule's exact optimum), per domain as in
+      :func:`expertmesh.planner.fastquota.balance_domain`.
 
     Raises ``ValueError`` on shapes that do not match, or a bound below 1.
     """
     num_ranks = masters.phy2log.shape[0]
     load = check_load(load, num_ranks, int(masters.master.shape[0]))
-    solution = balance_demand(load.sum(axis=0), masters, rank_domain, max_replicas_per_expert)
+    solution = balance_demand(
+        load.sum(axis=0),
+        masters,
+        rank_domain,
+        max_replicas_per_expert,
+        tolerance=tolerance,
+        min_replica_share=min_replica_share,
+    )
     if not with_route:
         return solution
     return dataclasses.replace(solution, route=quota_route(load, solution))
@@ -317,6 +363,9 @@ def balance_demand(
     masters: Placement,
     rank_domain: np.ndarray | None = None,
     max_replicas_per_expert: int | None = None,
+    *,
+    tolerance: float = 0.0,
+    min_replica_share: float = 0.0,
 ) -> QuotaSolution:
     """:func:`quota_balance` from each expert's total only: the rule for ``T`` needs no
     more (the route does; this solution's is empty).
@@ -339,6 +388,8 @@ def balance_demand(
         raise ValueError("a master slot does not hold its expert")
     if max_replicas_per_expert is not None and max_replicas_per_expert < 1:
         raise ValueError("max_replicas_per_expert must be >= 1 or None")
+    if not (0.0 <= tolerance <= 1.0 and 0.0 <= min_replica_share <= 1.0):
+        raise ValueError("tolerance and min_replica_share must be in [0, 1]")
     dom = np.zeros(num_ranks, dtype=np.int64)
     if rank_domain is not None:
         if np.shape(rank_domain) != (num_ranks,):
@@ -350,7 +401,14 @@ def balance_demand(
         demand.astype(np.int64), master // num_slots, num_slots, dom, max_replicas_per_expert
     )
     quota, fit = _search(pb)
+    if tolerance > 0:
+        quota, fit = _loosen(pb, quota, fit, dom, tolerance)
     rep_expert, rep_rank, rep_tokens = _replicas(fit)
+    if min_replica_share > 0:  # per domain: at least ceil(share * mean tokens per rank)
+        total = np.bincount(dom[master // num_slots], weights=demand, minlength=pb.lower.size)
+        least = np.ceil(min_replica_share * (total / np.bincount(dom, minlength=total.size)))
+        keep = rep_tokens >= least[dom[rep_rank]]
+        rep_expert, rep_rank, rep_tokens = rep_expert[keep], rep_rank[keep], rep_tokens[keep]
     placement = Placement(phy2log.reshape(num_ranks, num_slots), master)
     return QuotaSolution(
         placement=_place(placement, rep_expert, rep_rank),
@@ -403,8 +461,16 @@ class QuotaPolicy(Policy):
             if key not in self._static:
                 self._static = {key: static_placement(*key)}
             masters = self._static[key]
-        max_rep = self.settings.max_replicas_per_expert  # type: ignore[attr-defined]
-        sol = quota_balance(ctx.load, masters, self._domain(ctx), max_rep, with_route=False)
+        cfg = self.settings
+        sol = quota_balance(
+            ctx.load,
+            masters,
+            self._domain(ctx),
+            cfg.max_replicas_per_expert,  # type: ignore[attr-defined]
+            with_route=False,
+            tolerance=cfg.tolerance,  # type: ignore[attr-defined]
+            min_replica_share=cfg.min_replica_share,  # type: ignore[attr-defined]
+        )
         self._last, self._last_route = (ctx, sol), None
         return sol
 
