@@ -313,3 +313,50 @@ def test_rest_export_refusals_change_nothing() -> None:
     assert (core.committed.version, len(core.versions())) == before
     schema = c.get("/openapi.json").json()["paths"]["/api/v1/plans/{version}/export"]["get"]
     assert "application/yaml" in schema["responses"]["200"]["content"]
+
+
+def _write_source(d: Path, fmt: str) -> tuple[Path, list[str]]:
+    """Load statistics in ``fmt``'s layout for R ranks, E experts and the layers of LAYERS."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+
+    rng = np.random.default_rng(7)
+    if fmt == "trtllm":
+        write_trtllm(d / "stats")
+        return d / "stats", []
+    if fmt == "sglang":  # [buckets, model layers, E]: dense layers 0..2 and two unused buckets zero
+        counts = np.zeros((5, 6, E), np.int32)
+        counts[:3, 3:] = rng.integers(0, 60, (3, 3, E))
+        torch.save({"rank": 0, "logical_count": torch.from_numpy(counts)}, d / "dump.pt")
+        return d / "dump.pt", ["--ranks", str(R)]
+    n = 96  # routing: one row per (token, MoE layer)
+    topk = rng.integers(0, E, (n, 3, 2))
+    table = pa.table({
+        "token": np.repeat(np.arange(n), 3), "layer": np.tile(np.array(LAYERS), n),
+        "experts": pa.array(topk.reshape(-1, 2).tolist(), pa.list_(pa.int64())),
+    })  # fmt: skip
+    pq.write_table(table, d / "routes.parquet")
+    return d / "routes.parquet", ["--ranks", str(R), "--tokens-per-step", "32", "--experts", str(E)]
+
+
+@pytest.mark.parametrize("source", ["trtllm", "sglang", "routing"])
+def test_every_import_plans_and_exports_every_engine(tmp_path: Path, source: str) -> None:
+    """The issue's round trip: each engine's load file -> trace -> plan -> each engine's
+    placement -> read back equal, with the engine layer ids carried all the way."""
+    src, extra = _write_source(tmp_path, source)
+    (tmp_path / "topo.yaml").write_text(TOPOLOGY)
+    trace, plan = tmp_path / "t.npz", tmp_path / "p.npz"
+    assert main(["trace", "import", str(src), "--format", source, "--out", str(trace), *extra]) == 0
+    assert main(["plan", "--trace", str(trace), "--topology", str(tmp_path / "topo.yaml"),
+                 "--policy", "eplb", "--set", "period=1", "--set", "window=1", "--out", str(plan),
+                 "--quiet"]) == 0  # fmt: skip
+    phy = read_plan(plan).phy2log[-1]
+    layout = EngineLayout.make(3, layer_ids=LAYERS, num_model_layers=7)
+    for fmt, suffix in FILES:
+        out = tmp_path / f"placement-{fmt}.{suffix}"
+        assert main(["plan", "export", str(plan), "--format", fmt, "--out", str(out),
+                     "--num-model-layers", "7"]) == 0  # fmt: skip
+        np.testing.assert_array_equal(
+            read_export(out, fmt, num_ranks=R, num_experts=E, layout=layout), phy
+        )
