@@ -220,6 +220,13 @@ def _bad_file(tmp_path: Path, case: str) -> tuple[str, Path, list[str]]:
         p = p.with_suffix(".parquet")
         p.write_bytes(b"PAR1" + b"\x00" * 64 + b"PAR1")
         return "routing", p, ["--ranks", "2"]
+    if case == "parquet bomb":  # run-length encoding: 20M values in about a kilobyte
+        p = p.with_suffix(".parquet")
+        experts = pa.array([np.zeros(20_000_000, np.int64)], pa.list_(pa.int64()))
+        pq.write_table(
+            pa.table({"token": [0], "layer": [0], "experts": experts}), p, compression="zstd"
+        )
+        return "routing", p, ["--ranks", "2"]
     if case == "missing file":
         return "routing", tmp_path / "nope.npy", ["--ranks", "2"]
     raise AssertionError(case)
@@ -228,7 +235,7 @@ def _bad_file(tmp_path: Path, case: str) -> tuple[str, Path, list[str]]:
 FILE_CASES = ["pickle with code", "sglang no key", "sglang negative", "sglang ragged",
               "sglang no ranks", "sglang deep json", "npy objects", "npy truncated", "npy 2-d",
               "expert out of range", "parquet float layer", "parquet ragged", "parquet garbage",
-              "missing file"]  # fmt: skip
+              "parquet bomb", "missing file"]  # fmt: skip
 
 
 @pytest.mark.parametrize("case", FILE_CASES)

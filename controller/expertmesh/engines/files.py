@@ -162,8 +162,17 @@ def read_torch(path: Path, kind: str) -> Any:
     """A ``.pt`` file loaded with ``weights_only=True`` (tensors and plain containers only;
     no code runs) on the CPU."""
     _check_file(path, kind)
+    import zipfile
+
     import torch
 
+    if zipfile.is_zipfile(path):  # torch's format: bound what its members unpack to first
+        with zipfile.ZipFile(path) as zf:
+            infos = zf.infolist()
+            unpacked = sum(i.file_size for i in infos)
+        if len(infos) > 4096 or unpacked > MAX_ARRAY_BYTES:
+            raise ValueError(f"{path}: {len(infos)} members unpacking to {unpacked} bytes, "
+                             f"more than a {kind} file holds")  # fmt: skip
     try:
         return torch.load(path, weights_only=True, map_location="cpu")
     except Exception as err:  # a hostile file raises many kinds (UnpicklingError, zip, EOF...)

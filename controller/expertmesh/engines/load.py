@@ -30,6 +30,7 @@ __all__ = ["IMPORT_FORMATS", "ImportedTrace", "import_trace"]
 IMPORT_FORMATS = ("trtllm", "sglang", "routing")
 MAX_EXPERTS = 1 << 16
 MAX_LAYERS = 4096
+MAX_TOP_K = 1024  # experts per token in a routing table
 MAX_FILES = 65_536
 _RANK_FILE = re.compile(r"rank(\d+)\.safetensors")
 _STAT_KEY = re.compile(r"(\d+)_(\d+)")
@@ -319,8 +320,22 @@ def _routing_parquet(
     if not (pa.types.is_list(etype) or pa.types.is_large_list(etype) or
             pa.types.is_fixed_size_list(etype)) or not pa.types.is_integer(etype.value_type):  # fmt: skip
         raise _Bad(f"column 'experts' must be a list of integers, got {etype}")
-    if rows * 64 > MAX_ARRAY_BYTES:
-        raise _Bad(f"{rows} rows, more than this reader takes")
+    # values per column from the footer, before anything is decoded: run-length encoding
+    # packs millions of values in a few bytes, so the file size says nothing
+    meta = pf.metadata
+    values = sum(
+        meta.row_group(g).column(c).num_values
+        for g in range(meta.num_row_groups)
+        for c in range(meta.num_columns)
+    )
+    if (
+        rows * 64 > MAX_ARRAY_BYTES
+        or values * 8 > MAX_ARRAY_BYTES
+        or values > rows * (MAX_TOP_K + 8)
+    ):
+        raise _Bad(
+            f"{rows} rows holding {values} values: more than a routing table this reader takes"
+        )
     cols = [c for c in ("token", "layer", "experts", "step", "rank") if c in schema.names]
     try:
         table = pf.read(columns=cols)
