@@ -273,8 +273,17 @@ def _float_array(a: np.ndarray, key: str, shape: tuple[int, ...]) -> np.ndarray:
 # ---------------------------------------------------------------------------
 
 
+# Most tokens one trace cell (rank -> expert, one microbatch, one layer) may hold: the bound
+# REST and gRPC load reports have. And most tokens a whole trace may hold: every plan of it
+# then routes fewer than 2**53 tokens in all, which `plan inspect` (validate_plan) needs to
+# count them exactly; half of that leaves room for the rounding of a float64 sum.
+MAX_TRACE_CELL = 2**40
+MAX_TRACE_TOKENS = 2**52
+
+
 def read_trace(path: str | os.PathLike[str]) -> Trace:
-    """Read and validate a trace file (``load`` [T, L, R, E] non-negative integers, ``meta``)."""
+    """Read and validate a trace file (``load`` [T, L, R, E] non-negative integers, at most
+    :data:`MAX_TRACE_CELL` per cell and :data:`MAX_TRACE_TOKENS` in all, ``meta``)."""
     p = Path(path)
     arrays = _read_npz(p, "trace", ("load",), ("meta",))
     try:
@@ -293,6 +302,15 @@ def read_trace(path: str | os.PathLike[str]) -> Trace:
                 f"'load' has negative token counts (first: step {t}, layer {layer}, "
                 f"rank {r}, expert {e})"
             )
+        if load.max() > MAX_TRACE_CELL:
+            t, layer, r, e = np.unravel_index(int(np.argmax(load)), load.shape)
+            raise _Bad(
+                f"'load' has a count above 2**40 tokens (step {t}, layer {layer}, rank {r}, "
+                f"expert {e}: {int(load[t, layer, r, e])})"
+            )
+        total = float(load.sum(dtype=np.float64))
+        if total > MAX_TRACE_TOKENS:
+            raise _Bad(f"'load' holds {total:.3g} tokens in all, more than 2**52")
         meta = _parse_meta(arrays)
         _check_trace_meta(meta, load.shape)
     except _Bad as err:

@@ -251,3 +251,40 @@ def test_parse_settings_nests_dotted_keys():
                    "x": [1, 2]}  # fmt: skip
     with pytest.raises(UsageError, match="not a group"):
         parse_settings(["cost=1", "cost.x=2"])
+
+
+def _raw_trace(path: Path, load: np.ndarray) -> Path:
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as zf, zf.open("load.npy", "w") as f:
+        np.save(f, load)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("cell", "steps", "match"),
+    [
+        (2**58, 1, "above 2**40"),  # crashed quota with an IndexError (int64 overflow)
+        (2**52, 1, "above 2**40"),  # planned, then `plan inspect` refused its own plan
+        (2**40 + 1, 1, "above 2**40"),
+        (2**40, 33, "more than 2**52"),  # each cell fine, 1.03 * 2**52 in all
+    ],
+)
+@pytest.mark.parametrize("policy", ["static", "quota"])
+def test_plan_refuses_a_trace_too_large_to_count(files, capsys, cell, steps, match, policy):
+    trace = _raw_trace(files["dir"] / "huge.npz", np.full((steps, 1, 8, 16), cell, np.int64))
+    argv = plan_args(files, policy)
+    argv[argv.index("--trace") + 1] = str(trace)
+    fails(argv, capsys, match)
+    assert not (files["dir"] / "p.npz").exists()
+
+
+@pytest.mark.parametrize("policy", ["static", "quota"])
+def test_what_plan_accepts_inspect_accepts(files, capsys, policy):
+    # 32 x 8 x 16 cells of 2**40: exactly the 2**52 tokens a trace may hold in all
+    trace = _raw_trace(files["dir"] / "edge.npz", np.full((32, 1, 8, 16), 2**40, np.int64))
+    argv = plan_args(files, policy)
+    argv[argv.index("--trace") + 1] = str(trace)
+    assert main([*argv, "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["plan", "inspect", str(files["dir"] / "p.npz"), "--trace", str(trace)]) == 0

@@ -101,11 +101,24 @@ def test_all_zero_weight_is_valid():
         ((np.ones((1, 4)), 8, 2, 2, 3), "GPUs do not split"),
         ((np.ones((1, 4)), 6, 1, 1, 4), "replicas do not split"),
         ((np.ones((1, 8)), 4, 1, 1, 4), "cannot hold 8 experts"),
+        # finite as float64, inf as float32 (#15 item 13: numpy's "repeats may not contain
+        # negative values" surfaced instead)
+        ((np.array([[1e39, 1.0, 1.0, 1.0]]), 8, 1, 1, 4), "beyond float32"),
+        ((np.full((1, 4), 3e38), 8, 1, 1, 4), "beyond float32"),  # each fits, the sum not
     ],
 )
 def test_bad_arguments_are_value_errors(args, match):
     with pytest.raises(ValueError, match=match):
         rebalance(*args, hierarchical=True)
+    if match == "beyond float32":
+        with pytest.raises(ValueError, match=match):
+            rebalance(*args, hierarchical=False)
+
+
+def test_large_finite_weights_still_plan():
+    w = np.array([[8e37, 1e37, 1e37, 1e37]])  # sums to 1.1e38 < float32's 3.4e38
+    _, _, logcnt = rebalance(w, 8, 1, 1, 4, hierarchical=False)
+    assert logcnt.sum() == 8 and logcnt[0, 0] == logcnt.max() and logcnt[0, 0] >= 4
 
 
 def test_matches_peer_deepseek_eplb(peer_eplb: ModuleType):

@@ -253,3 +253,32 @@ def test_policy_settings_and_relabel():
         "min_replica_share": 0.0,
     }
     assert policy.relabel_ranks is False  # type: ignore[attr-defined]
+
+
+def test_huge_demands_are_exact_or_refused():
+    """Demands near int64's range (#15 item 12): the shed order sorted on one product key,
+    master rank x (max demand + 1), which overflowed int64 and ended in an IndexError; M
+    was summed through float64. Now: exact up to 2**53 tokens in all, a clear error above."""
+    from expertmesh.planner.quota import balance_demand
+
+    max_tokens = 2**53
+    masters = static_placement(16, 3, 32, 2)
+    rng = np.random.default_rng(0)
+    demand = rng.integers(2**40, 2**47, 32)
+    demand[5] = max_tokens - 1 - int(demand.sum() - demand[5])  # 2**53 - 1 in all
+    sol = balance_demand(demand, masters)
+    holders = sol.placement.master_rank()
+    per_rank = np.zeros(16, dtype=object)  # Python ints: exact whatever the size
+    for e, r in enumerate(holders):
+        per_rank[r] += int(demand[e])
+    rep_e, rep_r, rep_t = sol.replicas
+    for e, r, t in zip(rep_e.tolist(), rep_r.tolist(), rep_t.tolist(), strict=True):
+        per_rank[holders[e]] -= t
+        per_rank[r] += t
+    assert sum(per_rank) == int(demand.sum()) == max_tokens - 1
+    assert max(per_rank) <= int(sol.quota[0])
+    assert int(sol.quota[0]) >= int(sol.lower_bound[0])
+    with pytest.raises(ValueError, match="2\\*\\*53"):
+        balance_demand(np.full(32, 2**58, np.int64), masters)
+    with pytest.raises(ValueError, match="2\\*\\*53"):
+        balance_demand(np.full(32, 2**61, np.int64), masters)

@@ -153,6 +153,14 @@ def _check_weight(weight: np.ndarray) -> np.ndarray:
         raise ValueError(f"weight must be numeric, got dtype {w.dtype}")
     if not np.isfinite(w).all() or (w < 0).any():
         raise ValueError("weight must be finite and non-negative")
+    # weights are rounded to float32 (as the published code does) and summed per group and
+    # node: a layer's total must stay a finite float32, or inf / nan reach the packing
+    top = float(w.astype(np.float64).sum(axis=1).max())
+    if top > float(np.finfo(np.float32).max):
+        raise ValueError(
+            f"weight: a layer sums to {top:.3g}, beyond float32's {np.finfo(np.float32).max:.3g} "
+            "(EPLB computes in float32); scale the weights down"
+        )
     return w.astype(np.float32)
 
 

@@ -56,6 +56,10 @@ __all__ = [
     "quota_balance",
     "quota_route",
 ]
+# Tokens one solve may hold in all: sums of token counts (per rank, per domain) stay exact
+# integers, also where numpy sums them as float64.
+MAX_TOKENS = 2**53
+
 # quota_traffic (the cost model's view of quota's route) lives beside the other views in
 # expertmesh.planner.traffic and is imported here for the policy.
 
@@ -141,15 +145,17 @@ def _problem(
 ) -> _Problem:
     """``demand`` [E]: tokens of each expert; ``master_rank`` [E]; ``dom`` [R] domain ids."""
     num_ranks, num_domains = dom.size, int(dom.max(initial=0)) + 1
-    base = np.bincount(master_rank, weights=demand, minlength=num_ranks).astype(np.int64)  # M
+    base = np.zeros(num_ranks, dtype=np.int64)  # M, summed exactly (not through float64)
+    np.add.at(base, master_rank, demand)
     free = num_slots - np.bincount(master_rank, minlength=num_ranks)
-    top = int(demand.max(initial=0)) + 1  # sort by master rank, then demand descending
-    shed_order = np.argsort(master_rank * top + (top - 1 - demand), kind="stable")
+    # by master rank, then demand descending, then id (keys, not one product: that overflowed
+    # int64 for demands near 2**58)
+    shed_order = np.lexsort((np.arange(demand.size), -demand, master_rank))
     shed_rank, shed_demand = master_rank[shed_order], demand[shed_order]
     before = np.cumsum(shed_demand) - shed_demand  # [E] exclusive
     before -= before[np.searchsorted(shed_rank, shed_rank)]
     recv = np.flatnonzero(free > 0)
-    recv = recv[np.argsort(dom[recv] * (int(base.max(initial=0)) + 1) + base[recv], kind="stable")]
+    recv = recv[np.lexsort((recv, base[recv], dom[recv]))]  # by domain, M ascending, rank
     # bounds: an expert has at most 1 + min(max_rep, other ranks with a free slot) copies
     dom_e = dom[master_rank]
     others = np.bincount(dom[recv], minlength=num_domains)[dom_e] - (free[master_rank] > 0)
@@ -371,8 +377,8 @@ def balance_demand(
     more (the route does; this solution's is empty).
 
     ``demand``: [E] int tokens of each logical expert this microbatch; the rest as in
-    :func:`quota_balance`. ``ValueError`` on shapes that do not match, negative demand, or a
-    bound below 1.
+    :func:`quota_balance`. ``ValueError`` on shapes that do not match, negative demand, 2**53
+    tokens or more in all (:data:`MAX_TOKENS`), or a bound below 1.
     """
     num_ranks, num_slots = masters.phy2log.shape
     num_experts = int(masters.master.shape[0])
@@ -381,6 +387,8 @@ def balance_demand(
         raise ValueError(f"demand must be [{num_experts}] integer tokens, got {demand.shape}")
     if demand.size and demand.min() < 0:
         raise ValueError("demand has negative token counts")
+    if float(demand.sum(dtype=np.float64)) >= MAX_TOKENS:
+        raise ValueError("demand holds 2**53 tokens or more in all: beyond exact counting")
     master = masters.master.astype(np.int64)
     if master.min(initial=0) < 0 or master.max(initial=0) >= masters.phy2log.size:
         raise ValueError("master slot index out of range")
