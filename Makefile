@@ -68,8 +68,9 @@ screenshots: setup ## re-take docs/dashboard.png (headless Chromium against a li
 proto: setup ## regenerate proto/expertmesh/v1/*_pb2*.py from the .proto (committed; a test checks)
 	PYTHON=$(PY) PATH=$(VENV)/bin:$$PATH scripts/gen_proto.sh
 
-bench-api: setup ## control plane: gRPC reports/s from 1,000 ranks, REST latest-plan p50/p99 at 500 req/s
+bench-api: setup ## control plane: gRPC reports/s, REST latest-plan p50/p99; load ingestion at 1,000 DCs x 8 ranks x 58 layers with/without aggregation
 	$(PY) bench/bench_api.py
+	$(PY) bench/bench_ingest.py
 
 SOAK_MINUTES ?= 10
 bench-soak: setup ## soak: 1,000 ranks stream reports to `expertmesh serve` for SOAK_MINUTES (10) while plans commit

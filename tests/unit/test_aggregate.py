@@ -47,9 +47,12 @@ def _aggs(topo: Topology, **kw) -> list[DcAggregator]:
     seed=st.integers(0, 2**31),
     sizes=st.lists(st.integers(1, 4), min_size=1, max_size=4),
     experts=st.integers(1, 7),
+    uniform=st.booleans(),
 )
-def test_window_mean_equals_the_reference(seed, sizes, experts):
+def test_window_mean_equals_the_reference(seed, sizes, experts, uniform):
     rng = np.random.default_rng(seed)
+    if uniform:  # every DC the same size, every rank live: the broadcast path
+        sizes = [sizes[0]] * len(sizes)
     topo = Topology.from_dict(
         {
             "dcs": [
@@ -58,7 +61,7 @@ def test_window_mean_equals_the_reference(seed, sizes, experts):
             "slots_per_rank": {"masters": 1, "spare": 1},
         }
     )
-    live = rng.random(topo.num_ranks) < 0.8
+    live = rng.random(topo.num_ranks) < (1.0 if uniform else 0.8)
     steps = rng.integers(1, 9, topo.num_dcs)
     rank_sum = rng.integers(0, 1000, (topo.num_ranks, experts))
     rank_sum[~live] = 0

@@ -32,6 +32,7 @@ class _Pending:
     seen: np.ndarray  # [D] bool
     steps: np.ndarray  # [D] int64
     per_rank: np.ndarray  # [D] bool
+    missing: int  # DCs that must still report
     rank_sum: np.ndarray | None = None  # [R, E] int64, made when a DC sends its ranks apart
     reports: int = 0
 
@@ -53,7 +54,8 @@ class WindowAssembler:
 
     def __init__(self, topology: Topology, num_layers: int, num_experts: int) -> None:
         self.topology, self.num_layers, self.num_experts = topology, num_layers, num_experts
-        self._pending: dict[tuple[int, int], _Pending] = {}
+        # per layer: first step of the window -> what has arrived
+        self._pending: list[dict[int, _Pending]] = [{} for _ in range(num_layers)]
         self._newest: dict[int, WindowSums] = {}
         self.received = self.rejected = self.completed = self.rank_reports = 0
         self.pending_dropped = 0
@@ -66,9 +68,10 @@ class WindowAssembler:
     def set_live(self, live: np.ndarray) -> None:
         """Ranks taking part from now on; pending windows are dropped (their DC sets changed)."""
         self._live = np.asarray(live, bool).copy()
-        self._table = spread_table(self.topology, self._live)
+        self._table = spread_table(self.topology, self._live, self.num_experts)
         self._needed = self._table[0] > 0  # [D] DCs that must report
-        self._pending.clear()
+        for pending in self._pending:
+            pending.clear()
 
     def newest(self, layer: int) -> WindowSums | None:
         """Exact sums of ``layer``'s newest complete window, or None."""
@@ -90,7 +93,7 @@ class WindowAssembler:
             )
         if not self._needed[rep.dc]:
             raise ValueError(f"DC {rep.dc} has no live rank")
-        pending = self._pending.get((rep.first_step, rep.layer))
+        pending = self._pending[rep.layer].get(rep.first_step)
         if pending is not None:
             if pending.last_step != rep.last_step:
                 raise ValueError(
@@ -102,9 +105,9 @@ class WindowAssembler:
                     f"DC {rep.dc} already reported layer {rep.layer} window "
                     f"[{rep.first_step}, {rep.last_step}]"
                 )
-        for (first, layer), p in self._pending.items():
+        for first, p in self._pending[rep.layer].items():
             overlap = first <= rep.last_step and rep.first_step <= p.last_step
-            if layer == rep.layer and first != rep.first_step and overlap:
+            if first != rep.first_step and overlap:
                 raise ValueError(
                     f"layer {rep.layer} window [{rep.first_step}, {rep.last_step}] overlaps "
                     f"pending window [{first}, {p.last_step}]"
@@ -113,22 +116,23 @@ class WindowAssembler:
     def add(self, rep: WindowReport, max_pending: int) -> tuple[int, np.ndarray] | None:
         """Add a checked report; when it completes its window: (last step, ``[R, E]`` mean
         load per microbatch), and pending windows of the layer up to it are dropped."""
-        key = (rep.first_step, rep.layer)
-        p = self._pending.get(key)
+        pending = self._pending[rep.layer]
+        p = pending.get(rep.first_step)
         if p is None:
-            firsts = sorted(f for f, layer in self._pending if layer == rep.layer)
-            if len(firsts) >= max_pending:
-                del self._pending[(firsts[0], rep.layer)]
+            if len(pending) >= max_pending:
+                del pending[min(pending)]
                 self.pending_dropped += 1
             d = self.topology.num_dcs
-            p = self._pending[key] = _Pending(
+            p = pending[rep.first_step] = _Pending(
                 last_step=rep.last_step,
                 dc_sum=np.zeros((d, self.num_experts), np.int64),
                 seen=np.zeros(d, bool),
                 steps=np.zeros(d, np.int64),
                 per_rank=np.zeros(d, bool),
+                missing=int(self._needed.sum()),
             )
         p.seen[rep.dc], p.steps[rep.dc] = True, rep.steps
+        p.missing -= 1
         p.reports += rep.reports
         self.rank_reports += rep.reports
         if rep.per_rank:
@@ -140,12 +144,12 @@ class WindowAssembler:
             p.per_rank[rep.dc] = True
         else:
             p.dc_sum[rep.dc] = rep.load
-        if not (p.seen | ~self._needed).all():
+        if p.missing:
             return None
-        for k in [k for k in self._pending if k[1] == rep.layer and k[0] <= rep.last_step]:
-            if k != key:
+        for first in [f for f in pending if f <= rep.last_step]:
+            if first != rep.first_step:
                 self.pending_dropped += 1
-            del self._pending[k]
+            del pending[first]
         self.completed += 1
         self._newest[rep.layer] = WindowSums(
             rep.first_step, rep.last_step, p.steps, p.dc_sum, p.reports

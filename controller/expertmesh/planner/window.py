@@ -65,29 +65,37 @@ class WindowReport:
         load = np.asarray(self.load)
         if load.ndim not in (1, 2) or load.dtype.kind not in "iu":
             raise ValueError(f"load must be integer [E] or [n, E], got {load.dtype} {load.shape}")
+        if load.dtype != np.int64:
+            load = load.astype(np.int64)
         rows = 1 if load.ndim == 1 else load.shape[0]
         if load.size and (load.min() < 0 or load.max() > MAX_COUNT * self.steps * rows):
             raise ValueError("load counts must be in [0, 2**40 * steps * rows]")
-        object.__setattr__(self, "load", load.astype(np.int64, copy=False))
+        object.__setattr__(self, "load", load)
 
     @property
     def per_rank(self) -> bool:
         return self.load.ndim == 2
 
 
-def spread_table(topology: Topology, live: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """How :func:`window_mean` splits a DC's sum over its live ranks.
+def spread_table(
+    topology: Topology, live: np.ndarray, num_experts: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """How :func:`window_mean` splits a DC's sum over its live ranks; depends only on
+    membership, so compute it once per change.
 
-    ``live``: [R] bool. Returns (``n_live`` [D] live ranks per DC, ``turn`` [R] int64:
-    rank ``r``'s position among its DC's live ranks, -1 when dead). Depends only on
-    membership: compute it once per change."""
+    ``live``: [R] bool. Returns (``n_live`` [D] live ranks per DC, ``pos`` [R, E] int32:
+    ``(j - e) mod n_live`` for live rank ``r`` at position ``j`` among its DC's live ranks,
+    ``n_live`` for dead ranks, so that ``pos < rem`` never holds for them)."""
     live = np.asarray(live, bool)
     dc = topology.rank_dc
     n_live = np.bincount(dc, weights=live, minlength=topology.num_dcs).astype(np.int64)
     order = np.cumsum(live) - 1  # [R] running count of live ranks
     starts = np.concatenate([[0], np.cumsum(n_live)[:-1]])  # [D] first live index of each DC
-    turn = np.where(live, order - starts[dc], -1).astype(np.int64)
-    return n_live, turn
+    turn = order - starts[dc]  # [R] position among the DC's live ranks
+    n = np.maximum(n_live, 1)[dc][:, None]  # [R, 1]
+    pos = (turn[:, None] - np.arange(num_experts)[None, :]) % n  # [R, E]
+    pos[~live] = n_live[dc][~live][:, None]
+    return n_live, pos.astype(np.int32)
 
 
 def window_mean(
@@ -108,25 +116,34 @@ def window_mean(
     - ``rank_sum``: [R, E] per-rank sums for the DCs with ``per_rank[d]``, else unused
       (may be None when no DC sent per-rank sums).
     - ``per_rank``: [D] bool, the DC sent its ranks apart.
+    - ``table``: :func:`spread_table` of ``live`` (made here when None).
 
-    Per-rank DCs: each rank's sum / steps, rounded to the nearest integer. Others: each
-    expert's DC total / steps, rounded, split over the DC's live ranks as evenly as integers
-    allow; the remainder of expert ``e`` goes to the live ranks whose position ``j``
-    satisfies ``(j - e) mod n < rem`` (rotating with the expert, so no rank is favoured)."""
+    Per-rank DCs: each rank's sum / steps, rounded half up. Others: each expert's DC total
+    / steps, rounded half up, split over the DC's live ranks as evenly as integers allow;
+    the remainder of expert ``e`` goes to the live ranks whose position ``j`` satisfies
+    ``(j - e) mod n < rem`` (rotating with the expert, so no rank is favoured)."""
+    live = np.asarray(live, bool)
     num_experts = dc_sum.shape[1]
-    n_live, turn = table if table is not None else spread_table(topology, live)
-    dc = topology.rank_dc
+    n_live, pos = table if table is not None else spread_table(topology, live, num_experts)
+    sizes = np.array([d.num_ranks for d in topology.dcs])
     denom = np.maximum(np.asarray(steps, np.int64), 1)
     total = (2 * dc_sum + denom[:, None]) // (2 * denom[:, None])  # [D, E] rounded half up
-    n = np.maximum(n_live, 1)
-    q, rem = np.divmod(total, n[:, None])  # [D, E]
-    pos = (turn[:, None] - np.arange(num_experts)[None, :]) % n[dc][:, None]  # [R, E]
-    out = q[dc] + (pos < rem[dc])  # [R, E]
+    q, rem = np.divmod(total, np.maximum(n_live, 1)[:, None])  # [D, E]
+    if live.all() and (sizes == sizes[0]).all():
+        # every DC the same size and whole: DC-major blocks, broadcast instead of gathers
+        d, n = topology.num_dcs, int(sizes[0])
+        blocks = np.empty((d, n, num_experts), np.int64)  # [D, n, E]
+        more = pos.reshape(d, n, num_experts) < rem.astype(np.int32)[:, None, :]
+        np.add(q[:, None, :], more, out=blocks)
+        out: np.ndarray = blocks.reshape(d * n, num_experts)
+    else:
+        out = np.repeat(q, sizes, axis=0)  # [R, E] (ranks are numbered DC by DC)
+        out += pos < np.repeat(rem.astype(np.int32), sizes, axis=0)
+        out[~live] = 0
     if rank_sum is not None and np.any(per_rank):
-        rows = np.asarray(per_rank, bool)[dc]
-        d = denom[dc][rows][:, None]
-        out[rows] = (2 * rank_sum[rows] + d) // (2 * d)
-    out[~np.asarray(live, bool)] = 0
+        rows = np.asarray(per_rank, bool)[topology.rank_dc] & live
+        dd = np.repeat(denom, sizes)[rows][:, None]
+        out[rows] = (2 * rank_sum[rows] + dd) // (2 * dd)
     return out
 
 
