@@ -102,6 +102,14 @@ def add_parser(sub: Any) -> None:
         help="seconds after which a late step probes the DC links for a cut "
         "(default 0: derived from the topology and model)",
     )
+    p.add_argument(
+        "--data-plane",
+        choices=("spmd", "rounds"),
+        default="spmd",
+        help="spmd (default): every worker runs its own loop over torch.distributed (gloo; "
+        "NCCL on GPUs); rounds: the driver steps the workers through Ray rounds (the earlier "
+        "plane; worker and DC faults are recovered on it only)",
+    )
     p.add_argument("--host", help="address REST and gRPC bind to (default 127.0.0.1)")
     p.add_argument(
         "--rest-port",
@@ -220,8 +228,10 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from expertmesh.runtime.cluster import Runtime
+    from expertmesh.runtime.spmd import SpmdRuntime
 
     settings = build_settings(args)
+    spmd = args.data_plane == "spmd"
     logging.basicConfig(level=logging.WARNING)
     console = Console()
     topo = Topology.from_dict(settings.topology)
@@ -234,7 +244,8 @@ def run(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops as cleanly as Ctrl-C
     t0 = time.perf_counter()
     try:
-        with Runtime(settings, address=args.address) as rt:
+        runtime = SpmdRuntime if spmd else Runtime
+        with runtime(settings, address=args.address) as rt:
             console.print(
                 f"{'connected to ' + args.address if args.address else 'cluster up'} in {time.perf_counter() - t0:.1f}s; workers on {rt.node_dcs()}"
             )
@@ -244,9 +255,11 @@ def run(args: argparse.Namespace) -> int:
                 console.print(f"  REST       {url}/api/v1  (OpenAPI {url}/docs)")
                 console.print(f"  metrics    {url}/metrics")
                 console.print(f"  gRPC       {target}  (expertmesh.v1.ExpertMeshService)")
-            rows = _train(rt, args.steps, console)
+            rows = _train(rt, args.steps, console, spmd=spmd)
             status = rt.status()
             summary = _summary(rows, status, settings)
+            summary["backend"] = rt.backend if spmd else "ray-object-store"
+            summary["data_plane"] = args.data_plane
             console.print(
                 f"trained {len(rows)} steps in {time.perf_counter() - t0:.1f}s: loss "
                 f"{rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}, median step "
@@ -271,32 +284,40 @@ def _interrupt(*_: object) -> None:
     raise KeyboardInterrupt
 
 
-def _train(rt: Any, steps: int, console: Any) -> list[dict[str, Any]]:
+def _train(rt: Any, steps: int, console: Any, *, spmd: bool) -> list[dict[str, Any]]:
     from rich.live import Live
     from rich.table import Table
 
     rows: list[dict[str, Any]] = []
     table = Table(
-        "step", "loss", "step s", "imbalance", "plan", "WAN tokens", "WAN weights", "migration"
-    )
+        "step", "loss", "step s", "imbalance", "static EP", "plan", "WAN tokens", "WAN weights",
+        "migration",
+    )  # fmt: skip
+
+    def show(r: Any) -> None:
+        rows.append(r.model_dump())
+        table.add_row(
+            str(r.step),
+            f"{r.loss:.4f}",
+            f"{r.seconds if r.seconds is not None else r.step_seconds:.3f}",
+            f"{r.imbalance:.2f}",
+            f"{r.imbalance_static:.2f}" if r.imbalance_static is not None else "",
+            f"v{r.plan_version}",
+            _mb(r.cross_dc_token_bytes),
+            _mb(r.cross_dc_weight_bytes),
+            _mb(r.cross_dc_migration_bytes) if r.cross_dc_migration_bytes else "",
+        )
+        if len(table.rows) > 20:
+            table.rows.pop(0)
+            for col in table.columns:
+                col._cells.pop(0)
+
     with Live(table, console=console, refresh_per_second=4, transient=False):
-        for _ in range(steps):
-            r = rt.run_step()
-            rows.append(r.model_dump())
-            table.add_row(
-                str(r.step),
-                f"{r.loss:.4f}",
-                f"{r.step_seconds:.3f}",
-                f"{r.imbalance:.2f}",
-                f"v{r.plan_version}",
-                _mb(r.cross_dc_token_bytes),
-                _mb(r.cross_dc_weight_bytes),
-                _mb(r.cross_dc_migration_bytes) if r.cross_dc_migration_bytes else "",
-            )
-            if len(table.rows) > 20:
-                table.rows.pop(0)
-                for col in table.columns:
-                    col._cells.pop(0)
+        if spmd:
+            rt.train(steps, on_step=show)
+        else:
+            for _ in range(steps):
+                show(rt.run_step())
     return rows
 
 
@@ -313,7 +334,9 @@ def _summary(rows: list[dict[str, Any]], status: dict[str, Any], settings: Any) 
         "steps": len(rows),
         "first_loss": rows[0]["loss"],
         "final_loss": rows[-1]["loss"],
-        "median_step_seconds": statistics.median(r["step_seconds"] for r in rows),
+        "median_step_seconds": statistics.median(
+            r["seconds"] if r.get("seconds") is not None else r["step_seconds"] for r in rows
+        ),
         "plan_version": status["version"],
         "controller_errors": status["errors"],
         "retried_steps": status.get("retried_steps", []),

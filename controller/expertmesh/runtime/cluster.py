@@ -20,36 +20,38 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
 import tempfile
 import time
-import traceback
 import uuid
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import ray
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray.cluster_utils import Cluster
 
-from expertmesh.controller.core import ControllerCore, ControllerSettings, Trigger
-from expertmesh.controller.settings import SurfaceSettings
-from expertmesh.controller.telemetry import Telemetry
-from expertmesh.planner import Placement, Topology, imbalance, make_policy
-from expertmesh.planner.static import static_placement
-from expertmesh.planner.stepmodel import StepLayout, step_layout
-from expertmesh.runtime.actors import WORKER_THREADS, RayExecutor, StepStalled, WorkerActor
+from expertmesh.planner import Topology, imbalance
+from expertmesh.planner.stepmodel import StepLayout
+from expertmesh.runtime.actors import WORKER_THREADS, StepStalled, WorkerActor
 from expertmesh.runtime.checkpoint import CheckpointDir
+from expertmesh.runtime.controller import ControllerActor, last_line, weights_digest
 from expertmesh.runtime.faults import NAME_WAIT_S, Membership
-from expertmesh.workers.engine import apply_plan, migration_rounds, recovery_rounds, train_step
-from expertmesh.workers.model import LMConfig
+from expertmesh.runtime.settings import (
+    CONTROLLER_RESTARTS,
+    CONTROLLER_WAIT_S,
+    NAMESPACE,
+    RuntimeSettings,
+    StepResult,
+    check_dc_nodes,
+    initial_placements,
+    make_actor,
+    source_roots,
+)
+from expertmesh.workers.engine import train_step
 from expertmesh.workers.rank import KINDS
 from expertmesh.workers.shaper import LinkShaper
-from expertmesh.workers.wire import WireFormat
 
 __all__ = [
     "NAMESPACE",
@@ -62,478 +64,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-NAMESPACE = "expertmesh"
 _TOKENS, _WEIGHTS, _MIGRATION = (KINDS.index(k) for k in ("tokens", "weights", "migration"))
-CONTROLLER_RESTARTS = 5  # Ray restarts the controller actor this many times
-CONTROLLER_WAIT_S = 120.0  # the driver waits this long for a restarting controller
-
-
-class RuntimeSettings(BaseModel):
-    """What the runtime starts and how it trains."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
-
-    topology: dict[str, Any] = Field(description="the topology (YAML structure)")
-    lm: LMConfig = LMConfig()
-    policy: str = Field(default="static", description="registered policy name")
-    policy_settings: dict[str, Any] = Field(default_factory=dict)
-    trigger: Trigger = Trigger(mode="every_n", every=5)
-    shaper: bool = Field(default=True, description="shape inter-DC links (off on real DCs)")
-    corpus: str | None = Field(default=None, description="corpus file; None: Python's stdlib")
-    corpus_bytes: int = Field(default=4_000_000, ge=1024, description="bytes of stdlib text")
-    cpus_per_dc: float = Field(default=1.0, gt=0, description="CPUs each DC's Ray node offers")
-    inline_object_bytes: int = Field(
-        default=4 << 20,
-        ge=0,
-        le=1 << 30,
-        description="packets up to this size travel inline, not through the object store",
-    )
-    surfaces: SurfaceSettings | None = Field(
-        default=None, description="REST/dashboard/metrics and gRPC from the controller (None: off)"
-    )
-    checkpoint_every: int = Field(
-        default=5,
-        ge=0,
-        description="the driver writes every master (weights, Adam state) to the checkpoint "
-        "directory every this many steps, besides the initial one (0: the initial one only)",
-    )
-    checkpoint_dir: str | None = Field(
-        default=None, description="expert checkpoints go here (None: the run's temp dir)"
-    )
-    checkpoint_keep: int = Field(default=3, ge=1, description="newest checkpoints kept on disk")
-    replace_dead_workers: bool = Field(
-        default=True, description="start a new worker for a dead rank in its DC; it rejoins"
-    )
-
-    step_deadline_s: float = Field(
-        default=0.0, ge=0, description="a late step probes the DC links (faults.py); 0: derived"
-    )
-    probe_timeout_s: float = Field(
-        default=1.0, gt=0, le=60, description="connect timeout of a link probe between two DCs"
-    )
-
-    @model_validator(mode="after")
-    def _encoding_sendable(self) -> RuntimeSettings:
-        """The policy's transfer encoding must be one the workers can send."""
-        policy = make_policy(self.policy, self.policy_settings)
-        WireFormat.of(getattr(policy, "transfer_encoding", None))
-        return self
-
-
-class StepResult(BaseModel):
-    """One training step as the runtime measured it.
-
-    Bytes are what crossed between DCs: ``tokens`` (activations and their gradients),
-    ``weights`` (replica gradients and refreshed weights, dense gradient sums) during the
-    step, and ``migration`` (expert copies and master state moved while preparing the plan
-    applied right after this step; not part of the step's time).
-    """
-
-    step: int
-    loss: float
-    step_seconds: float
-    control_seconds: float
-    imbalance: float  # max over layers of max/mean assignments computed per rank
-    imbalance_before: float | None = None  # of the plan made after this step (max over layers)
-    imbalance_after: float | None = None
-    plan_version: int  # the plan this step ran under
-    cross_dc_token_bytes: int
-    cross_dc_weight_bytes: int
-    cross_dc_migration_bytes: int
-    bytes_by_pair: list[list[list[int]]]  # [3, D, D]: tokens, weights, migration
-    tokens_per_rank: list[int]
-    tokens_per_layer_rank: list[list[int]]  # [L, R] assignments each rank computed
-    error: str | None = None
-
-
-def _source_roots() -> str:
-    """PYTHONPATH for Ray workers: the source roots this process imports expertmesh from."""
-    import expertmesh.workers.rank as wr
-
-    roots = [Path(__file__).resolve().parents[2], Path(wr.__file__).resolve().parents[2]]
-    proto = roots[0].parent / "proto"
-    if proto.is_dir():
-        roots.append(proto)
-    return os.pathsep.join(dict.fromkeys(str(r) for r in roots))
-
-
-class ControllerActor:
-    """Thin actor over :class:`ControllerCore`: gather, call the core, apply the result."""
-
-    def __init__(self, settings: RuntimeSettings, store_path: str | None = None) -> None:
-        self.workers: list[Any] = []
-        self.surfaces: Any = None  # expertmesh.controller.server.Surfaces while serving
-        if store_path is None:  # on the controller's node; the job id survives restarts
-            job = ray.get_runtime_context().get_job_id()
-            store_path = os.path.join(tempfile.gettempdir(), f"expertmesh-{job}", "plans.sqlite")
-        self.store_path = store_path
-        self.store: Any = None
-        self._crash_at: str | None = None
-        self.restarted = False
-        self.reconciled: dict[str, list[int]] = {}
-        restarted = ray.get_runtime_context().was_current_actor_reconstructed
-        self.reset(settings, recover=restarted)
-        if restarted and settings.surfaces is not None:
-            try:  # the dead process's ports are free again (port 0: new ones, see Runtime)
-                self.start_surfaces()
-            except Exception:
-                log.exception("restarting the control-plane surfaces failed")
-
-    def reset(self, settings: RuntimeSettings, *, recover: bool = False) -> None:
-        """A fresh core (no plans, empty windows) for ``settings``; not while serving.
-
-        ``recover`` (after Ray restarted this actor): the core takes the newest committed
-        plan and the policy settings from the SQLite store, and the first :meth:`control`
-        reconciles the workers with it before anything else (:meth:`_reconcile`)."""
-        if self.surfaces is not None:
-            raise ValueError("stop the surfaces before resetting the controller")
-        self.settings = settings
-        self.topology = Topology.from_dict(settings.topology)
-        self.core = ControllerCore(
-            self.topology,
-            settings.lm.spec(),
-            ControllerSettings(
-                policy=settings.policy,
-                policy_settings=settings.policy_settings,
-                trigger=settings.trigger,
-            ),
-        )
-        self.telemetry = Telemetry(self.core)
-        self.errors = 0
-        self.phase_seconds: dict[str, float] = {}
-        self.placements = _initial_placements(self.topology, settings.lm)
-        self.layout: StepLayout | None = None  # rounds the committed plan needs; None: all
-        self.live = np.ones(self.topology.num_ranks, bool)
-        self._needs_reconcile = False
-        from expertmesh.controller.store import SqlitePlanStore
-
-        if self.store is not None:
-            self.store.close()
-        if not recover:
-            for suffix in ("", "-wal", "-shm"):
-                Path(self.store_path + suffix).unlink(missing_ok=True)
-        self.store = SqlitePlanStore(self.store_path)
-        if recover:
-            pv = self.store.recover(self.core)
-            if pv is not None:
-                self.placements = [lp.placement for lp in pv.layers]
-            self.restarted = True
-            self._needs_reconcile = True
-            log.warning("controller restarted; recovered plan %s", pv and pv.version)
-        else:
-            self.store.save_settings(self.core.settings)
-        self.core.attach_store(self.store)
-
-    def attach(self, workers: list[Any]) -> int:
-        self.workers = workers
-        for r in range(len(workers)):
-            self.telemetry.set_worker_state(r, True)
-        return len(workers)
-
-    def drop_store(self) -> None:
-        """Close the plan store and delete its files (the run is over)."""
-        if self.store is not None:
-            self.store.close()
-            self.store = None
-        for suffix in ("", "-wal", "-shm"):
-            Path(self.store_path + suffix).unlink(missing_ok=True)
-        with contextlib.suppress(OSError):
-            Path(self.store_path).parent.rmdir()
-
-    def inject_crash(self, at: str) -> None:
-        """Fault injection: exit the process (as a crash would) during the next plan
-        application, ``at`` ``"prepared"`` (every worker holds the plan ready, nothing is
-        committed) or ``"committed"`` (the store has the commit, no worker has it yet)."""
-        if at not in ("prepared", "committed"):
-            raise ValueError(f"unknown crash point {at!r}")
-        self._crash_at = at
-
-    def _maybe_crash(self, at: str) -> None:
-        if self._crash_at == at:
-            log.error("injected crash at %s", at)
-            os._exit(1)
-
-    def _reconcile(self) -> None:
-        """After a restart: bring every worker to the recovered committed plan.
-
-        A worker holding a prepared plan that the store committed commits it (the crash
-        came between the store and the workers); any other prepared plan is aborted (it was
-        never committed); a worker on the committed version keeps it. Nothing is ever
-        half-applied: the tokens check refuses mixed versions, so every worker must agree."""
-        ranks = self.topology.num_ranks
-        if not self.workers:
-            self.workers = [ray.get_actor(f"worker-{r}", namespace=NAMESPACE) for r in range(ranks)]
-            for r in range(ranks):
-                self.telemetry.set_worker_state(r, True)
-        c = self.core.committed
-        version = c.version if c is not None else 0
-        states = ray.get([w.call.remote("plan_state") for w in self.workers])
-        done: dict[str, list[int]] = {"completed": [], "rolled_back": [], "kept": []}
-        for r, (w, (have, pending, ready)) in enumerate(zip(self.workers, states, strict=True)):
-            if have == version:
-                if pending is not None:
-                    ray.get(w.call.remote("abort", pending))
-                    done["rolled_back"].append(r)
-                else:
-                    done["kept"].append(r)
-            elif pending == version and ready:
-                ray.get(w.call.remote("commit", version))
-                done["completed"].append(r)
-            else:
-                raise RuntimeError(
-                    f"worker {r} is on plan {have} (prepared {pending}); the store has {version}"
-                )
-        self.reconciled = done
-        self._needs_reconcile = False
-        log.warning("workers reconciled with plan %d: %s", version, done)
-
-    def replace_worker(self, rank: int, worker: Any) -> None:
-        """Rank ``rank`` runs on a new worker actor (it rejoins at the next recovery)."""
-        self.workers[rank] = worker
-
-    def set_worker_state(self, rank: int, up: bool) -> None:
-        self.telemetry.set_worker_state(rank, up)
-
-    def start_surfaces(self) -> dict[str, str]:
-        """Start REST/dashboard/metrics and gRPC (``settings.surfaces``); their addresses."""
-        from expertmesh.controller.server import Surfaces  # uvicorn, gRPC: only when serving
-
-        if self.surfaces is None:
-            if self.settings.surfaces is None:
-                raise ValueError("no surface settings")
-            self.surfaces = Surfaces(self.core, self.settings.surfaces, telemetry=self.telemetry)
-            self.surfaces.start()
-        return {"rest_url": self.surfaces.rest_url, "grpc_target": self.surfaces.grpc_target}
-
-    def stop_surfaces(self) -> None:
-        if self.surfaces is not None:
-            self.surfaces.stop()
-            self.surfaces = None
-
-    def report_loads(self, step: int, rank: int, load: np.ndarray) -> None:
-        """``load`` [L, E]: rank ``rank``'s tokens per expert of every layer at ``step``."""
-        for layer, row in enumerate(load):
-            try:
-                self.core.report_load(step, layer, rank, row)
-            except ValueError:
-                log.exception("load report of rank %d step %d layer %d refused", rank, step, layer)
-
-    def _timed(self, name: str, fn: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return fn()
-        finally:
-            self.phase_seconds[f"{name}_seconds"] = time.perf_counter() - t0
-
-    def control(self, step: int, record: dict[str, Any]) -> dict[str, Any]:
-        """One turn of the loop after ``step``: maybe plan, prepare, commit; then record the
-        step (``record``: :meth:`Telemetry.record_step` arguments) with any migration bytes
-        counted as weights. Never raises."""
-        d = self.topology.num_dcs
-        migration = np.zeros((d, d), np.int64)
-        if self._needs_reconcile:
-            try:
-                self._reconcile()
-            except Exception as err:
-                self.errors += 1
-                log.exception("reconciling the workers after a restart failed")
-                return {"version": 0, "error": f"reconcile: {_last_line(err)}",
-                        "migration_bytes": migration.tolist()}  # fmt: skip
-        out = self._plan_and_apply(step, migration)
-        out["migration_bytes"] = migration.tolist()
-        out["layout"] = self.layout
-        try:
-            self.telemetry.record_step(
-                step,
-                record["seconds"],
-                record["loss"],
-                np.asarray(record["tokens_per_rank"]),
-                cross_dc_token_bytes=np.asarray(record["token_bytes"]),
-                cross_dc_weight_bytes=np.asarray(record["weight_bytes"]) + migration,
-            )
-        except Exception:
-            log.exception("recording step %d failed", step)
-        return out
-
-    def _plan_and_apply(self, step: int, migration: np.ndarray) -> dict[str, Any]:
-        out: dict[str, Any] = {"version": self.core.committed.version if self.core.committed else 0}
-        try:
-            pv = self._timed("plan", lambda: self.core.maybe_plan(step))
-        except Exception as err:
-            self.errors += 1
-            log.exception("planning after step %d failed", step)
-            return {**out, "error": f"plan: {_last_line(err)}"}
-        if pv is None:
-            return out
-        out.update(
-            imbalance_before=max(pv.imbalance_before), imbalance_after=max(pv.imbalance_after)
-        )
-        new = [lp.placement for lp in pv.layers]
-        layers = [(p.phy2log, p.master, lp.route) for p, lp in zip(new, pv.layers, strict=True)]
-        ex = RayExecutor(self.workers, self.live)
-        try:
-            rounds = migration_rounds(
-                self.placements, new, [lp.migration for lp in pv.layers], self.topology
-            )
-            sent = self._timed(
-                "prepare", lambda: apply_plan(ex, pv.version, layers, rounds, pv.encoding)
-            )
-            migration += sent
-            self._maybe_crash("prepared")
-            self._timed("commit", lambda: self._commit(ex, pv.version))
-        except Exception as err:
-            self.errors += 1
-            log.error("plan %d failed, rolling back: %s", pv.version, traceback.format_exc())
-            self.core.rollback(pv.version)
-            try:
-                ex.call_all("abort", pv.version)
-            except Exception:
-                log.exception("abort of plan %d failed", pv.version)
-            return {**out, "error": f"apply: {_last_line(err)}"}
-        self.placements = new
-        self.layout = step_layout(new, [lp.route for lp in pv.layers], self.topology, self.live)
-        out["version"] = pv.version
-        out["migration_transfers"] = sum(len(r) for r in rounds)
-        return out
-
-    def recover(
-        self, excluded: list[int], step: int, checkpoint: dict[tuple[int, int], Any]
-    ) -> dict[str, Any]:
-        """Ranks ``excluded`` (dead, or in a DC cut off) take no part from now on (the
-        others do, rejoining ones included): plan for the live ranks and apply it.
-
-        Copies the live ranks lack come from a live replica (exact weights); what no live
-        rank holds (an expert whose every copy left) and the Adam state of masters that
-        left come from ``checkpoint`` ((layer, expert) -> (weights, m, v), the newest on
-        disk). Raises when the plan cannot be applied (the run cannot go on)."""
-        self.live[:] = True
-        self.live[list(excluded)] = False
-        for r in range(self.topology.num_ranks):
-            self.telemetry.set_worker_state(r, bool(self.live[r]))
-        self.core.set_dead_ranks(np.flatnonzero(~self.live).tolist())
-        pv = self.core.plan(step)
-        new = [lp.placement for lp in pv.layers]
-        layers = [(p.phy2log, p.master, lp.route) for p, lp in zip(new, pv.layers, strict=True)]
-        rounds, restore = recovery_rounds(self.placements, new, self.live, self.topology)
-        lost_masters = [
-            (layer, e)
-            for layer, p in enumerate(self.placements)
-            for e in np.flatnonzero(~self.live[p.master_rank()]).tolist()
-        ]
-        ex = RayExecutor(self.workers, self.live)
-        ex.call_all("prepare", pv.version, layers, pv.encoding)
-        seeds: dict[int, tuple[dict[Any, Any], dict[Any, Any]]] = {}
-        for layer, e, r, kind in restore:
-            if (layer, e) not in checkpoint:
-                raise ValueError(f"expert {layer}/{e}: no live copy and no usable checkpoint")
-            w, m, v = checkpoint[(layer, e)]
-            ws, opts = seeds.setdefault(r, ({}, {}))
-            if kind == "w":
-                ws[(layer, e)] = w
-            else:
-                opts[(layer, e)] = (m, v)
-        ray.get([self.workers[r].call.remote("seed", *sv) for r, sv in seeds.items()])
-        outs = None
-        for rnd in [*rounds, []]:
-            outs = ex.phase("mig", 0, outs, rnd)
-        if outs is not None:  # the last round is done (worker calls may run out of order)
-            ex.results(outs)
-        sent = np.sum(ex.call_all("prepare_end", pv.version), axis=0)
-        self._commit(ex, pv.version)
-        self.placements = new
-        self.layout = step_layout(new, [lp.route for lp in pv.layers], self.topology, self.live)
-        digests = self._digests(lost_masters, new)
-        from_ckpt = {(layer, e) for layer, e, _, kind in restore if kind == "w"}
-        return {
-            "version": pv.version,
-            "excluded": np.flatnonzero(~self.live).tolist(),
-            "lost_masters": len(lost_masters),
-            "restored_from_replica": sum(1 for k in lost_masters if k not in from_ckpt),
-            "restored_from_checkpoint": sum(1 for k in lost_masters if k in from_ckpt),
-            "from_checkpoint": [f"{layer}/{e}" for layer, e in sorted(from_ckpt)],
-            "migration_bytes": np.asarray(sent).tolist(),
-            "restored_digests": digests,
-        }
-
-    def _digests(self, keys: list[tuple[int, int]], new: list[Placement]) -> dict[str, str]:
-        """sha256 of the weights each ``(layer, expert)``'s master holds now, by
-        ``"layer/expert"`` (to check a restored master bit for bit)."""
-        refs = {
-            f"{layer}/{e}": self.workers[int(new[layer].master_rank()[e])].call.remote(
-                "expert_weights", layer, e
-            )
-            for layer, e in keys
-        }
-        return {k: weights_digest(ray.get(ref)) for k, ref in refs.items()}
-
-    def _commit(self, ex: RayExecutor, version: int) -> None:
-        self.core.commit(version)  # saved to the store, when there is one
-        self._maybe_crash("committed")
-        ex.call_all("commit", version)
-
-    def committed_plan(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None:
-        """Per layer ``(phy2log [R, S], master [E], route [N, 4])`` of the committed plan."""
-        c = self.core.committed
-        if c is None:
-            return None
-        return [(lp.placement.phy2log, lp.placement.master, lp.route) for lp in c.layers]
-
-    def metrics(self) -> bytes:
-        """The Prometheus exposition of the telemetry (what ``/metrics`` serves)."""
-        return self.telemetry.render()
-
-    def status(self) -> dict[str, Any]:
-        c = self.core.committed
-        return {
-            "version": c.version if c else 0,
-            "policy": self.core.settings.policy,
-            "errors": self.errors,
-            "reports_received": self.core.reports_received,
-            "reports_rejected": self.core.reports_rejected,
-            "restarted": self.restarted,
-            "reconciled": self.reconciled,
-            **self.phase_seconds,
-        }
-
-
-def weights_digest(weights: list[np.ndarray]) -> str:
-    """sha256 over an expert's weight arrays (dtype, shape and bytes)."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for a in weights:
-        h.update(f"{a.dtype}{a.shape}".encode())
-        h.update(np.ascontiguousarray(a).tobytes())
-    return h.hexdigest()
-
-
-def _last_line(err: BaseException) -> str:
-    lines = [x for x in str(err).splitlines() if x.strip()]
-    return lines[-1] if lines else type(err).__name__
-
-
-def _actor(cls: type, **options: Any) -> Any:
-    """``cls`` as a Ray actor class (built when the runtime starts, not at import)."""
-    return ray.remote(**options)(cls)
-
-
-def _check_dc_nodes(names: list[str]) -> None:
-    """ValueError unless every DC in ``names`` has an alive node labeled ``dc=<name>``."""
-    have = {n.get("Labels", {}).get("dc") for n in ray.nodes() if n.get("Alive")}
-    missing = [n for n in names if n not in have]
-    if missing:
-        ray.shutdown()
-        raise ValueError(
-            f"the Ray cluster has no alive node labeled dc={missing[0]} (labels: "
-            f"{sorted(str(h) for h in have)}); start each DC's nodes with --labels=dc=<name>"
-        )
-
-
-def _initial_placements(topology: Topology, lm: LMConfig) -> list[Placement]:
-    p = static_placement(
-        topology.num_ranks, topology.slots_per_rank, lm.num_experts, topology.masters_per_rank
-    )
-    return [p] * lm.num_layers
 
 
 class Runtime(Membership):
@@ -579,7 +110,7 @@ class Runtime(Membership):
         self.shutdown()
 
     def start(self) -> None:
-        os.environ["PYTHONPATH"] = _source_roots()
+        os.environ["PYTHONPATH"] = source_roots()
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         dcs = self.topology.dcs
         s = self.settings
@@ -605,10 +136,12 @@ class Runtime(Membership):
             ray.init(
                 address=self.address, namespace=NAMESPACE, log_to_driver=False, runtime_env=env
             )
-            _check_dc_nodes([dc.name for dc in dcs])
+            check_dc_nodes([dc.name for dc in dcs])
         head = {"label_selector": {"dc": dcs[0].name}}
         self.controller = (
-            _actor(ControllerActor, num_cpus=0, max_concurrency=8, max_restarts=CONTROLLER_RESTARTS)
+            make_actor(
+                ControllerActor, num_cpus=0, max_concurrency=8, max_restarts=CONTROLLER_RESTARTS
+            )
             .options(name="controller", **head)
             .remote(s, None if self.address else os.path.join(self._tmp, "plans.sqlite"))
         )
@@ -627,9 +160,9 @@ class Runtime(Membership):
     def _spawn_worker(self, rank: int) -> Any:
         """A new ``worker-<rank>`` actor on a node of the rank's DC (initial weights)."""
         s, dc = self.settings, self.topology.dcs[int(self.topology.rank_dc[rank])].name
-        placements = [(p.phy2log, p.master) for p in _initial_placements(self.topology, s.lm)]
+        placements = [(p.phy2log, p.master) for p in initial_placements(self.topology, s.lm)]
         if self._worker_cls is None:
-            self._worker_cls = _actor(WorkerActor, num_cpus=0, max_concurrency=WORKER_THREADS)
+            self._worker_cls = make_actor(WorkerActor, num_cpus=0, max_concurrency=WORKER_THREADS)
         return self._worker_cls.options(name=f"worker-{rank}", label_selector={"dc": dc}).remote(
             rank, s, placements, self._shaper_path, self.controller
         )
@@ -648,7 +181,7 @@ class Runtime(Membership):
         self._init_links(settings)
         self.executor = self._executor()
         ray.get(self.controller.reset.remote(settings))
-        placements = [(p.phy2log, p.master) for p in _initial_placements(topo, settings.lm)]
+        placements = [(p.phy2log, p.master) for p in initial_placements(topo, settings.lm)]
         ray.get([w.reset.remote(settings, placements) for w in self.workers])
         ray.get(self.controller.attach.remote(self.workers))
         assert self.shaper is not None
@@ -712,7 +245,7 @@ class Runtime(Membership):
         except ray.exceptions.RayActorError as err:
             # the controller died (Ray restarts it; it recovers from its store and reconciles
             # the workers on its next turn): this step trained on the committed plan
-            log.warning("controller lost after step %d: %s", self.step, _last_line(err))
+            log.warning("controller lost after step %d: %s", self.step, last_line(err))
             self.controller_failures.append(self.step)
             d = self.topology.num_dcs
             ctl = {"error": f"controller: {type(err).__name__}", "migration_bytes": [[0] * d] * d}

@@ -157,9 +157,12 @@ class Comm:
         out = self.all_to_all(t.to(self.device), [c] * g, [c] * g, group, kind)
         return out.cpu().numpy().reshape(g, c)
 
-    def all_reduce(self, x: torch.Tensor, group: Group, kind: str = "weights") -> torch.Tensor:
+    def all_reduce(
+        self, x: torch.Tensor, group: Group, kind: str = "weights", *, min_tail: int = 0
+    ) -> torch.Tensor:
         """Sum ``x`` over ``group`` in place, bit-identical on every member: all-gather, then
-        add in group order (a ring all-reduce's order depends on the rank)."""
+        add in group order (a ring all-reduce's order depends on the rank). The last
+        ``min_tail`` elements take the minimum instead (control words riding along)."""
         if group.size == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(group.size)]
@@ -170,6 +173,8 @@ class Comm:
         total = parts[0].clone()
         for p in parts[1:]:
             total += p
+        if min_tail:
+            total[-min_tail:] = torch.stack([p[-min_tail:] for p in parts]).amin(0)
         x.copy_(total)
         return x
 

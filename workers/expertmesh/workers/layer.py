@@ -59,6 +59,24 @@ class LayerPlan:
         self.holds = self.placement.holds()
         self.master_rank = self.placement.master_rank()
 
+    def crosses(self, rank_dc: np.ndarray) -> bool:
+        """Whether any live rank (``rank_dc`` >= 0) may send tokens to another DC under this
+        plan: a route row with tokens to a rank of another DC, or an expert with no route
+        row for that rank and no live copy in its DC (the fallback sends it away). Every
+        rank answers the same, so a plan that keeps tokens home skips the WAN exchange."""
+        live = np.flatnonzero(rank_dc >= 0)
+        r = self.route[self.route[:, 3] > 0]
+        away = rank_dc[r[:, 0]] != rank_dc[r[:, 2]]
+        if (away & (rank_dc[r[:, 0]] >= 0)).any():
+            return True
+        seen = np.zeros(self.holds.shape, bool)  # [R, E] (src, expert) pairs the route covers
+        seen[r[:, 0], r[:, 1]] = True
+        num_dcs = int(rank_dc.max()) + 1
+        held_in = np.zeros((num_dcs, self.holds.shape[1]), bool)  # [D, E] live copy in DC
+        for d in range(num_dcs):
+            held_in[d] = self.holds[rank_dc == d].any(axis=0)
+        return bool((~seen[live] & ~held_in[rank_dc[live]]).any())
+
     def held_by(self, rank: int) -> list[int]:
         """Distinct experts in ``rank``'s slots (two slots may hold one expert)."""
         return sorted({int(e) for e in self.placement.phy2log[rank] if e >= 0})
@@ -88,6 +106,7 @@ class MoELayer(nn.Module):
         self.experts = nn.ParameterDict()
         self.plan = plan
         self.set_experts(experts)
+        self.cross = plan.crosses(comm.rank_dc)
         self.counts = np.zeros(self.num_experts, np.int64)  # of the last forward
         self.computed = 0  # assignments this rank computed in the last forward
         self.crossings = np.zeros(comm.num_dcs, np.int64)  # distinct tokens sent per DC
@@ -118,6 +137,7 @@ class MoELayer(nn.Module):
             raise ValueError(f"rank {self.comm.rank} needs experts {want}, got {sorted(experts)}")
         self.plan = plan
         self.set_experts(experts)
+        self.cross = plan.crosses(self.comm.rank_dc)
 
     # ---- forward ----
 
@@ -163,7 +183,12 @@ class MoELayer(nn.Module):
         sizes = np.zeros((world.size, 2), np.int64)
         for i, (uniq, a_ids, _) in bundles.items():
             sizes[i] = (uniq.size, a_ids.size)
-        got = c.exchange_counts(sizes, world)  # [G, 2] (tokens, assignments) from each rank
+        if not self.cross and set(bundles) - {world.index[c.rank]}:
+            raise ValueError(
+                f"rank {c.rank}: tokens leave the DC under a plan that keeps them home"
+            )
+        # [G, 2] (tokens, assignments) from each rank; a plan that keeps tokens home: mine
+        got = c.exchange_counts(sizes, world) if self.cross else sizes
         parts, order = [], sorted(bundles)
         for i in order:
             uniq, a_ids, pos = bundles[i]
@@ -172,7 +197,7 @@ class MoELayer(nn.Module):
         send = [int(s[0]) * d + int(s[1]) * (1 + _META) for s in sizes]
         recv = [int(g[0]) * d + int(g[1]) * (1 + _META) for g in got]
         flat = torch.cat(parts) if parts else u.new_zeros(0)
-        got_a = exchange(flat, c, send, recv, world, "tokens")
+        got_a = exchange(flat, c, send, recv, world, "tokens") if self.cross else flat
         # unpack what each source sent to this rank (as relay of its DC)
         xs, ws, pos_l, e_l, dst_l, offs = [], [], [], [], [], []
         row = at = 0
@@ -192,7 +217,11 @@ class MoELayer(nn.Module):
         z = self._fan_out(x_in, w_in, pos_in, e_in, dst_in)  # [U, d] summed per token
         # combine A: each source's rows back to it
         back = [int(g[0]) * d for g in got]
-        y_parts = exchange(z.reshape(-1), c, back, [int(s[0]) * d for s in sizes], world, "tokens")
+        y_parts = (
+            exchange(z.reshape(-1), c, back, [int(s[0]) * d for s in sizes], world, "tokens")
+            if self.cross
+            else z.reshape(-1)
+        )
         y = u.new_zeros(n, d)
         at = 0
         for i in order:

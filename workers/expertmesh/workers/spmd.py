@@ -73,6 +73,7 @@ class SpmdRank:
         self.wire = WireFormat()
         self.version, self.step, self.opt_step = 0, -1, 0
         self.loss = 0.0
+        self.agreed = 0  # the plan version every rank has received (after a step)
         self.seconds: dict[str, float] = {}
 
     def _dparams(self) -> list[torch.Tensor]:
@@ -80,8 +81,10 @@ class SpmdRank:
 
     # ---- one training step ----
 
-    def train_step(self, step: int) -> dict[str, Any]:
-        """Forward, backward and optimizer step ``step`` on every rank at once."""
+    def train_step(self, step: int, offer: int = 0) -> dict[str, Any]:
+        """Forward, backward and optimizer step ``step`` on every rank at once. ``offer``: the
+        newest plan version this rank has received; :attr:`agreed` becomes the smallest
+        offer of every rank (the plan every rank can switch to after this step)."""
         if step <= self.step:
             raise ValueError(f"step {step} is not after step {self.step}")
         t0 = time.perf_counter()
@@ -104,14 +107,15 @@ class SpmdRank:
         loss = self.dense.loss_sum(h, y) / total
         loss.backward()
         t1 = time.perf_counter()
-        self.sync()
+        self.sync(offer)
         t2 = time.perf_counter()
         self.loss = float(loss.detach())
         self.seconds = {"forward_backward": t1 - t0, "sync": t2 - t1, "step": t2 - t0}
         return self.stats()
 
-    def sync(self) -> None:
-        """Gradients to where they are applied, Adam, fresh weights back (module docstring)."""
+    def sync(self, offer: int = 0) -> None:
+        """Gradients to where they are applied, Adam, fresh weights back (module docstring);
+        ``offer`` rides along (:meth:`train_step`)."""
         c = self.comm
         self.opt_step += 1
         params = self._dparams()
@@ -120,12 +124,14 @@ class SpmdRank:
         counts = torch.from_numpy(np.stack([m.counts for m in self.layers]).astype(np.float32))
         flat = torch.cat(
             [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
-            + [counts.reshape(-1).to(c.device)]
+            + [counts.reshape(-1).to(c.device), torch.tensor([float(offer)], device=c.device)]
         )
-        c.all_reduce(flat, c.my_dc)
+        c.all_reduce(flat, c.my_dc, min_tail=1)
         if c.leaders.size > 1 and c.rank == c.leader:
-            c.all_reduce(flat, c.leaders)
+            c.all_reduce(flat, c.leaders, min_tail=1)
         c.broadcast(flat, c.leader, c.my_dc)
+        self.agreed = int(flat[-1].item())
+        flat = flat[:-1]
         at = 0
         for p, (m, v) in zip(params, self.dense_state, strict=True):
             g = flat[at : at + p.numel()].reshape(p.shape)

@@ -1,0 +1,154 @@
+"""What the runtime is told and what it measures: settings, step results, shared helpers.
+
+No actor here; :mod:`expertmesh.runtime.controller`, :mod:`expertmesh.runtime.worker` and
+the drivers import it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import ray
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from expertmesh.controller.core import Trigger
+from expertmesh.controller.settings import SurfaceSettings
+from expertmesh.planner import Placement, Topology, make_policy
+from expertmesh.planner.static import static_placement
+from expertmesh.workers.model import LMConfig
+from expertmesh.workers.wire import WireFormat
+
+__all__ = [
+    "CONTROLLER_RESTARTS",
+    "CONTROLLER_WAIT_S",
+    "NAMESPACE",
+    "RuntimeSettings",
+    "StepResult",
+    "check_dc_nodes",
+    "initial_placements",
+    "make_actor",
+    "source_roots",
+]
+
+NAMESPACE = "expertmesh"
+CONTROLLER_RESTARTS = 5  # Ray restarts the controller actor this many times
+CONTROLLER_WAIT_S = 120.0  # the driver waits this long for a restarting controller
+
+
+class RuntimeSettings(BaseModel):
+    """What the runtime starts and how it trains."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    topology: dict[str, Any] = Field(description="the topology (YAML structure)")
+    lm: LMConfig = LMConfig()
+    policy: str = Field(default="static", description="registered policy name")
+    policy_settings: dict[str, Any] = Field(default_factory=dict)
+    trigger: Trigger = Trigger(mode="every_n", every=5)
+    shaper: bool = Field(default=True, description="shape inter-DC links (off on real DCs)")
+    corpus: str | None = Field(default=None, description="corpus file; None: Python's stdlib")
+    corpus_bytes: int = Field(default=4_000_000, ge=1024, description="bytes of stdlib text")
+    cpus_per_dc: float = Field(default=1.0, gt=0, description="CPUs each DC's Ray node offers")
+    inline_object_bytes: int = Field(
+        default=4 << 20,
+        ge=0,
+        le=1 << 30,
+        description="packets up to this size travel inline, not through the object store",
+    )
+    surfaces: SurfaceSettings | None = Field(
+        default=None, description="REST/dashboard/metrics and gRPC from the controller (None: off)"
+    )
+    checkpoint_every: int = Field(
+        default=5,
+        ge=0,
+        description="the driver writes every master (weights, Adam state) to the checkpoint "
+        "directory every this many steps, besides the initial one (0: the initial one only)",
+    )
+    checkpoint_dir: str | None = Field(
+        default=None, description="expert checkpoints go here (None: the run's temp dir)"
+    )
+    checkpoint_keep: int = Field(default=3, ge=1, description="newest checkpoints kept on disk")
+    replace_dead_workers: bool = Field(
+        default=True, description="start a new worker for a dead rank in its DC; it rejoins"
+    )
+
+    step_deadline_s: float = Field(
+        default=0.0, ge=0, description="a late step probes the DC links (faults.py); 0: derived"
+    )
+    probe_timeout_s: float = Field(
+        default=1.0, gt=0, le=60, description="connect timeout of a link probe between two DCs"
+    )
+
+    @model_validator(mode="after")
+    def _encoding_sendable(self) -> RuntimeSettings:
+        """The policy's transfer encoding must be one the workers can send."""
+        policy = make_policy(self.policy, self.policy_settings)
+        WireFormat.of(getattr(policy, "transfer_encoding", None))
+        return self
+
+
+class StepResult(BaseModel):
+    """One training step as the runtime measured it.
+
+    Bytes are what crossed between DCs: ``tokens`` (activations and their gradients),
+    ``weights`` (replica gradients and refreshed weights, dense gradient sums) during the
+    step, and ``migration`` (expert copies and master state moved while preparing the plan
+    applied right after this step; not part of the step's time).
+    """
+
+    step: int
+    loss: float
+    step_seconds: float  # forward, backward and gradient sync (max over ranks)
+    control_seconds: float
+    seconds: float | None = None  # end to end: everything the step's wall time holds
+    imbalance: float  # max over layers of max/mean assignments computed per rank
+    imbalance_static: float | None = None  # what static EP would have had on the same tokens
+    imbalance_before: float | None = None  # of the plan made after this step (max over layers)
+    imbalance_after: float | None = None
+    plan_version: int  # the plan this step ran under
+    cross_dc_token_bytes: int
+    cross_dc_weight_bytes: int
+    cross_dc_migration_bytes: int
+    bytes_by_pair: list[list[list[int]]]  # [3, D, D]: tokens, weights, migration
+    tokens_per_rank: list[int]
+    tokens_per_layer_rank: list[list[int]]  # [L, R] assignments each rank computed
+    error: str | None = None
+    backend: str | None = None  # the collective backend the step ran on (gloo, nccl)
+    ray_seconds: float | None = None  # on the workers, in Ray calls during the step
+
+
+def source_roots() -> str:
+    """PYTHONPATH for Ray workers: the source roots this process imports expertmesh from."""
+    import expertmesh.workers.rank as wr
+
+    roots = [Path(__file__).resolve().parents[2], Path(wr.__file__).resolve().parents[2]]
+    proto = roots[0].parent / "proto"
+    if proto.is_dir():
+        roots.append(proto)
+    return os.pathsep.join(dict.fromkeys(str(r) for r in roots))
+
+
+def make_actor(cls: type, **options: Any) -> Any:
+    """``cls`` as a Ray actor class (built when the runtime starts, not at import)."""
+    return ray.remote(**options)(cls)
+
+
+def check_dc_nodes(names: list[str]) -> None:
+    """ValueError unless every DC in ``names`` has an alive node labeled ``dc=<name>``."""
+    have = {n.get("Labels", {}).get("dc") for n in ray.nodes() if n.get("Alive")}
+    missing = [n for n in names if n not in have]
+    if missing:
+        ray.shutdown()
+        raise ValueError(
+            f"the Ray cluster has no alive node labeled dc={missing[0]} (labels: "
+            f"{sorted(str(h) for h in have)}); start each DC's nodes with --labels=dc=<name>"
+        )
+
+
+def initial_placements(topology: Topology, lm: LMConfig) -> list[Placement]:
+    p = static_placement(
+        topology.num_ranks, topology.slots_per_rank, lm.num_experts, topology.masters_per_rank
+    )
+    return [p] * lm.num_layers

@@ -1,0 +1,193 @@
+"""The driver of the SPMD data plane: start the cluster and the actors, then stay out of the way.
+
+:class:`SpmdRuntime` starts (or joins) a Ray cluster with one node per DC labeled
+``dc=<name>``, the controller actor, and one :class:`~expertmesh.runtime.worker.SpmdWorker`
+per rank pinned to its DC; the workers form their process groups (gloo here, NCCL on
+GPUs) and :meth:`SpmdRuntime.train` lets each run its own loop. The driver submits one
+call per worker per :meth:`train`, not per phase or per step; while the workers train it
+only reads the controller's recorded steps (for the live table). Tensors never pass
+through it or through Ray's object store.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+from ray.cluster_utils import Cluster
+
+from expertmesh.planner import Topology
+from expertmesh.runtime.controller import ControllerActor
+from expertmesh.runtime.settings import (
+    CONTROLLER_RESTARTS,
+    CONTROLLER_WAIT_S,
+    NAMESPACE,
+    RuntimeSettings,
+    StepResult,
+    check_dc_nodes,
+    initial_placements,
+    make_actor,
+    source_roots,
+)
+from expertmesh.runtime.worker import SpmdWorker
+
+__all__ = ["GROUP_TIMEOUT_S", "SpmdRuntime"]
+
+log = logging.getLogger(__name__)
+GROUP_TIMEOUT_S = 60.0  # a collective that waits this long for a peer fails (a dead peer)
+RESULT_WAIT_S = 30.0  # after the workers return, the driver waits this long for the reports
+
+
+class SpmdRuntime:
+    """A multi-DC Ray cluster training the demo model on the SPMD data plane."""
+
+    def __init__(self, settings: RuntimeSettings, *, address: str | None = None) -> None:
+        self.settings, self.address = settings, address
+        self.topology = Topology.from_dict(settings.topology)
+        self.cluster: Cluster | None = None
+        self.workers: list[Any] = []
+        self.surfaces: dict[str, str] | None = None
+        self.backend = ""
+        self.step = -1
+        self._tmp: str | None = None
+
+    def __enter__(self) -> SpmdRuntime:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def start(self) -> None:
+        os.environ["PYTHONPATH"] = source_roots()
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        s, dcs = self.settings, self.topology.dcs
+        self._tmp = tempfile.mkdtemp(prefix="expertmesh-")
+        if self.address is None:
+            self.cluster = Cluster(
+                initialize_head=True,
+                head_node_args={"num_cpus": s.cpus_per_dc, "labels": {"dc": dcs[0].name}},
+            )
+            for dc in dcs[1:]:
+                self.cluster.add_node(num_cpus=s.cpus_per_dc, labels={"dc": dc.name})
+            self.cluster.wait_for_nodes()
+            ray.init(address=self.cluster.address, namespace=NAMESPACE, log_to_driver=False)
+        else:
+            env = {"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}}
+            ray.init(
+                address=self.address, namespace=NAMESPACE, log_to_driver=False, runtime_env=env
+            )
+            check_dc_nodes([dc.name for dc in dcs])
+        self.controller = (
+            make_actor(
+                ControllerActor, num_cpus=0, max_concurrency=8, max_restarts=CONTROLLER_RESTARTS
+            )
+            .options(name="controller", label_selector={"dc": dcs[0].name})
+            .remote(s, None if self.address else os.path.join(self._tmp, "plans.sqlite"))
+        )
+        shaper = os.path.join(self._tmp, "links") if s.shaper and self.address is None else None
+        placements = [(p.phy2log, p.master) for p in initial_placements(self.topology, s.lm)]
+        cls = make_actor(SpmdWorker, num_cpus=0, max_concurrency=4)
+        self.workers = [
+            cls.options(
+                name=f"worker-{r}",
+                label_selector={"dc": dcs[int(self.topology.rank_dc[r])].name},
+            ).remote(r, s, placements, shaper, self.controller)
+            for r in range(self.topology.num_ranks)
+        ]
+        self.nodes = ray.get([w.ping.remote() for w in self.workers])
+        members = list(range(self.topology.num_ranks))
+        addr, port = ray.get(self.workers[0].address.remote())
+        backends = ray.get(
+            [w.join.remote(members, addr, port, GROUP_TIMEOUT_S) for w in self.workers]
+        )
+        self.backend = backends[0]
+        ray.get(self.controller.attach.remote(self.workers))
+        ray.get(self.controller.spmd_reset.remote(self.workers, members, self.backend))
+        if s.surfaces is not None:
+            self.surfaces = ray.get(self.controller.start_surfaces.remote())
+
+    def node_dcs(self) -> list[str]:
+        """DC label of the node each worker runs on."""
+        label = {n["NodeID"]: n.get("Labels", {}).get("dc") for n in ray.nodes()}
+        return [label.get(p["node"], "") for p in self.nodes]
+
+    def train(
+        self, steps: int, on_step: Callable[[StepResult], None] | None = None
+    ) -> list[StepResult]:
+        """Every worker trains ``steps`` steps on its own; ``on_step`` sees each recorded
+        step as the controller records it. Returns the steps in order."""
+        start = self.step + 1
+        refs = [w.run.remote(start, steps) for w in self.workers]
+        seen: list[StepResult] = []
+        pending = refs
+        deadline: float | None = None
+        while len(seen) < steps:
+            if pending:
+                _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.25)
+                if not pending:
+                    ray.get(refs)  # a worker's error surfaces here
+                    deadline = time.monotonic() + RESULT_WAIT_S
+            elif deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"the controller recorded {len(seen)} of {steps} steps")
+            else:
+                time.sleep(0.05)
+            for row in ray.get(self.controller.results_since.remote(start + len(seen))):
+                result = StepResult(**row)
+                seen.append(result)
+                if on_step is not None:
+                    on_step(result)
+        self.step = start + steps - 1
+        return seen
+
+    def _ask(self, method: str, *args: Any) -> Any:
+        deadline = time.monotonic() + CONTROLLER_WAIT_S
+        while True:
+            try:
+                return ray.get(getattr(self.controller, method).remote(*args))
+            except ray.exceptions.ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def status(self) -> dict[str, Any]:
+        out = dict(self._ask("status"))
+        out["backend"] = self.backend
+        return out
+
+    def metrics(self) -> str:
+        return bytes(self._ask("metrics")).decode()
+
+    def committed_plan(self) -> list[tuple[Any, Any, Any]] | None:
+        plan = self._ask("committed_plan")
+        return None if plan is None else list(plan)
+
+    def expert_weights(self, rank: int, layer: int, expert: int) -> Any:
+        return ray.get(self.workers[rank].expert_weights.remote(layer, expert))
+
+    def shutdown(self) -> None:
+        if ray.is_initialized():
+            if self.surfaces is not None:
+                try:
+                    ray.get(self.controller.stop_surfaces.remote(), timeout=30)
+                except Exception:
+                    log.exception("stopping the surfaces failed")
+                self.surfaces = None
+            if self.address is not None and getattr(self, "controller", None) is not None:
+                try:
+                    ray.get(self.controller.drop_store.remote(), timeout=30)
+                except Exception:
+                    log.exception("removing the controller's plan store failed")
+            ray.shutdown()
+        if self.cluster is not None:
+            self.cluster.shutdown()
+            self.cluster = None
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None

@@ -1,0 +1,169 @@
+"""The SPMD worker actor: one rank that runs its own training loop over torch.distributed.
+
+Ray starts it once (pinned to its DC by the ``dc`` label) and the driver only tells it to
+:meth:`SpmdWorker.join` a process group and to :meth:`SpmdWorker.run` a number of steps;
+the worker is then on its own. Tensors move over the process groups (gloo on CPU, NCCL
+when CUDA is present), never through Ray. Ray carries only small control messages, all
+fire-and-forget from the worker's side: each step's report to the controller (load,
+loss, bytes, timings) and plan offers from the controller (:meth:`SpmdWorker.offer_plan`,
+taken on another thread of the actor while the loop runs). A plan is switched to after
+the step at whose end every rank has it (the newest version rides along the dense
+gradient reduction, so agreeing costs no extra message), prepared (migration rounds) and
+committed on every rank at that same boundary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+import torch.distributed as dist
+
+from expertmesh.planner import Placement, Topology
+from expertmesh.workers.comm import Comm, pick_backend
+from expertmesh.workers.model import Corpus
+from expertmesh.workers.shaper import LinkShaper
+from expertmesh.workers.spmd import SpmdRank
+from expertmesh.workers.wire import WireFormat
+
+__all__ = ["SpmdWorker", "free_port"]
+
+log = logging.getLogger(__name__)
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on ``host`` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _interface_of(ip: str) -> str | None:
+    """The network interface that holds ``ip`` (gloo binds its sockets there)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == ip for a in addrs):
+            return name
+    return None
+
+
+class SpmdWorker:
+    """One rank; see the module docstring."""
+
+    def __init__(
+        self,
+        rank: int,
+        settings: Any,
+        placements: list[tuple[np.ndarray, np.ndarray]],
+        shaper_path: str | None,
+        controller: Any,
+    ) -> None:
+        self.rank, self.settings, self.controller = rank, settings, controller
+        self.topology = Topology.from_dict(settings.topology)
+        self.placements = [Placement(p, m) for p, m in placements]
+        self.shaper = (
+            LinkShaper.from_topology(self.topology, path=shaper_path)
+            if settings.shaper and shaper_path
+            else None
+        )
+        self.corpus = Corpus.load(settings.corpus, settings.corpus_bytes)
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.state: SpmdRank | None = None
+        self._plans: dict[int, tuple[Any, ...]] = {}  # version -> offered plan
+        self._lock = threading.Lock()
+        self.ip = ray.util.get_node_ip_address()
+
+    def address(self) -> tuple[str, int]:
+        """Where rank 0 of a new process group listens: this node's address, a free port."""
+        return self.ip, free_port(self.ip)
+
+    def join(self, members: list[int], addr: str, port: int, timeout_s: float) -> str:
+        """(Re-)form the process groups with ``members`` (expertmesh ranks); the store runs
+        on ``addr:port`` (the first member's). Returns the backend."""
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+        iface = _interface_of(self.ip)
+        if iface is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = iface
+        backend = pick_backend(self.device)
+        members = sorted(members)
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{addr}:{port}",
+            rank=members.index(self.rank),
+            world_size=len(members),
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        comm = Comm(
+            self.rank, self.topology.rank_dc, members, shaper=self.shaper, device=self.device
+        )
+        if self.state is None:
+            self.state = SpmdRank(comm, self.settings.lm, self.corpus, self.placements)
+        else:
+            self.state.comm = comm
+            for moe in self.state.layers:
+                moe.comm = comm
+        return backend
+
+    def offer_plan(
+        self,
+        version: int,
+        layers: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+        rounds: list[list[tuple[int, int, int, int, str]]],
+        encoding: Any = None,
+    ) -> None:
+        """A prepared plan from the controller; switched to at the next agreed boundary."""
+        with self._lock:
+            self._plans[version] = (layers, rounds, encoding)
+
+    def _offered(self) -> int:
+        with self._lock:
+            return max(self._plans, default=0)
+
+    def run(self, start: int, steps: int) -> dict[str, Any]:
+        """Train steps ``start .. start + steps - 1``; each step's report goes to the
+        controller as it ends. Returns how far it got."""
+        st = self.state
+        if st is None:
+            raise RuntimeError("join a process group before running")
+        t_prev = time.perf_counter()
+        for step in range(start, start + steps):
+            stats = st.train_step(step, offer=self._offered())
+            applied: dict[str, Any] | None = None
+            if st.agreed > st.version:
+                applied = self._apply(st.agreed)
+            now = time.perf_counter()
+            stats["wall_seconds"] = now - t_prev  # the whole step, plan switch included
+            t_prev = now
+            stats["applied"] = applied
+            stats.pop("routed", None)
+            self.controller.step_report.remote(self.rank, stats)  # fire and forget
+        return {"rank": self.rank, "step": st.step, "version": st.version}
+
+    def _apply(self, version: int) -> dict[str, Any]:
+        st = self.state
+        assert st is not None
+        with self._lock:
+            layers, rounds, encoding = self._plans[version]
+            for v in [v for v in self._plans if v <= version]:
+                del self._plans[v]
+        t0 = time.perf_counter()
+        sent = st.apply_plan(version, layers, rounds, WireFormat.of(encoding))
+        return {"version": version, "seconds": time.perf_counter() - t0, "bytes": sent}
+
+    def expert_weights(self, layer: int, expert: int) -> list[np.ndarray] | None:
+        return None if self.state is None else self.state.expert_weights(layer, expert)
+
+    def ping(self) -> dict[str, Any]:
+        return {"rank": self.rank, "node": ray.get_runtime_context().get_node_id()}
