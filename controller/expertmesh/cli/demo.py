@@ -258,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
             rows = _train(rt, args.steps, console, spmd=spmd)
             status = rt.status()
             summary = _summary(rows, status, settings)
-            summary["backend"] = rt.backend if spmd else "ray-object-store"
+            summary["backend"] = getattr(rt, "backend", "ray-object-store")
             summary["data_plane"] = args.data_plane
             console.print(
                 f"trained {len(rows)} steps in {time.perf_counter() - t0:.1f}s: loss "
