@@ -9,7 +9,7 @@ per rank), 256 experts, top-8, 8192 tokens per rank, one domain.
    rank, routed with the same ``route_even`` for ``eplb`` and the peer).
    Solve time per layer = one layer planned from numpy load to placement and
    route, timed the same way for everyone (the peer: DeepSeek's
-   ``rebalance_experts`` from ``../shared/tools/peer-eplb`` plus the same route);
+   ``rebalance_experts`` from the pinned sglang wheel, ``scripts/peer_eplb.py``, plus the same route);
    "placement only" times ``rebalance`` against the peer's ``rebalance_experts``
    on the same weight.
 2. Drift: 100 steps of slowly drifting load (the generator's ``drift``: a share of
@@ -31,7 +31,6 @@ import argparse
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -111,30 +110,29 @@ def make_trace(steps: int, target: float, seed: int, drift: float = 0.0) -> np.n
 
 
 def load_peer() -> tuple[ModuleType | None, str]:
-    """DeepSeek's ``deepseek_eplb`` module and ``""``, or ``None`` and why not."""
+    """DeepSeek's ``deepseek_eplb`` module and ``""``, or ``None`` and why not
+    (EXPERTMESH_PEER_EPLB, else fetched from the pinned sglang wheel: scripts/peer_eplb.py)."""
     try:
         import torch
     except ImportError:
         return None, "torch is not installed"
     torch.set_num_threads(1)
     path = os.environ.get("EXPERTMESH_PEER_EPLB")
-    cached = REPO / ".cache" / "peers" / "deepseek_eplb.py"
-    if path is None and not cached.is_file():
-        tool = next(
-            (p / "shared/tools/peer-eplb" for p in REPO.parents
-             if (p / "shared/tools/peer-eplb").is_file()),
-            None,
-        )  # fmt: skip
-        if tool is None:
-            return None, "shared/tools/peer-eplb not found (set EXPERTMESH_PEER_EPLB)"
-        run = subprocess.run(
-            [str(tool), str(cached.parent)], check=False, capture_output=True, text=True
+    if path is None:
+        spec = importlib.util.spec_from_file_location(
+            "peer_eplb_tool", REPO / "scripts/peer_eplb.py"
         )
-        if run.returncode != 0:
-            return None, f"peer-eplb failed: {run.stderr.strip()[-200:]}"
-    spec = importlib.util.spec_from_file_location("deepseek_eplb_peer", path or cached)
+        if spec is None or spec.loader is None:
+            return None, "cannot load scripts/peer_eplb.py"
+        tool = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(tool)
+        try:
+            path = str(tool.fetch(REPO / ".cache" / "peers"))
+        except tool.PeerUnavailable as err:
+            return None, str(err)
+    spec = importlib.util.spec_from_file_location("deepseek_eplb_peer", path)
     if spec is None or spec.loader is None:
-        return None, f"cannot load {path or cached}"
+        return None, f"cannot load {path}"
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod, ""
