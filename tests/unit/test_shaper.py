@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -56,26 +55,46 @@ def test_bad_arguments() -> None:
         _shaper(FakeClock()).reserve(0, 5, 1)
 
 
-def test_measured_throughput_within_10_percent_of_topology() -> None:
-    """Real clock, four threads sending 64 KB messages over one 40 Mbit/s pair."""
-    topo = Topology.generate(2, 1).with_inter_dc(0.04, 5.0)  # 5 MB/s
-    s = LinkShaper.from_topology(topo)
-    total, msg = 2_000_000, 64_000
+def test_concurrent_senders_share_the_link_at_its_bandwidth() -> None:
+    """Four threads book 64 KB messages on one 40 Mbit/s pair at the same (fake) instant: the
+    link serializes them back to back, so the last arrives after exactly total bytes /
+    bandwidth + latency, every message has its own 12.8 ms slot, and no byte is lost."""
+    clock = FakeClock()
+    topo = Topology.generate(2, 1).with_inter_dc(0.04, 5.0)  # 5 MB/s, 5 ms
+    s = LinkShaper.from_topology(topo, clock=clock)
+    msg, per_thread = 64_000, 8
+    arrivals: list[float] = []
+    lock = threading.Lock()
 
     def sender() -> None:
-        for _ in range(total // msg // 4):
-            s.send(0, 1, msg)
+        for _ in range(per_thread):
+            t = s.reserve(0, 1, msg)
+            with lock:
+                arrivals.append(t)
 
-    t0 = time.time()
     threads = [threading.Thread(target=sender) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    elapsed = time.time() - t0
-    sent = int(s.bytes[0, 1])
-    expected = sent / 5e6 + 0.005
-    assert abs(elapsed - expected) / expected < 0.10
+    n = 4 * per_thread
+    assert int(s.bytes[0, 1]) == n * msg and int(s.messages[0, 1]) == n
+    arrivals.sort()
+    slot = msg / 5e6
+    np.testing.assert_allclose(np.diff(arrivals), slot, rtol=1e-9)
+    assert arrivals[0] == pytest.approx(100.0 + slot + 0.005)
+    assert arrivals[-1] == pytest.approx(100.0 + n * msg / 5e6 + 0.005)
+
+
+def test_a_lone_sender_waits_out_each_message() -> None:
+    """One sender that sleeps until each message arrives (fake clock and sleep): the link idles
+    during the latency, so n messages take n * (size / bandwidth + latency)."""
+    clock = FakeClock()
+    topo = Topology.generate(2, 1).with_inter_dc(0.04, 5.0)
+    s = LinkShaper.from_topology(topo, clock=clock)
+    slept = [s.send(0, 1, 64_000, sleep=clock.sleep) for _ in range(10)]
+    assert slept == pytest.approx([64_000 / 5e6 + 0.005] * 10)
+    assert clock.now == pytest.approx(100.0 + 10 * (64_000 / 5e6 + 0.005))
 
 
 def test_shaper_instances_on_one_file_share_the_links(tmp_path) -> None:
