@@ -1,7 +1,7 @@
 """REST and gRPC on real loopback servers (free ports) around one core."""
 
+import queue
 import threading
-import time
 
 import grpc
 import httpx
@@ -128,26 +128,30 @@ def test_plans_stream_get_and_solve(live):
     core, s = live
     with ExpertMeshClient(s.grpc_target, token=TOKEN) as c:
         assert c.get_plan() is None
+        _step(core, 0)
+        core.commit(core.plan(0).version)
         watch = c.watch_plans()
-        got = []
+        got: queue.Queue = queue.Queue()
 
         def consume():
             for plan in watch:
-                got.append(plan)
-                if len(got) == 3:
+                got.put(plan)
+                if plan.version == 3:
                     return
 
-        t = threading.Thread(target=consume)
+        t = threading.Thread(target=consume, daemon=True)
         t.start()
-        time.sleep(0.5)  # the watcher subscribes; commits before that are replayed as "current"
-        for step in range(3):
+        # plan 1 was committed before the call: it comes as the current plan, and once it has
+        # come the watcher is subscribed; each later commit waits for the one before to arrive
+        seen = [got.get(timeout=30)]
+        for step in (1, 2):
             _step(core, step)
             core.commit(core.plan(step).version)
-            time.sleep(0.1)
-        t.join(10)
+            seen.append(got.get(timeout=30))
+        t.join(30)
         watch.cancel()
-        assert [p.version for p in got] == [1, 2, 3]
-        assert np.array_equal(got[-1].layers[0].phy2log, core.committed.layers[0].phy2log)
+        assert [p.version for p in seen] == [1, 2, 3] and got.empty() and not t.is_alive()
+        assert np.array_equal(seen[-1].layers[0].phy2log, core.committed.layers[0].phy2log)
         latest = c.get_plan(include_route=True)
         assert latest.version == 3 and latest.layers[1].route.shape[1] == 4
         assert c.get_plan(1).version == 1 and c.get_plan(42) is None
