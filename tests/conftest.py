@@ -9,8 +9,13 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from hypothesis import settings
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Hypothesis' per-example deadline (200 ms by default) is a wall-clock assertion: on a loaded
+# shared machine a cheap example can miss it. No test here has one; pytest-timeout bounds runs.
+settings.register_profile("expertmesh", deadline=None)
+settings.load_profile("expertmesh")
 REPO = Path(__file__).resolve().parents[1]
 
 
