@@ -9,7 +9,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 
 .DEFAULT_GOAL := help
 .PHONY: help setup demo demo-planner test test-unit test-integration lint fmt typecheck bench \
-	bench-planner bench-balance bench-migration bench-soak bench-runtime bench-checkpoint clean serve proto emulate-up emulate-down emulate-status ci-deps results
+	bench-planner bench-balance bench-migration bench-soak bench-runtime bench-checkpoint clean serve proto emulate-up emulate-down emulate-status emulate-rayup ci-deps results
 
 help: ## list the verbs
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -106,6 +106,10 @@ emulate-status: setup ## the emulation's namespaces, addresses, shaped rates and
 
 emulate-down: setup ## tear the emulation down: its Ray processes, namespaces, veths, bridge, temp dir
 	$(PY) deploy/emulate/netemu.py down
+
+emulate-rayup: setup ## `ray up` deploy/cluster.yaml over SSH onto emulated DC hosts, train, `ray down` (root; ~5 min)
+	@mkdir -p $(OUT)
+	$(PY) deploy/emulate/rayup.py run --json $(OUT)/rayup.json
 
 clean: ## remove the venv, caches and outputs
 	rm -rf $(VENV) $(OUT) .cache .pytest_cache .mypy_cache .ruff_cache .hypothesis

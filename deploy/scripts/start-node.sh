@@ -4,6 +4,7 @@
 #   start-node.sh head                 # Ray head (GCS on :6379) + expertmesh serve
 #   start-node.sh worker HEAD_IP       # Ray worker joining HEAD_IP:6379
 #   start-node.sh stop-serve           # stop the `expertmesh serve` this script started
+#   start-node.sh stop-workers         # on the head: `ray stop` on each worker, over SSH
 #   start-node.sh which-dc             # print the DC this machine resolves to
 #
 # The DC comes from, first match wins:
@@ -19,6 +20,10 @@
 # SQLite plan store and bearer token), EXPERTMESH_SERVE_HOST (default this node's IP),
 # EXPERTMESH_TOKEN (bearer token for serve's writes; default: made once into
 # $EXPERTMESH_STATE/token), RAY_METRICS_PORT (default 8080).
+# stop-workers is for tearing down: `ray down` with Ray's local provider runs `ray stop` on the
+# head only and marks the workers terminated; their raylets exit once the head is gone, but each
+# worker's log_monitor runs on. It reads the worker IPs, SSH user and key that `ray up` left on the
+# head (~/ray_bootstrap_config.yaml, ~/ray_bootstrap_key.pem) and runs `ray stop` on each.
 # EXPERTMESH_DRY_RUN=FILE appends the commands to FILE instead of running them (tests).
 set -euo pipefail
 
@@ -150,7 +155,28 @@ case $role in
   stop-serve)
     stop_serve
     ;;
+  stop-workers)
+    config=${RAY_BOOTSTRAP_CONFIG:-$HOME/ray_bootstrap_config.yaml}
+    [[ -f $config ]] || die "no $config: run stop-workers on the head of a \`ray up\` cluster"
+    mapfile -t targets < <("$py" - "$config" <<'EOF'
+import sys, yaml
+cfg = yaml.safe_load(open(sys.argv[1]))
+user = cfg.get("auth", {}).get("ssh_user", "")
+for ip in cfg.get("provider", {}).get("worker_ips", []):
+    print(f"{user}@{ip}" if user else ip)
+EOF
+    )
+    failed=0
+    for target in "${targets[@]}"; do
+      echo "start-node.sh: ray stop on $target"
+      run ssh -i "$HOME/ray_bootstrap_key.pem" -o BatchMode=yes -o IdentitiesOnly=yes \
+        -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o ConnectTimeout=10 \
+        -o LogLevel=ERROR "$target" "~/$(basename "$venv")/bin/ray stop" \
+        || { echo "start-node.sh: ray stop on $target failed" >&2; failed=1; }
+    done
+    exit $failed
+    ;;
   *)
-    die "usage: start-node.sh head | worker HEAD_IP | stop-serve | which-dc"
+    die "usage: start-node.sh head | worker HEAD_IP | stop-serve | stop-workers | which-dc"
     ;;
 esac

@@ -21,3 +21,16 @@ def load_netemu() -> ModuleType:
     sys.modules["netemu"] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def load_rayup() -> ModuleType:
+    """``deploy/emulate/rayup.py`` the same way (registered as ``rayup``; it loads netemu)."""
+    load_netemu()
+    if "rayup" in sys.modules:
+        return sys.modules["rayup"]
+    spec = importlib.util.spec_from_file_location("rayup", NETEMU.with_name("rayup.py"))
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["rayup"] = mod
+    spec.loader.exec_module(mod)
+    return mod

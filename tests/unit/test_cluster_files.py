@@ -150,3 +150,88 @@ def test_dc_resolution_order(tmp_path: Path) -> None:
 def test_unknown_ip_fails_without_starting_ray(tmp_path: Path) -> None:
     rc, cmds = _start_node(tmp_path, "worker", "10.0.1.10", EXPERTMESH_NODE_IP="192.168.9.9")
     assert rc != 0 and cmds == []
+
+
+def test_stop_workers_runs_ray_stop_on_each_worker_of_the_bootstrap_config(tmp_path: Path) -> None:
+    """`ray down` (local provider) stops the head only; stop-workers covers the workers."""
+    config = tmp_path / "ray_bootstrap_config.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {"auth": {"ssh_user": "ubuntu"}, "provider": {"worker_ips": ["10.0.2.10", "10.0.3.10"]}}
+        )
+    )
+    rc, cmds = _start_node(tmp_path, "stop-workers")
+    assert rc == 0
+    assert [c[0] for c in cmds] == ["ssh", "ssh"]
+    assert [c[-2:] for c in cmds] == [
+        ["ubuntu@10.0.2.10", "~/expertmesh-venv/bin/ray stop"],
+        ["ubuntu@10.0.3.10", "~/expertmesh-venv/bin/ray stop"],
+    ]
+    assert all(c[c.index("-i") + 1] == str(tmp_path / "ray_bootstrap_key.pem") for c in cmds)
+    config.unlink()
+    rc, cmds = _start_node(tmp_path, "stop-workers")
+    assert rc == 2 and cmds == []
+
+
+def test_the_head_runs_the_v1_autoscaler() -> None:
+    """Ray 2.60's autoscaler v2 started one of two local-provider workers (docs/operations.md)."""
+    (start,) = [c for c in _load("deploy/cluster.yaml")["head_start_ray_commands"] if "head" in c]
+    assert "RAY_enable_autoscaler_v2=0 ~/expertmesh/deploy/scripts/start-node.sh head" in start
+
+
+def _rayup() -> Any:
+    import sys
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from integration.netemu_module import load_rayup
+
+    return load_rayup()
+
+
+def test_emulated_cluster_file_is_cluster_yaml_with_the_emulation_filled_in() -> None:
+    rayup = _rayup()
+    ru = rayup.plan_rayup(_load("deploy/topologies/emulate.yaml"), name="unit")
+    base = _load("deploy/cluster.yaml")
+    cfg = rayup.cluster_config(
+        base, ru, repo="/src", topology_rel="deploy/topologies/emulate.yaml",
+        python="/usr/bin/python3.11", site_packages="/venv/lib/python3.11/site-packages",
+    )  # fmt: skip
+    _ray_validate(cfg)
+    changed = {k for k in base if base[k] != cfg[k]}
+    assert changed == {
+        "cluster_name", "provider", "auth", "min_workers", "max_workers", "file_mounts",
+        "setup_commands", "head_start_ray_commands",
+    }  # fmt: skip
+    assert cfg["provider"] == {
+        "type": "local",
+        "head_ip": "10.213.0.1",
+        "worker_ips": ["10.213.0.2", "10.213.0.3"],
+    }
+    assert cfg["min_workers"] == cfg["max_workers"] == 2
+    assert cfg["auth"]["ssh_user"] == "root"
+    assert cfg["worker_start_ray_commands"] == base["worker_start_ray_commands"]
+    head = cfg["head_start_ray_commands"]
+    assert head[0] == base["head_start_ray_commands"][0]  # `ray stop` first, as on real machines
+    assert head[1].endswith(
+        "EXPERTMESH_TOPOLOGY=~/expertmesh/deploy/topologies/emulate.yaml "
+        "~/expertmesh/deploy/scripts/start-node.sh head"
+    )
+    assert not any("pip install" in c and "--no-index" not in c for c in cfg["setup_commands"])
+    bad = copy.deepcopy(base)
+    bad["provider"]["type"] = "aws"
+    with pytest.raises(ValueError, match="local provider"):
+        rayup.cluster_config(
+            bad, ru, repo="/", topology_rel="t.yaml", python="p", site_packages="s"
+        )
+
+
+def test_sshd_listens_on_the_host_address_only_root_by_key() -> None:
+    rayup = _rayup()
+    ru = rayup.plan_rayup(_load("deploy/topologies/emulate.yaml"), name="unit")
+    conf = dict(line.split(" ", 1) for line in rayup.sshd_config(ru.hosts[1]).splitlines() if line)
+    assert conf["ListenAddress"] == "10.213.0.2:22"
+    assert conf["PermitRootLogin"] == "prohibit-password"
+    assert conf["PasswordAuthentication"] == conf["KbdInteractiveAuthentication"] == "no"
+    assert ru.operator_ip == "10.213.0.254"
+    with pytest.raises(ValueError, match="no address left"):
+        rayup.plan_rayup(_load("deploy/topologies/two-dc.yaml"), subnet="10.9.0.0/30")
