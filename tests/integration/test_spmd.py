@@ -37,14 +37,16 @@ def _plans(topo: Topology, seed: int) -> list[Any]:
     ]
 
 
-def _train(comm: Any, topo_dict: dict[str, Any], seed: int) -> dict[str, Any]:
+def _train(
+    comm: Any, topo_dict: dict[str, Any], seed: int, balance: bool = False
+) -> dict[str, Any]:
     from expertmesh.workers.spmd import SpmdRank
 
     topo = Topology.from_dict(topo_dict)
     static = static_placement(
         topo.num_ranks, topo.slots_per_rank, CFG.num_experts, topo.masters_per_rank
     )
-    rank = SpmdRank(comm, CFG, CORPUS, [static] * CFG.num_layers)
+    rank = SpmdRank(comm, CFG, CORPUS, [static] * CFG.num_layers, balance=balance)
     current: list[Placement] = [static] * CFG.num_layers
     out: dict[str, Any] = {"losses": [], "stats": [], "migration": []}
     for step, plan in enumerate([None, *_plans(topo, seed)]):
@@ -64,10 +66,10 @@ def _train(comm: Any, topo_dict: dict[str, Any], seed: int) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("dcs", [2, 3])
-def test_spmd_training_equals_the_reference_under_plan_changes(dcs: int) -> None:
+@pytest.mark.parametrize(("dcs", "balance"), [(2, False), (3, False), (3, True)])
+def test_spmd_training_equals_the_reference_under_plan_changes(dcs: int, balance: bool) -> None:
     topo = Topology.generate(dcs, 2, masters=2 if dcs == 2 else 1, spare=3)
-    res = run_ranks(_train, topo.rank_dc, topo.to_dict(), dcs)
+    res = run_ranks(_train, topo.rank_dc, topo.to_dict(), dcs, balance)
     ref = ReferenceLM(CFG)
     ranks = list(range(topo.num_ranks))
     want = [ref.train_step(CORPUS, s, ranks) for s in range(STEPS)]
@@ -92,6 +94,17 @@ def test_spmd_training_equals_the_reference_under_plan_changes(dcs: int) -> None
         for s in out["stats"]:
             assert (s["crossings"] <= CFG.tokens_per_rank).all()
     assert sum(out["stats"][-1]["bytes"][2].sum() for out in res) > 0  # migrations crossed
+    replicas = sum(int(s["replicas"].sum()) for out in res for s in out["stats"])
+    fetched = sum(s["fanout_bytes"] for out in res for s in out["stats"])
+    if balance:  # the fast loop added replicas, and some needed their weights fetched
+        assert replicas > 0 and fetched > 0
+        for step in range(STEPS):  # inside every DC, no rank computes above the DC's quota
+            comp = np.array([out["stats"][step]["computed"] for out in res])  # [R, L]
+            for d in range(dcs):
+                ranks = np.flatnonzero(topo.rank_dc == d)
+                assert (comp[ranks].max(0) <= np.ceil(comp[ranks].mean(0)) * 1.5).all()
+    else:
+        assert replicas == 0 and fetched == 0
 
 
 def test_torch_reference_matches_the_old_rank_machine() -> None:

@@ -113,7 +113,7 @@ class SpmdWorker:
         else:
             self.state.comm = comm
             for moe in self.state.layers:
-                moe.comm = comm
+                moe.rebind(comm)
         return backend
 
     def offer_plan(

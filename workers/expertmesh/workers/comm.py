@@ -178,6 +178,18 @@ class Comm:
         x.copy_(total)
         return x
 
+    def all_gather_rows(self, row: np.ndarray, group: Group, kind: str = "tokens") -> np.ndarray:
+        """``row`` [c] int of every member: [G, c], row ``i`` from ``group.ranks[i]``."""
+        t = torch.as_tensor(np.ascontiguousarray(row, dtype=np.int64)).to(self.device)
+        if group.size == 1:
+            return t.cpu().numpy()[None]
+        parts = [torch.empty_like(t) for _ in range(group.size)]
+        nbytes = t.numel() * t.element_size()
+        self.charge(kind, {q: nbytes for q in group.ranks if q != self.rank})
+        self.collectives += 1
+        dist.all_gather(parts, t, group=group.pg)
+        return torch.stack(parts).cpu().numpy()
+
     def broadcast(self, x: torch.Tensor, src: int, group: Group, kind: str = "weights") -> None:
         """``x`` of expertmesh rank ``src`` to every member of ``group``, in place."""
         if group.size == 1:

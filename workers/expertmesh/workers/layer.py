@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from expertmesh.planner.plan import Placement
+from expertmesh.workers.balance import DomainBase, solve
 from expertmesh.workers.comm import Comm, exchange
 from expertmesh.workers.model import ExpertWeights, expert_forward
 from expertmesh.workers.moe import assign_destinations, relay_rank
@@ -86,7 +87,10 @@ class MoELayer(nn.Module):
     """Gate, dispatch, experts, combine; see the module docstring.
 
     ``gate``: the router (``nn.Linear(d, E, bias=False)``; shared with a dense model when
-    given). ``experts``: initial weights of the experts this rank holds under ``plan``.
+    given). ``experts``: initial weights of the experts this rank holds under ``plan``
+    (W1, W3 [d, ffn_hidden], W2 [ffn_hidden, d]). ``balance``: the fast loop (quota inside
+    the DC on the exact counts of every microbatch, :mod:`expertmesh.workers.balance`)
+    decides which rank of the DC computes each assignment, instead of the plan's route.
     """
 
     def __init__(
@@ -96,17 +100,26 @@ class MoELayer(nn.Module):
         experts: dict[int, ExpertWeights],
         *,
         top_k: int,
+        ffn_hidden: int,
         gate: nn.Linear,
         on_counts: Callable[[np.ndarray], None] | None = None,
+        balance: bool = False,
     ) -> None:
         super().__init__()
-        self.comm, self.top_k, self.gate = comm, top_k, gate
+        self.comm, self.top_k, self.gate, self.ffn_hidden = comm, top_k, gate, ffn_hidden
+        self.balance = balance  # the fast loop: quota inside the DC every microbatch
         self.num_experts = gate.out_features
         self.on_counts = on_counts
         self.experts = nn.ParameterDict()
         self.plan = plan
         self.set_experts(experts)
         self.cross = plan.crosses(comm.rank_dc)
+        self.base = DomainBase.of(plan.placement, comm.dc_ranks[comm.dc])
+        self.temp: dict[int, ExpertWeights] = {}  # this microbatch's fetched replicas
+        self.fetched = np.zeros((0, 3), np.int64)  # (src_local, dst_local, expert)
+        self.replicas = 0  # replicas the fast loop added in the last forward (this DC)
+        self.fanout_bytes = 0  # replica weights this rank sent in the last forward
+        self.balance_seconds = 0.0  # counts exchange + solve + replica fetch, last forward
         self.counts = np.zeros(self.num_experts, np.int64)  # of the last forward
         self.computed = 0  # assignments this rank computed in the last forward
         self.crossings = np.zeros(comm.num_dcs, np.int64)  # distinct tokens sent per DC
@@ -138,6 +151,13 @@ class MoELayer(nn.Module):
         self.plan = plan
         self.set_experts(experts)
         self.cross = plan.crosses(self.comm.rank_dc)
+        self.base = DomainBase.of(plan.placement, self.comm.dc_ranks[self.comm.dc])
+
+    def rebind(self, comm: Comm) -> None:
+        """Use ``comm``'s process groups from now on (after the groups re-formed)."""
+        self.comm = comm
+        self.cross = self.plan.crosses(comm.rank_dc)
+        self.base = DomainBase.of(self.plan.placement, comm.dc_ranks[comm.dc])
 
     # ---- forward ----
 
@@ -214,6 +234,9 @@ class MoELayer(nn.Module):
         x_in = torch.cat(xs) if xs else u.new_zeros(0, d)  # [U, d] tokens this relay holds
         w_in = torch.cat(ws) if ws else u.new_zeros(0)  # [M]
         pos_in, e_in, dst_in = (np.concatenate(v) for v in (pos_l, e_l, dst_l))
+        self.temp, self.replicas, self.fanout_bytes, self.balance_seconds = {}, 0, 0, 0.0
+        if self.balance:
+            dst_in = self._balance(e_in)
         z = self._fan_out(x_in, w_in, pos_in, e_in, dst_in)  # [U, d] summed per token
         # combine A: each source's rows back to it
         back = [int(g[0]) * d for g in got]
@@ -229,6 +252,98 @@ class MoELayer(nn.Module):
             y = y.index_add(0, _ix(uniq, dev), y_parts[at : at + uniq.size * d].reshape(-1, d))
             at += uniq.size * d
         return y
+
+    def _balance(self, experts: np.ndarray) -> np.ndarray:
+        """The fast loop on this relay's assignments ``experts`` [M] (token order): the DC's
+        exact counts, the same quota solve on every rank, replica weights fetched; returns
+        the destination rank of each assignment."""
+        t0 = time.perf_counter()
+        c, base = self.comm, self.base
+        grp = c.my_dc
+        mine = np.bincount(experts, minlength=self.num_experts)
+        counts = c.all_gather_rows(mine, grp)  # [Rd, E]
+        step = solve(counts, base)
+        self.replicas = int(step.replicas.shape[0])
+        self._fetch(step.fetch)
+        i = grp.index[c.rank]
+        rows = step.route[step.route[:, 0] == i]
+        dst = np.empty(experts.size, np.int64)
+        order = np.argsort(experts, kind="stable")
+        starts = np.searchsorted(experts[order], np.arange(self.num_experts + 1))
+        for e in np.unique(experts).tolist():
+            r = rows[rows[:, 1] == e]
+            ids = order[starts[e] : starts[e + 1]]
+            dst[ids] = base.ranks[np.repeat(r[:, 2], r[:, 3])]
+        self.balance_seconds = time.perf_counter() - t0
+        return dst
+
+    def _fetch(self, fetch: np.ndarray) -> None:
+        """Replica weights inside the DC: ``fetch`` [F, 3] ``(src_local, dst_local,
+        expert)``, the same on every rank; what arrives becomes this microbatch's copies."""
+        self.fetched = fetch
+        if fetch.size == 0:
+            return
+        c, grp = self.comm, self.comm.my_dc
+        i = grp.index[c.rank]
+        d, f = self.gate.in_features, self.ffn_hidden
+        per = 3 * d * f
+        send, recv = [0] * grp.size, [0] * grp.size
+        parts = []
+        for s, t, e in sorted(fetch.tolist(), key=lambda x: (x[1], x[2])):
+            if s == i:
+                send[t] += per
+                parts += [p.detach().reshape(-1) for p in self.expert(e)]
+        incoming = [e for s, t, e in sorted(fetch.tolist(), key=lambda x: (x[0], x[2])) if t == i]
+        for s, t, _ in fetch.tolist():
+            if t == i:
+                recv[s] += per
+        flat = torch.cat(parts) if parts else torch.zeros(0, device=c.device)
+        self.fanout_bytes = int(flat.numel() * flat.element_size())
+        got = c.all_to_all(flat, send, recv, grp, "weights")
+        at = 0
+        for e in incoming:
+            ts = []
+            for shape in ((d, f), (d, f), (f, d)):
+                n = shape[0] * shape[1]
+                ts.append(nn.Parameter(got[at : at + n].reshape(shape).clone()))
+                at += n
+            self.temp[e] = (ts[0], ts[1], ts[2])
+
+    def return_replica_grads(self) -> None:
+        """After the backward: the gradients of this microbatch's fetched replicas go back
+        to the home they came from and add into its gradient (then the slow loop's
+        reduction carries them to the master)."""
+        fetch = self.fetched
+        if fetch.size == 0:
+            return
+        c, grp = self.comm, self.comm.my_dc
+        i = grp.index[c.rank]
+        d, f = self.gate.in_features, self.ffn_hidden
+        per = 3 * d * f
+        send, recv = [0] * grp.size, [0] * grp.size
+        parts = []
+        for s, t, e in sorted(fetch.tolist(), key=lambda x: (x[0], x[2])):
+            if t == i:
+                send[s] += per
+                parts += [
+                    (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                    for p in self.temp[e]
+                ]
+        incoming = [e for s, t, e in sorted(fetch.tolist(), key=lambda x: (x[1], x[2])) if s == i]
+        for s, t, _ in fetch.tolist():
+            if s == i:
+                recv[t] += per
+        flat = torch.cat(parts) if parts else torch.zeros(0, device=c.device)
+        got = c.all_to_all(flat, send, recv, grp, "weights")
+        at = 0
+        for e in incoming:
+            for p in self.expert(e):
+                n = p.numel()
+                g = got[at : at + n].reshape(p.shape)
+                p.grad = g.clone() if p.grad is None else p.grad + g
+                at += n
+        self.fetched = np.zeros((0, 3), np.int64)
+        self.temp = {}
 
     def _fan_out(
         self,
@@ -298,11 +413,12 @@ class MoELayer(nn.Module):
         dev = self.comm.device
         held = set(self.held())
         for e in np.unique(experts).tolist():
-            if e not in held:
+            if e not in held and e not in self.temp:
                 raise ValueError(f"rank {self.comm.rank}: tokens for expert {e}, not held here")
             ids = np.flatnonzero(experts == e)
             rows = _ix(pos[ids], dev)
-            out = expert_forward(x[rows], self.expert(e))  # [m_e, d]
+            weights = self.expert(e) if e in held else self.temp[e]
+            out = expert_forward(x[rows], weights)  # [m_e, d]
             y = y.index_add(0, rows, w[_ix(ids, dev), None] * out)
         self.expert_seconds += time.perf_counter() - t0
         return y

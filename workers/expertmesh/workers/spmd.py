@@ -50,6 +50,7 @@ class SpmdRank:
         placements: list[Placement],
         *,
         report: Any = None,
+        balance: bool = False,
     ) -> None:
         if len(placements) != cfg.num_layers:
             raise ValueError(f"need {cfg.num_layers} placements, got {len(placements)}")
@@ -65,7 +66,10 @@ class SpmdRank:
             plan = LayerPlan(placement, np.zeros((0, 4), np.int64))
             mine = {e: init_expert(cfg, layer, e) for e in plan.held_by(self.rank)}
             gate: torch.nn.Linear = self.dense.gates[layer]  # type: ignore[assignment]
-            moe = MoELayer(comm, plan, mine, top_k=cfg.top_k, gate=gate)
+            moe = MoELayer(
+                comm, plan, mine, top_k=cfg.top_k, ffn_hidden=cfg.ffn_hidden, gate=gate,
+                balance=balance,
+            )  # fmt: skip
             self.layers.append(moe)
             self.opt.append(
                 {e: _zeros(moe.expert(e)) for e in mine if plan.master_rank[e] == self.rank}
@@ -106,6 +110,8 @@ class SpmdRank:
         total = self.cfg.tokens_per_rank * self.comm.world.size
         loss = self.dense.loss_sum(h, y) / total
         loss.backward()
+        for moe in self.layers:  # fast-loop replicas' gradients back to their homes
+            moe.return_replica_grads()
         t1 = time.perf_counter()
         self.sync(offer)
         t2 = time.perf_counter()
@@ -345,6 +351,9 @@ class SpmdRank:
             "step": self.step,
             "loss": self.loss,
             "computed": np.array([m.computed for m in self.layers], np.int64),  # [L]
+            "replicas": np.array([m.replicas for m in self.layers], np.int64),  # [L] fast loop
+            "fanout_bytes": int(sum(m.fanout_bytes for m in self.layers)),
+            "balance_seconds": float(sum(m.balance_seconds for m in self.layers)),
             "load": np.stack([m.counts for m in self.layers]),  # [L, E]
             "expert_seconds": np.array([m.expert_seconds for m in self.layers]),  # [L]
             "crossings": np.stack([m.crossings for m in self.layers]),  # [L, D]
