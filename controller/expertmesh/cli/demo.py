@@ -62,6 +62,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--inter-dc-latency-ms", type=float, help="inter-DC latency (default 20)")
     p.add_argument("--no-shaper", action="store_true", help="do not shape inter-DC links")
     p.add_argument(
+        "--no-balance",
+        action="store_true",
+        help="turn the fast loop off (quota inside each DC on every microbatch's exact counts); "
+        "tokens then split by the committed plan's route",
+    )
+    p.add_argument(
         "--address",
         help="run on this existing Ray cluster (e.g. 10.0.0.1:6379; its nodes labeled "
         "dc=<name> as in the topology) instead of starting a local one; pair with --no-shaper "
@@ -198,6 +204,7 @@ def _runtime_settings(args: argparse.Namespace, topo: Topology, lm: Any) -> Any:
         policy_settings=json_object(args.policy_settings, "--policy-settings"),
         trigger=Trigger(**parse_trigger(args.trigger)),
         shaper=not args.no_shaper,
+        balance=not args.no_balance,
         corpus=str(args.corpus) if args.corpus else None,
         surfaces=None if args.no_serve else _surface_settings(args),
         checkpoint_every=args.checkpoint_every,

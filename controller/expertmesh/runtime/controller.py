@@ -134,6 +134,12 @@ class SpmdSteps:
                 "tokens_per_rank": computed.sum(axis=1).tolist(),
                 "tokens_per_layer_rank": computed.T.tolist(),
                 "backend": self._backend,
+                "replicas": int(sum(int(np.sum(reports[r]["replicas"])) for r in ranks)),
+                "fanout_bytes": int(sum(int(reports[r]["fanout_bytes"]) for r in ranks)),
+                "balance_seconds": max(float(reports[r]["balance_seconds"]) for r in ranks),
+                "balancedness": [
+                    1.0 / imbalance(computed[alive, layer]) for layer in range(num_layers)
+                ],
                 "ray_seconds": max(float(reports[r].get("ray_seconds", 0.0)) for r in ranks),
                 **out,
             }

@@ -48,6 +48,11 @@ class RuntimeSettings(BaseModel):
     policy_settings: dict[str, Any] = Field(default_factory=dict)
     trigger: Trigger = Trigger(mode="every_n", every=5)
     shaper: bool = Field(default=True, description="shape inter-DC links (off on real DCs)")
+    balance: bool = Field(
+        default=True,
+        description="the fast loop: quota inside each DC on every microbatch's exact counts "
+        "(replicas in free slots, tokens by quota); off: the plan's route splits tokens",
+    )
     corpus: str | None = Field(default=None, description="corpus file; None: Python's stdlib")
     corpus_bytes: int = Field(default=4_000_000, ge=1024, description="bytes of stdlib text")
     cpus_per_dc: float = Field(default=1.0, gt=0, description="CPUs each DC's Ray node offers")
@@ -116,6 +121,10 @@ class StepResult(BaseModel):
     tokens_per_layer_rank: list[list[int]]  # [L, R] assignments each rank computed
     error: str | None = None
     backend: str | None = None  # the collective backend the step ran on (gloo, nccl)
+    replicas: int = 0  # replicas the fast loop added, summed over layers and DCs
+    fanout_bytes: int = 0  # replica weights fetched inside DCs by the fast loop
+    balance_seconds: float = 0.0  # counts exchange + solve + fetch, max over ranks
+    balancedness: list[float] | None = None  # [L] mean / max tokens computed per rank
     ray_seconds: float | None = None  # on the workers, in Ray calls during the step
 
 

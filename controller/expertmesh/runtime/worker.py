@@ -109,7 +109,9 @@ class SpmdWorker:
             self.rank, self.topology.rank_dc, members, shaper=self.shaper, device=self.device
         )
         if self.state is None:
-            self.state = SpmdRank(comm, self.settings.lm, self.corpus, self.placements)
+            self.state = SpmdRank(
+                comm, self.settings.lm, self.corpus, self.placements, balance=self.settings.balance
+            )
         else:
             self.state.comm = comm
             for moe in self.state.layers:
