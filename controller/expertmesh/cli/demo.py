@@ -55,9 +55,9 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--topology", type=Path, help="topology YAML (else --dcs x --ranks-per-dc)")
     p.add_argument("--dcs", type=int, default=3, help="DCs (default 3)")
-    p.add_argument("--ranks-per-dc", type=int, default=2, help="ranks per DC (default 2)")
-    p.add_argument("--masters", type=int, default=2, help="master slots per rank (default 2)")
-    p.add_argument("--spare", type=int, default=4, help="spare slots per rank (default 4)")
+    p.add_argument("--ranks-per-dc", type=int, default=3, help="ranks per DC (default 3)")
+    p.add_argument("--masters", type=int, default=3, help="master slots per rank (default 3)")
+    p.add_argument("--spare", type=int, default=2, help="spare slots per rank (default 2)")
     p.add_argument("--inter-dc-gbps", type=float, help="inter-DC bandwidth (default 1)")
     p.add_argument("--inter-dc-latency-ms", type=float, help="inter-DC latency (default 20)")
     p.add_argument("--no-shaper", action="store_true", help="do not shape inter-DC links")
@@ -74,7 +74,12 @@ def add_parser(sub: Any) -> None:
         "on real links",
     )
     p.add_argument("--corpus", type=Path, help="text file to train on (default: Python's stdlib)")
-    p.add_argument("--experts", type=int, default=12, help="experts per layer (default 12)")
+    p.add_argument(
+        "--experts",
+        type=int,
+        default=24,
+        help="experts per layer (default 24: more than a DC's 15 slots, so each DC holds a subset)",
+    )
     p.add_argument("--layers", type=int, default=2, help="MoE layers (default 2)")
     p.add_argument("--top-k", type=int, default=2, help="experts per token (default 2)")
     p.add_argument("--hidden", type=int, default=32, help="model width (default 32)")
@@ -201,7 +206,7 @@ def _runtime_settings(args: argparse.Namespace, topo: Topology, lm: Any) -> Any:
         topology=topo.to_dict(),
         lm=lm,
         policy=args.policy,
-        policy_settings=json_object(args.policy_settings, "--policy-settings"),
+        policy_settings=_policy_settings(args),
         trigger=Trigger(**parse_trigger(args.trigger)),
         shaper=not args.no_shaper,
         balance=not args.no_balance,
@@ -213,6 +218,15 @@ def _runtime_settings(args: argparse.Namespace, topo: Topology, lm: Any) -> Any:
         replace_dead_workers=not args.no_replace,
         step_deadline_s=args.step_deadline,
     )
+
+
+def _policy_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """``--policy-settings``; with the fast loop on, hybrid keeps one slot per rank free for
+    it (``reserve_slots: 1``) unless the settings say otherwise."""
+    given = json_object(args.policy_settings, "--policy-settings")
+    if args.policy == "hybrid" and not args.no_balance and "reserve_slots" not in given:
+        given = {**given, "reserve_slots": 1}
+    return given
 
 
 def _first_error(err: ValidationError) -> str:
@@ -245,7 +259,9 @@ def run(args: argparse.Namespace) -> int:
     console.print(
         f"[bold]expertmesh demo[/]: {topo.num_dcs} DCs x {topo.num_ranks // topo.num_dcs} ranks, "
         f"inter-DC {topo.inter_dc.gbps:g} Gbit/s {topo.inter_dc.latency_ms:g} ms"
-        f"{'' if settings.shaper else ' (shaper off)'}, policy {settings.policy}, "
+        f"{'' if settings.shaper else ' (shaper off)'}, policy {settings.policy} "
+        f"{json.dumps(settings.policy_settings) if settings.policy_settings else ''}, "
+        f"fast loop {'on' if settings.balance else 'off'}, "
         f"{settings.lm.num_experts} experts x {settings.lm.num_layers} layers, top-{settings.lm.top_k}"
     )
     previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops as cleanly as Ctrl-C

@@ -124,6 +124,13 @@ class HybridSettings(PolicySettings):
         description="a new plan must beat the running one (plain EP at first) by this share "
         "of its modeled step time",
     )
+    reserve_slots: int = Field(
+        default=0,
+        ge=0,
+        le=64,
+        description="slots per rank the slow loop leaves free for the fast loop's replicas "
+        "(quota inside each DC on every microbatch's exact load; UltraEP's spare slots)",
+    )
     inside: Literal["quota", "split"] = Field(
         default="quota",
         description="balance inside each DC: 'quota' every microbatch on the exact load over "
@@ -379,7 +386,8 @@ def plan_hybrid(
     load = np.rint(estimate).astype(np.int64)
     inp = _Inputs(topology, model, cfg, estimate, load, dc_load, dc_tokens, previous)
     pairs = _Pairs(inp, mdc, held_before)
-    free = dc_slots - np.bincount(mdc, minlength=num_dcs)
+    reserve = np.bincount(rank_dc, minlength=num_dcs) * cfg.reserve_slots  # the fast loop's
+    free = np.maximum(dc_slots - np.bincount(mdc, minlength=num_dcs) - reserve, 0)
     # coordinate descent: each pair against the reverse pair's current choice
     j_cur = _choose(pairs.options(None), free)  # each pair alone
     choices = [j_cur]
@@ -509,8 +517,9 @@ def _fill(
     held = np.zeros(dc_load.shape, bool)
     held[mdc, np.arange(num_experts)] = True
     held[replicas[0], replicas[1]] = True
-    slots = np.bincount(topo.rank_dc, minlength=num_dcs) * topo.slots_per_rank
-    quota = np.floor(frac * (slots - held.sum(axis=1))).astype(np.int64)
+    ranks = np.bincount(topo.rank_dc, minlength=num_dcs)
+    slots = ranks * (topo.slots_per_rank - inp.cfg.reserve_slots)  # the reserve stays free
+    quota = np.floor(frac * np.maximum(slots - held.sum(axis=1), 0)).astype(np.int64)
     d, e = np.nonzero(~held & (dc_load > 0))
     rot = (e - d * num_experts // num_dcs) % num_experts  # equal loads: DCs pick different ones
     o = np.lexsort((rot, -dc_load[d, e], d))
