@@ -11,6 +11,7 @@ in-process link shaper (run the demo with the shaper off to measure the real
 network alone, or on to add latency).
 
     netemu.py up --topology deploy/topologies/emulate.yaml   # network + Ray
+    netemu.py up --topology ... --tls                        # ... with Ray's own TLS
     netemu.py status                                       # namespaces, rates, Ray PIDs
     netemu.py exec us-east -- expertmesh demo --address auto --no-shaper ...
     netemu.py measure us-east eu-west                       # TCP goodput vs configured
@@ -31,6 +32,10 @@ inside a DC namespace the interface is ``eth0`` with ``<subnet>.<i + 1>``. State
 ``down`` kills exactly the recorded PIDs and any process left inside the
 namespaces it created (never ``ray stop``), then deletes the namespaces (which
 deletes their veths and the bridge) and the temp dir.
+
+``--tls`` turns Ray's own TLS on (``RAY_USE_TLS``): a private CA and one certificate per
+DC naming its address (``expertmesh certs``) in ``<temp dir>/tls``; every ``ray start``
+and every ``exec`` gets its DC's ``RAY_TLS_SERVER_CERT``/``_KEY`` and ``RAY_TLS_CA_CERT``.
 
 Needs root (``ip netns``), iproute2 (``ip``, ``tc``) and the ``sch_htb`` /
 ``cls_u32`` kernel modules.
@@ -98,6 +103,7 @@ class Emulation:
     temp_dir: str
     ray_port: int = RAY_PORT
     pids: list[int] = field(default_factory=list)
+    tls_dir: str = ""  # Ray's own TLS: CA and per-DC certificates here ("" = off)
 
     @property
     def namespaces(self) -> list[str]:
@@ -205,6 +211,18 @@ class Emulation:
             out.append((n.netns, argv))
         return out
 
+    def tls_env(self, index: int) -> dict[str, str]:
+        """Ray's TLS variables for processes in DC ``index`` (its certificate names its
+        address); empty without TLS. Every Ray process and driver needs them."""
+        if not self.tls_dir:
+            return {}
+        return {
+            "RAY_USE_TLS": "1",
+            "RAY_TLS_SERVER_CERT": f"{self.tls_dir}/dc{index}.pem",
+            "RAY_TLS_SERVER_KEY": f"{self.tls_dir}/dc{index}.key",
+            "RAY_TLS_CA_CERT": f"{self.tls_dir}/ca.pem",
+        }
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
 
@@ -222,6 +240,7 @@ def plan_emulation(
     name: str = "em",
     subnet: str = "10.213.0.0/24",
     scale: float = 1.0,
+    tls: bool = False,
 ) -> Emulation:
     """The namespaces, addresses and shaped pairs that emulate ``topology`` (YAML structure).
 
@@ -262,6 +281,7 @@ def plan_emulation(
         nodes=nodes,
         shapes=shapes,
         temp_dir=f"/tmp/emu-{name}",
+        tls_dir=f"/tmp/emu-{name}/tls" if tls else "",
     )
 
 
@@ -305,8 +325,9 @@ def _our_namespaces(name: str) -> list[str]:
     return [ns for ns in mine if ns.startswith(f"{PREFIX}-{name}-")]
 
 
-def env_for_namespace(em: Emulation) -> dict[str, str]:
-    """Environment for processes inside the emulation: this checkout first, the Ray address."""
+def env_for_namespace(em: Emulation, dc: int = 0) -> dict[str, str]:
+    """Environment for processes inside the emulation (in DC ``dc``): this checkout first,
+    the Ray address, and Ray's TLS variables when the emulation has TLS."""
     env = dict(os.environ)
     roots = [str(REPO / d) for d in ("controller", "workers", "proto")]
     old = env.get("PYTHONPATH")
@@ -315,7 +336,15 @@ def env_for_namespace(em: Emulation) -> dict[str, str]:
     env["RAY_TMPDIR"] = em.temp_dir  # drivers' session files go under our temp dir, not /tmp/ray
     env.setdefault("RAY_AUTH_MODE", "disabled")
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env.update(em.tls_env(dc))
     return env
+
+
+def make_tls(em: Emulation) -> None:
+    """A CA and one certificate per DC naming the DC's address (``expertmesh certs``)."""
+    from expertmesh.controller.certs import make_certs
+
+    make_certs(Path(em.tls_dir), {f"dc{n.index}": [n.ip] for n in em.nodes})
 
 
 def check_host() -> str | None:
@@ -382,9 +411,13 @@ def start_ray(
     env = env_for_namespace(em)
     env.pop("RAY_ADDRESS")  # `ray start --head` must not join an existing cluster
     Path(em.temp_dir, "ray").mkdir(parents=True, exist_ok=True)
-    for netns, argv in em.ray_start_commands(ray_bin, cpus, max_inline_bytes=max_inline_bytes):
+    if em.tls_dir:
+        make_tls(em)
+    starts = em.ray_start_commands(ray_bin, cpus, max_inline_bytes=max_inline_bytes)
+    for node, (netns, argv) in zip(em.nodes, starts, strict=True):
         try:
-            _run(["ip", "netns", "exec", netns, *argv], env=env, timeout=timeout)
+            node_env = {**env, **em.tls_env(node.index)}
+            _run(["ip", "netns", "exec", netns, *argv], env=node_env, timeout=timeout)
         finally:
             em.pids[:] = sorted({p for n in em.nodes for p in _netns_pids(n.netns)})
             _save(em)
@@ -595,6 +628,12 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--cpus-per-dc", type=float, default=1.0, help="CPUs each DC's Ray node offers")
     u.add_argument("--no-ray", action="store_true", help="network only")
     u.add_argument(
+        "--tls",
+        action="store_true",
+        help="Ray's own TLS (RAY_USE_TLS): a CA and per-DC certificates in the temp dir; "
+        "`exec` sets the variables for drivers",
+    )
+    u.add_argument(
         "--max-inline-bytes",
         type=int,
         help="Ray's max_direct_call_object_size: results up to this size go through their "
@@ -651,6 +690,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             name=args.name,
             subnet=args.subnet,
             scale=args.scale,
+            tls=args.tls,
         )
         up(
             em,
@@ -659,7 +699,9 @@ def _dispatch(args: argparse.Namespace) -> int:
             max_inline_bytes=args.max_inline_bytes,
         )
         print(
-            f"up: {len(em.nodes)} DCs, Ray at {em.address}" + (" (no Ray)" if args.no_ray else "")
+            f"up: {len(em.nodes)} DCs, Ray at {em.address}"
+            + (" (no Ray)" if args.no_ray else "")
+            + (" over TLS" if em.tls_dir else "")
         )
         for n in em.nodes:
             rates = ", ".join(
@@ -686,8 +728,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not cmd:
         raise ValueError("exec: give a command after --")
-    env = env_for_namespace(em)
-    os.execvpe("ip", ["ip", "netns", "exec", em.node(args.dc).netns, *cmd], env)
+    node = em.node(args.dc)
+    env = env_for_namespace(em, node.index)
+    os.execvpe("ip", ["ip", "netns", "exec", node.netns, *cmd], env)
 
 
 if __name__ == "__main__":

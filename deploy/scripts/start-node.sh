@@ -6,6 +6,7 @@
 #   start-node.sh stop-serve           # stop the `expertmesh serve` this script started
 #   start-node.sh stop-workers         # on the head: `ray stop` on each worker, over SSH
 #   start-node.sh which-dc             # print the DC this machine resolves to
+#   eval "$(start-node.sh tls-env)"    # Ray's TLS variables for a driver on this machine
 #
 # The DC comes from, first match wins:
 #   1. $EXPERTMESH_DC
@@ -24,6 +25,11 @@
 # head only and marks the workers terminated; their raylets exit once the head is gone, but each
 # worker's log_monitor runs on. It reads the worker IPs, SSH user and key that `ray up` left on the
 # head (~/ray_bootstrap_config.yaml, ~/ray_bootstrap_key.pem) and runs `ray stop` on each.
+# TLS: when $EXPERTMESH_TLS_DIR (default <repo>/deploy/tls) holds ca.pem and <DC>.pem/.key
+# (`expertmesh certs --out deploy/tls --topology T.yaml --hosts <DC>=<its node IPs>`), Ray
+# runs with its own TLS (RAY_USE_TLS=1, RAY_TLS_SERVER_CERT/_KEY = the DC's certificate,
+# RAY_TLS_CA_CERT = ca.pem) and serve speaks only TLS with the same certificate;
+# EXPERTMESH_TLS_MUTUAL=1 also makes serve require client certificates signed by ca.pem.
 # EXPERTMESH_DRY_RUN=FILE appends the commands to FILE instead of running them (tests).
 set -euo pipefail
 
@@ -34,6 +40,7 @@ topology=${EXPERTMESH_TOPOLOGY:-$home/deploy/topologies/onprem-3dc.yaml}
 dc_file=${EXPERTMESH_DC_FILE:-/etc/expertmesh/dc}
 dc_map=${EXPERTMESH_DC_MAP:-$home/deploy/dc-map.yaml}
 metrics_port=${RAY_METRICS_PORT:-8080}
+tls=${EXPERTMESH_TLS_DIR:-$home/deploy/tls}
 py=$venv/bin/python
 [[ -x $py ]] || py=python3
 
@@ -41,6 +48,11 @@ die() { echo "start-node.sh: $*" >&2; exit 2; }
 
 run() {
   if [[ -n ${EXPERTMESH_DRY_RUN:-} ]]; then
+    if [[ -n ${RAY_USE_TLS:-} ]]; then  # log the TLS variables the command runs with
+      printf '%q ' env "RAY_USE_TLS=$RAY_USE_TLS" "RAY_TLS_SERVER_CERT=$RAY_TLS_SERVER_CERT" \
+        "RAY_TLS_SERVER_KEY=$RAY_TLS_SERVER_KEY" "RAY_TLS_CA_CERT=$RAY_TLS_CA_CERT" \
+        >>"$EXPERTMESH_DRY_RUN"
+    fi
     printf '%q ' "$@" >>"$EXPERTMESH_DRY_RUN"
     echo >>"$EXPERTMESH_DRY_RUN"
   else
@@ -94,6 +106,17 @@ sys.exit(f"no DC for {ip} in {dc_map}; add a line or write the DC name to {dc_fi
 EOF
 }
 
+# Ray's TLS variables for DC $1, exported (nothing without the files). Every Ray process and
+# driver of a TLS cluster needs them; the certificate must name this node's address.
+tls_env() {
+  local dc=$1
+  [[ -f $tls/ca.pem ]] || return 0
+  [[ -f $tls/$dc.pem && -f $tls/$dc.key ]] \
+    || die "$tls has ca.pem but no $dc.pem/$dc.key: run expertmesh certs for DC $dc"
+  export RAY_USE_TLS=1 RAY_TLS_SERVER_CERT=$tls/$dc.pem RAY_TLS_SERVER_KEY=$tls/$dc.key
+  export RAY_TLS_CA_CERT=$tls/ca.pem
+}
+
 serve_pid() {
   local pid
   [[ -f $state/serve.pid ]] || return 1
@@ -123,11 +146,16 @@ case $role in
       --metrics-export-port="$metrics_port" --dashboard-host=0.0.0.0 --disable-usage-stats)
     [[ -f $HOME/ray_bootstrap_config.yaml ]] \
       && args+=(--autoscaling-config="$HOME/ray_bootstrap_config.yaml")
+    tls_env "$dc"
     run "$venv/bin/ray" start "${args[@]}"
     run mkdir -p "$state"
     stop_serve
     serve=("$venv/bin/expertmesh" serve --topology "$topology"
       --host "${EXPERTMESH_SERVE_HOST:-$ip}" --db "$state/plans.sqlite")
+    if [[ -n ${RAY_USE_TLS:-} ]]; then
+      serve+=(--tls-cert "$tls/$dc.pem" --tls-key "$tls/$dc.key")
+      [[ ${EXPERTMESH_TLS_MUTUAL:-0} == 1 ]] && serve+=(--tls-client-ca "$tls/ca.pem")
+    fi
     # serve refuses a non-loopback address without a bearer token for writes: keep one in
     # $state/token (made once, mode 600) unless EXPERTMESH_TOKEN is given.
     if [[ -z ${EXPERTMESH_TOKEN:-} && -z ${EXPERTMESH_DRY_RUN:-} ]]; then
@@ -149,6 +177,7 @@ case $role in
     [[ -n $head ]] || die "usage: start-node.sh worker HEAD_IP"
     ip=$(node_ip)
     dc=$(which_dc "$ip") || die "cannot find this node's DC"
+    tls_env "$dc"
     run "$venv/bin/ray" start --address="$head:6379" --node-ip-address="$ip" --labels="dc=$dc" \
       --metrics-export-port="$metrics_port"
     ;;
@@ -176,7 +205,14 @@ EOF
     done
     exit $failed
     ;;
+  tls-env)
+    dc=$(which_dc "$(node_ip)") || die "cannot find this node's DC"
+    tls_env "$dc"
+    [[ -n ${RAY_USE_TLS:-} ]] && printf 'export %s=%q\n' RAY_USE_TLS 1 \
+      RAY_TLS_SERVER_CERT "$RAY_TLS_SERVER_CERT" RAY_TLS_SERVER_KEY "$RAY_TLS_SERVER_KEY" \
+      RAY_TLS_CA_CERT "$RAY_TLS_CA_CERT"
+    ;;
   *)
-    die "usage: start-node.sh head | worker HEAD_IP | stop-serve | stop-workers | which-dc"
+    die "usage: start-node.sh head | worker HEAD_IP | stop-serve | stop-workers | which-dc | tls-env"
     ;;
 esac

@@ -235,3 +235,53 @@ def test_sshd_listens_on_the_host_address_only_root_by_key() -> None:
     assert ru.operator_ip == "10.213.0.254"
     with pytest.raises(ValueError, match="no address left"):
         rayup.plan_rayup(_load("deploy/topologies/two-dc.yaml"), subnet="10.9.0.0/30")
+
+
+def test_with_certificates_ray_and_serve_run_over_tls(tmp_path: Path) -> None:
+    from expertmesh.controller.certs import make_certs
+
+    tls = tmp_path / "tls"
+    make_certs(tls, {"us-east": ["10.0.1.10"], "eu-west": ["10.0.2.11"]})
+    env = {"EXPERTMESH_TLS_DIR": str(tls)}
+    rc, cmds = _start_node(tmp_path, "head", EXPERTMESH_NODE_IP="10.0.1.10", **env)
+    assert rc == 0
+    ray, serve = cmds[0], cmds[-1]
+    want = [
+        "env",
+        "RAY_USE_TLS=1",
+        f"RAY_TLS_SERVER_CERT={tls}/us-east.pem",
+        f"RAY_TLS_SERVER_KEY={tls}/us-east.key",
+        f"RAY_TLS_CA_CERT={tls}/ca.pem",
+    ]
+    assert ray[:5] == want and ray[6] == "start" and "--head" in ray
+    assert serve[serve.index("--tls-cert") + 1] == f"{tls}/us-east.pem"
+    assert serve[serve.index("--tls-key") + 1] == f"{tls}/us-east.key"
+    assert "--tls-client-ca" not in serve
+    rc, cmds = _start_node(
+        tmp_path, "head", EXPERTMESH_NODE_IP="10.0.1.10", EXPERTMESH_TLS_MUTUAL="1", **env
+    )
+    assert rc == 0 and cmds[-1][cmds[-1].index("--tls-client-ca") + 1] == f"{tls}/ca.pem"
+    rc, cmds = _start_node(tmp_path, "worker", "10.0.1.10", EXPERTMESH_NODE_IP="10.0.2.11", **env)
+    assert rc == 0 and cmds[0][:3] == [
+        "env",
+        "RAY_USE_TLS=1",
+        f"RAY_TLS_SERVER_CERT={tls}/eu-west.pem",
+    ]
+    # tls-env: the variables a driver on this machine needs
+    run = subprocess.run(
+        ["bash", str(START), "tls-env"],
+        env={
+            "PATH": os.environ["PATH"],
+            "HOME": str(tmp_path),
+            "EXPERTMESH_NODE_IP": "10.0.2.11",
+            "EXPERTMESH_DC_FILE": str(tmp_path / "none"),
+            **env,
+        },
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert run.returncode == 0 and f"RAY_TLS_SERVER_CERT={tls}/eu-west.pem" in run.stdout
+    # a CA without this DC's certificate: refused before anything starts
+    rc, cmds = _start_node(tmp_path, "worker", "10.0.1.10", EXPERTMESH_NODE_IP="10.0.3.10", **env)
+    assert rc != 0 and cmds == []

@@ -89,3 +89,49 @@ def test_probe_paths_answer_on_the_rest_api(docs: dict) -> None:
     ctl = next(c for c in head if c["name"] == "expertmesh-controller")
     for probe in ("readinessProbe", "livenessProbe"):
         assert client.get(ctl[probe]["httpGet"]["path"]).status_code == 200, probe
+
+
+def _pods(docs: dict) -> list[dict]:
+    spec = docs["RayCluster"]["spec"]
+    return [spec["headGroupSpec"]["template"]["spec"]] + [
+        g["template"]["spec"] for g in spec["workerGroupSpecs"]
+    ]
+
+
+def test_every_ray_container_runs_ray_tls_with_the_certificate_its_init_container_makes(
+    docs: dict, tmp_path: Path
+) -> None:
+    from expertmesh.cli.main import main
+    from expertmesh.controller.certs import make_certs
+
+    ca_dir = tmp_path / "ca"
+    make_certs(ca_dir, {"unused": []})  # what the operator turns into the Secret
+    for pod in _pods(docs):
+        (init,) = pod["initContainers"]
+        mounts = {m["name"]: m["mountPath"] for m in init["volumeMounts"]}
+        secret = {v["name"]: v for v in pod["volumes"]}["expertmesh-ca"]["secret"]
+        assert secret["secretName"] == "expertmesh-ca"
+        out = tmp_path / "tls"
+        # run the init container's command, its paths mapped into tmp_path
+        argv = [
+            a.replace(mounts["expertmesh-ca"], str(ca_dir)).replace(mounts["tls"], str(out))
+            for a in init["command"][1:] + init["args"]
+        ]
+        argv = [a.replace("$(POD_IP)", "10.1.2.3").replace("$(POD_NAMESPACE)", "ns")
+                .replace("$(POD_NAME)", "pod-x") for a in argv]  # fmt: skip
+        assert main(argv) == 0
+        for c in pod["containers"]:
+            env = {e["name"]: e.get("value") for e in c.get("env", [])}
+            if c["name"].startswith("ray-"):
+                assert env["RAY_USE_TLS"] == "1"
+                for var in ("RAY_TLS_SERVER_CERT", "RAY_TLS_SERVER_KEY", "RAY_TLS_CA_CERT"):
+                    assert (out / Path(env[var]).relative_to(mounts["tls"])).is_file(), var
+            tls_mount = {m["name"]: m["mountPath"] for m in c.get("volumeMounts", [])}
+            if c["name"].startswith("ray-") or "--tls-cert=/etc/ray/tls/pod.pem" in c.get(
+                "args", []
+            ):
+                assert tls_mount["tls"] == mounts["tls"]
+    ctl = {c["name"]: c for c in _pods(docs)[0]["containers"]}["expertmesh-controller"]
+    assert "--tls-key=/etc/ray/tls/pod.key" in ctl["args"]
+    assert ctl["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    assert ctl["livenessProbe"]["httpGet"]["scheme"] == "HTTPS"

@@ -168,3 +168,23 @@ def test_max_inline_bytes_is_set_once_for_the_whole_cluster() -> None:
     assert "--head" in cmds[0][1] and conf[0] in cmds[0][1]
     with pytest.raises(ValueError, match="max-inline-bytes"):
         em.ray_start_commands("/venv/bin/ray", 1.0, max_inline_bytes=-1)
+
+
+def test_tls_gives_every_dc_a_certificate_for_its_address(tmp_path):
+    from cryptography import x509
+
+    plain = netemu.plan_emulation(TOPO, name="notls")
+    assert plain.tls_env(0) == {} and "RAY_USE_TLS" not in netemu.env_for_namespace(plain)
+    em = netemu.plan_emulation(TOPO, name="tls", tls=True)
+    em = netemu.Emulation.from_json(em.to_json())  # the state file keeps it
+    em = netemu.Emulation(**{**em.__dict__, "tls_dir": str(tmp_path)})
+    netemu.make_tls(em)
+    ca = x509.load_pem_x509_certificate((tmp_path / "ca.pem").read_bytes())
+    for n in em.nodes:
+        env = netemu.env_for_namespace(em, n.index)
+        assert env["RAY_USE_TLS"] == "1" and env["RAY_TLS_CA_CERT"] == str(tmp_path / "ca.pem")
+        cert = x509.load_pem_x509_certificate(Path(env["RAY_TLS_SERVER_CERT"]).read_bytes())
+        cert.verify_directly_issued_by(ca)
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert ipaddress.ip_address(n.ip) in san.get_values_for_type(x509.IPAddress)
+        assert Path(env["RAY_TLS_SERVER_KEY"]).is_file()
