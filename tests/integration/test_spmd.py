@@ -38,7 +38,7 @@ def _plans(topo: Topology, seed: int) -> list[Any]:
 
 
 def _train(
-    comm: Any, topo_dict: dict[str, Any], seed: int, balance: bool = False
+    comm: Any, topo_dict: dict[str, Any], seed: int, balance: bool = False, k: int = 1
 ) -> dict[str, Any]:
     from expertmesh.workers.spmd import SpmdRank
 
@@ -46,7 +46,8 @@ def _train(
     static = static_placement(
         topo.num_ranks, topo.slots_per_rank, CFG.num_experts, topo.masters_per_rank
     )
-    rank = SpmdRank(comm, CFG, CORPUS, [static] * CFG.num_layers, balance=balance)
+    cfg = CFG.model_copy(update={"microbatches": k})
+    rank = SpmdRank(comm, cfg, CORPUS, [static] * CFG.num_layers, balance=balance)
     current: list[Placement] = [static] * CFG.num_layers
     out: dict[str, Any] = {"losses": [], "stats": [], "migration": []}
     for step, plan in enumerate([None, *_plans(topo, seed)]):
@@ -66,11 +67,13 @@ def _train(
     return out
 
 
-@pytest.mark.parametrize(("dcs", "balance"), [(2, False), (3, False), (3, True)])
-def test_spmd_training_equals_the_reference_under_plan_changes(dcs: int, balance: bool) -> None:
+@pytest.mark.parametrize(("dcs", "balance", "k"), [(2, False, 1), (3, False, 1), (3, True, 2)])
+def test_spmd_training_equals_the_reference_under_plan_changes(
+    dcs: int, balance: bool, k: int
+) -> None:
     topo = Topology.generate(dcs, 2, masters=2 if dcs == 2 else 1, spare=3)
-    res = run_ranks(_train, topo.rank_dc, topo.to_dict(), dcs, balance)
-    ref = ReferenceLM(CFG)
+    res = run_ranks(_train, topo.rank_dc, topo.to_dict(), dcs, balance, k)
+    ref = ReferenceLM(CFG.model_copy(update={"microbatches": k}))
     ranks = list(range(topo.num_ranks))
     want = [ref.train_step(CORPUS, s, ranks) for s in range(STEPS)]
     got = np.sum([[s["loss"] for s in r["stats"]] for r in res], axis=0)
@@ -99,7 +102,7 @@ def test_spmd_training_equals_the_reference_under_plan_changes(dcs: int, balance
     if balance:  # the fast loop added replicas, and some needed their weights fetched
         assert replicas > 0 and fetched > 0
         for step in range(STEPS):  # inside every DC, no rank computes above the DC's quota
-            comp = np.array([out["stats"][step]["computed"] for out in res])  # [R, L]
+            comp = np.array([out["stats"][step]["computed_mb"][0] for out in res])  # [R, L]
             for d in range(dcs):
                 ranks = np.flatnonzero(topo.rank_dc == d)
                 assert (comp[ranks].max(0) <= np.ceil(comp[ranks].mean(0)) * 1.5).all()

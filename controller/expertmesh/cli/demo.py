@@ -83,7 +83,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--layers", type=int, default=2, help="MoE layers (default 2)")
     p.add_argument("--top-k", type=int, default=2, help="experts per token (default 2)")
     p.add_argument("--hidden", type=int, default=32, help="model width (default 32)")
-    p.add_argument("--batch", type=int, default=16, help="sequences per rank per step")
+    p.add_argument("--batch", type=int, default=16, help="sequences per rank per microbatch")
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        default=1,
+        help="microbatches per optimizer step (default 1; the spmd plane only)",
+    )
     p.add_argument("--seq-len", type=int, default=64, help="bytes per sequence")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="write per-step results here")
@@ -184,6 +190,7 @@ def build_settings(args: argparse.Namespace) -> Any:
         top_k=args.top_k,
         hidden=args.hidden,
         batch=args.batch,
+        microbatches=args.microbatches,
         seq_len=args.seq_len,
         seed=args.seed,
     )

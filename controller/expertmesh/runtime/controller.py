@@ -34,6 +34,15 @@ __all__ = ["ControllerActor", "SpmdSteps", "last_line", "weights_digest"]
 log = logging.getLogger(__name__)
 
 
+def _worst(reports: dict[int, dict[str, Any]], ranks: list[int]) -> float:
+    """Max over the step's microbatches and layers of max/mean assignments computed over
+    the ranks that reported."""
+    per = np.stack([np.asarray(reports[r]["computed_mb"]) for r in ranks])  # [R', k, L]
+    return max(
+        imbalance(per[:, i, layer]) for i in range(per.shape[1]) for layer in range(per.shape[2])
+    )
+
+
 class SpmdSteps:
     """The controller's side of the SPMD data plane (a mixin of :class:`ControllerActor`):
     step reports stream in from every rank (fire and forget), a step is recorded once
@@ -122,7 +131,7 @@ class SpmdSteps:
                 "step_seconds": max(float(reports[r]["seconds"]["step"]) for r in ranks),
                 "seconds": seconds,
                 "control_seconds": time.perf_counter() - t0,
-                "imbalance": max(imbalance(computed[alive, layer]) for layer in range(num_layers)),
+                "imbalance": _worst(reports, ranks),  # the worst microbatch and layer
                 "imbalance_static": max(
                     imbalance(static[layer, alive]) for layer in range(num_layers)
                 ),

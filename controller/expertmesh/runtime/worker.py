@@ -140,6 +140,7 @@ class SpmdWorker:
         if st is None:
             raise RuntimeError("join a process group before running")
         t_prev = time.perf_counter()
+        ray_s = 0.0
         for step in range(start, start + steps):
             stats = st.train_step(step, offer=self._offered())
             applied: dict[str, Any] | None = None
@@ -149,8 +150,11 @@ class SpmdWorker:
             stats["wall_seconds"] = now - t_prev  # the whole step, plan switch included
             t_prev = now
             stats["applied"] = applied
+            stats["ray_seconds"] = ray_s  # submitting the previous step's report
             stats.pop("routed", None)
+            t_ray = time.perf_counter()
             self.controller.step_report.remote(self.rank, stats)  # fire and forget
+            ray_s = time.perf_counter() - t_ray
         return {"rank": self.rank, "step": st.step, "version": st.version}
 
     def _apply(self, version: int) -> dict[str, Any]:

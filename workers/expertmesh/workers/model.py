@@ -51,7 +51,14 @@ class LMConfig(BaseModel):
     ffn_hidden: int = Field(default=64, ge=4, le=16384, description="expert FFN width f")
     kernel: int = Field(default=4, ge=1, le=64, description="causal conv mixer width")
     seq_len: int = Field(default=64, ge=2, le=8192, description="tokens per sequence")
-    batch: int = Field(default=16, ge=1, le=4096, description="sequences per rank per step")
+    batch: int = Field(default=16, ge=1, le=4096, description="sequences per rank per microbatch")
+    microbatches: int = Field(
+        default=1,
+        ge=1,
+        le=1024,
+        description="microbatches per optimizer step (gradients accumulate; replicas sync "
+        "and plans switch once per step)",
+    )
     lr: float = Field(default=3e-3, gt=0, le=1.0, description="Adam learning rate")
     seed: int = Field(default=0, ge=0, description="weights and data seed")
 

@@ -63,11 +63,13 @@ class ReferenceLM(nn.Module):
         return out
 
     def loss(self, corpus: Corpus, step: int, ranks: list[int]) -> torch.Tensor:
-        """Mean next-byte loss over the batches ``ranks`` draw at ``step``."""
-        total = self.cfg.tokens_per_rank * len(ranks)
+        """Mean next-byte loss over the batches ``ranks`` draw at ``step`` (every microbatch
+        of the step)."""
+        k = self.cfg.microbatches
+        total = self.cfg.tokens_per_rank * len(ranks) * k
         out = torch.zeros(())
-        for r in ranks:
-            x, y = corpus.batch(self.cfg, step, r)
+        for r, i in ((r, i) for i in range(k) for r in ranks):
+            x, y = corpus.batch(self.cfg, step * k + i, r)
             h = self.dense.embed(x)
             for layer in range(self.cfg.num_layers):
                 a, u = self.dense.mix(layer, h)

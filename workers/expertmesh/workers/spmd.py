@@ -78,6 +78,8 @@ class SpmdRank:
         self.version, self.step, self.opt_step = 0, -1, 0
         self.loss = 0.0
         self.agreed = 0  # the plan version every rank has received (after a step)
+        self._counts = np.zeros((cfg.num_layers, cfg.num_experts), np.int64)
+        self._computed = np.zeros((cfg.microbatches, cfg.num_layers), np.int64)
         self.seconds: dict[str, float] = {}
 
     def _dparams(self) -> list[torch.Tensor]:
@@ -99,23 +101,31 @@ class SpmdRank:
             moe.expert_seconds = 0.0
             for p in moe.experts.values():
                 p.grad = None
-        x, y = self.corpus.batch(self.cfg, step, self.rank)
-        x, y = x.to(self.comm.device), y.to(self.comm.device)
-        h = self.dense.embed(x)  # [B, T, d]
-        for layer, moe in enumerate(self.layers):
-            a, u = self.dense.mix(layer, h)
-            h = a + moe(u).reshape(a.shape)
-            if self.report is not None:
-                self.report(layer, moe.counts)
-        total = self.cfg.tokens_per_rank * self.comm.world.size
-        loss = self.dense.loss_sum(h, y) / total
-        loss.backward()
-        for moe in self.layers:  # fast-loop replicas' gradients back to their homes
-            moe.return_replica_grads()
+        k = self.cfg.microbatches
+        total = self.cfg.tokens_per_rank * self.comm.world.size * k
+        self.loss = 0.0
+        counts = np.zeros((len(self.layers), self.cfg.num_experts), np.int64)
+        computed = np.zeros((k, len(self.layers)), np.int64)  # [k, L] per microbatch
+        for i in range(k):  # gradients accumulate over the microbatches
+            x, y = self.corpus.batch(self.cfg, step * k + i, self.rank)
+            x, y = x.to(self.comm.device), y.to(self.comm.device)
+            h = self.dense.embed(x)  # [B, T, d]
+            for layer, moe in enumerate(self.layers):
+                a, u = self.dense.mix(layer, h)
+                h = a + moe(u).reshape(a.shape)
+                counts[layer] += moe.counts
+                computed[i, layer] = moe.computed
+                if self.report is not None:
+                    self.report(layer, moe.counts)
+            loss = self.dense.loss_sum(h, y) / total
+            loss.backward()
+            for moe in self.layers:  # fast-loop replicas' gradients back to their homes
+                moe.return_replica_grads()
+            self.loss += float(loss.detach())
+        self._counts, self._computed = counts, computed
         t1 = time.perf_counter()
         self.sync(offer)
         t2 = time.perf_counter()
-        self.loss = float(loss.detach())
         self.seconds = {"forward_backward": t1 - t0, "sync": t2 - t1, "step": t2 - t0}
         return self.stats()
 
@@ -127,7 +137,7 @@ class SpmdRank:
         params = self._dparams()
         # the world's token counts per (layer, expert) ride along (an expert no token reached
         # anywhere has no gradient and skips its Adam step, as in any single-process run)
-        counts = torch.from_numpy(np.stack([m.counts for m in self.layers]).astype(np.float32))
+        counts = torch.from_numpy(self._counts.astype(np.float32))
         flat = torch.cat(
             [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
             + [counts.reshape(-1).to(c.device), torch.tensor([float(offer)], device=c.device)]
@@ -350,11 +360,12 @@ class SpmdRank:
             "rank": self.rank,
             "step": self.step,
             "loss": self.loss,
-            "computed": np.array([m.computed for m in self.layers], np.int64),  # [L]
+            "computed": self._computed.sum(axis=0),  # [L] summed over the step's microbatches
+            "computed_mb": self._computed.copy(),  # [k, L] per microbatch
             "replicas": np.array([m.replicas for m in self.layers], np.int64),  # [L] fast loop
             "fanout_bytes": int(sum(m.fanout_bytes for m in self.layers)),
             "balance_seconds": float(sum(m.balance_seconds for m in self.layers)),
-            "load": np.stack([m.counts for m in self.layers]),  # [L, E]
+            "load": self._counts.copy(),  # [L, E] summed over the step's microbatches
             "expert_seconds": np.array([m.expert_seconds for m in self.layers]),  # [L]
             "crossings": np.stack([m.crossings for m in self.layers]),  # [L, D]
             "routed": [m.routed.copy() for m in self.layers],  # per layer [N, 4]
