@@ -106,6 +106,8 @@ def test_cli_import_writes_a_trace(tmp_path: Path, capsys: pytest.CaptureFixture
     trace = read_trace(tmp_path / "t.npz")
     np.testing.assert_array_equal(trace.load, want)
     assert trace.meta["engine"]["format"] == "trtllm" and "3..5" in capsys.readouterr().out
+    assert main(["trace", "inspect", str(tmp_path / "t.npz")]) == 0
+    assert "imported from" in capsys.readouterr().out
 
 
 def _bad_trtllm(d: Path, case: str) -> None:

@@ -165,6 +165,14 @@ def run_inspect(args: argparse.Namespace) -> int:
     for key in ("top_k", "tokens_per_rank", "ranks_per_dc", "hidden", "ffn_hidden"):
         if key in trace.meta:
             out.add_row(f"meta {key}", str(trace.meta[key]))
+    eng = trace.meta.get("engine")
+    if isinstance(eng, dict):
+        layers = eng.get("layers")
+        n = len(layers) if isinstance(layers, list) else "?"
+        out.add_row(
+            "imported from",
+            f"{eng.get('format', '?')}: {eng.get('source', '?')} ({n} engine layers)",
+        )
     gen = trace.meta.get("generator")
     if isinstance(gen, dict) and isinstance(gen.get("settings"), dict):
         s = gen["settings"]
