@@ -63,6 +63,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from expertmesh.planner.costmodel import CostSettings, TransferEncoding
 from expertmesh.planner.model import ModelSpec
 from expertmesh.planner.plan import check_load
+from expertmesh.planner.quota import capped_fit
 from expertmesh.planner.topology import Link
 
 __all__ = [
@@ -190,7 +191,16 @@ Segment = tuple[int, int, int, int]  # (expert, rank, tokens, j: the j-th replic
 def _fit(pb: Prepared, quota: int, max_rep: int | None) -> tuple[int, int, list[Segment]]:
     """The rule for ``quota`` (``quota``'s module doc): ``(shortfall, ranks in play,
     replicas)``; feasible iff ``shortfall == 0`` and no bound was broken (then
-    ``shortfall`` is -1)."""
+    ``shortfall`` is -1). With ``max_rep`` the capped rule (``quota.capped_fit``)."""
+    if max_rep is not None:
+        short, made = capped_fit(pb.over, pb.recv, quota, max_rep)
+        nth: dict[int, int] = {}
+        segs: list[Segment] = []
+        for e, r, t in made:
+            j = nth.get(e, 0)
+            segs.append((e, r, t, j))
+            nth[e] = j + 1
+        return short, len(pb.over), segs
     pieces: list[tuple[int, int]] = []  # (-amount, expert)
     busy = 0
     for m, items in pb.over:
@@ -337,13 +347,14 @@ def replica_table(
     """``replicas`` [N, 3] ``(rank, slot, expert)`` of the replicas ``seg`` [N, 4]
     (expert, rank, tokens, j), each in the next free slot of its rank in line order
     (``empty``: the free flat slots ascending), and ``rank_tokens`` [R] (``work`` [R] less
-    what the replicas take from their homes). A rank's replicas are consecutive in line
-    order (the walk fills one receiver at a time)."""
+    what the replicas take from their homes). A rank's replicas need not be consecutive
+    (the capped rule returns to a receiver)."""
     ranks = seg[:, 1]
     num_ranks = work.size
-    idx = np.arange(ranks.size)
-    start = np.flatnonzero(np.diff(ranks, prepend=-1))  # where each rank's run starts
-    nth = idx - np.repeat(start, np.diff(start, append=ranks.size))
+    order = np.argsort(ranks, kind="stable")  # by rank, line order inside a rank
+    by_rank = ranks[order]
+    nth = np.empty(ranks.size, np.int64)  # earlier replicas on the same rank
+    nth[order] = np.arange(ranks.size) - np.searchsorted(by_rank, by_rank)
     replicas = np.empty((ranks.size, 3), np.int64)
     slot = empty[np.searchsorted(empty // num_slots, ranks) + nth]
     replicas[:, 0], replicas[:, 1] = np.divmod(slot, num_slots)

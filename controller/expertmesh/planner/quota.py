@@ -8,8 +8,9 @@ than ``T``; ``T`` is the smallest integer for which the rule below succeeds, per
 domain, searched from a lower bound up to the static max (which always succeeds).
 All copies of an expert live in its master's domain: tokens of other domains, which
 hold no copy, go there (the only cross-domain traffic ``quota`` makes). With
-``max_replicas_per_expert`` the rule is not always monotone in ``T``; the search then
-returns a ``T`` whose ``T - 1`` fails. Design, measurements, limits: ``docs/quota.md``.
+``max_replicas_per_expert`` the rule for a capped ``T`` below applies instead; it is not
+always monotone in ``T``, and the search then returns a ``T`` whose ``T - 1`` fails.
+Design, measurements, limits: ``docs/quota.md``.
 
 **The rule for a quota T** (per domain; ``refs.quota_fit_ref`` is it in plain loops):
 
@@ -27,6 +28,19 @@ returns a ``T`` whose ``T - 1`` fails. Design, measurements, limits: ``docs/quot
    ``T`` succeeds iff every piece is placed, each on at most
    ``max_replicas_per_expert`` receivers.
 
+**The rule for a capped T** (``max_replicas_per_expert = k``; :func:`capped_fit`,
+``refs.quota_fit_ref`` in plain loops). The walk above lays pieces end to end, so a piece
+straddles receivers and the cap fails it; ``T`` then rose far above what one replica per
+hot expert reaches by hand (43-58% above the lower bound at EP64 with ``k = 1``). Instead:
+
+1. ``M[r]`` as above; receivers as above, each with capacity ``T - M[r]`` and its free slots.
+2. Overloaded ranks in order of ``M`` descending (lower rank on ties); each sheds
+   ``M[r] - T`` from its experts, largest demand first (lower id on ties): expert ``e``
+   offers ``min(excess left, demand)`` to the ``k`` receivers with the most capacity left
+   (lower rank on ties; a receiver needs a free slot), each taking what it can in that
+   order (one replica each); what they cannot take is shed by the rank's next expert.
+3. ``T`` succeeds iff every overloaded rank sheds its whole excess.
+
 **Route.** Each copy computes exactly its amount: first its own rank's tokens,
 then replica ``j`` of each expert (in walk order) splits what it still needs among
 the sources' remaining tokens in proportion, rounded by largest remainder (lower
@@ -36,6 +50,7 @@ rank on ties); the master takes what is left.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from dataclasses import dataclass
 from typing import ClassVar, Literal, NamedTuple
 
@@ -53,6 +68,7 @@ __all__ = [
     "QuotaSettings",
     "QuotaSolution",
     "balance_demand",
+    "capped_fit",
     "quota_balance",
     "quota_route",
 ]
@@ -123,17 +139,22 @@ class _Problem(NamedTuple):
     lower: np.ndarray  # [D] no plan goes below: the domain mean, or an expert split in all
     upper: np.ndarray  # [D] static max (no replica needed)
     max_replicas: int | None
+    # with max_replicas: per domain, its ranks as (M, [(demand, expert)...]) by M descending
+    # (lower rank on ties), experts by demand descending (lower id on ties)
+    over: list[list[tuple[int, list[tuple[int, int]]]]] | None = None
 
 
 class _Fit(NamedTuple):
     """The rule applied with one ``T`` per domain: ``P`` pieces laid end to end on one
-    line, domain after domain, and the receivers that take something."""
+    line, domain after domain, and the receivers that take something. The capped rule
+    gives its replicas directly (``replicas``; the line fields are then empty)."""
 
     feasible: np.ndarray  # [D] bool
     piece_expert: np.ndarray  # [P] in line order
     piece_end: np.ndarray  # [P] where each piece ends on the line
     piece_amount: np.ndarray  # [P]
     receivers: tuple[list[int], list[int], list[int]]  # rank, start, end; in line order
+    replicas: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
 
 def _problem(
@@ -165,6 +186,16 @@ def _problem(
     upper = np.zeros(num_domains, dtype=np.int64)
     np.maximum.at(lower, dom_e, -(-demand // copies))
     np.maximum.at(upper, dom, base)
+    over: list[list[tuple[int, list[tuple[int, int]]]]] | None = None
+    if max_rep is not None:
+        over = [[] for _ in range(num_domains)]
+        order = np.lexsort((np.arange(num_ranks), -base))  # M descending, rank ascending
+        starts = np.searchsorted(shed_rank, np.arange(num_ranks + 1)).tolist()
+        exp_list, dem_list = shed_order.tolist(), shed_demand.tolist()
+        for r in order.tolist():
+            a, b = starts[r], starts[r + 1]
+            items = [(d, e) for d, e in zip(dem_list[a:b], exp_list[a:b], strict=True) if d]
+            over[int(dom[r])].append((int(base[r]), items))
     return _Problem(
         shed_order=shed_order,
         shed_dom=dom[shed_rank],
@@ -179,11 +210,74 @@ def _problem(
         lower=np.minimum(lower, upper),
         upper=upper,
         max_replicas=max_rep,
+        over=over,
     )
+
+
+def capped_fit(
+    over: list[tuple[int, list[tuple[int, int]]]],
+    recv: list[tuple[int, int, int]],
+    quota: int,
+    max_rep: int,
+) -> tuple[int, list[tuple[int, int, int]]]:
+    """The capped rule of the module docstring for one domain and one ``quota``.
+
+    ``over``: the domain's ranks as ``(M, [(demand, expert), ...])``, ``M`` descending
+    (lower rank on ties), experts by demand descending (lower id on ties; ranks with
+    ``M <= quota`` are skipped); ``recv``: ``(M, rank, free slots)`` of the ranks with a
+    free slot. Returns ``(shortfall, replicas)``: the excess left unshed (0: ``quota``
+    succeeds) and ``(expert, rank, tokens)`` in the order made. Plain ints: ``quota`` and
+    ``fastquota`` share it."""
+    heap = [(m - quota, rank) for m, rank, free in recv if m < quota]  # (-capacity, rank)
+    heapq.heapify(heap)
+    slots = {rank: free for _, rank, free in recv}
+    out: list[tuple[int, int, int]] = []
+    for i, (m, items) in enumerate(over):
+        if m <= quota:
+            continue
+        excess = m - quota
+        for d, e in items:
+            if excess == 0:
+                break
+            want = min(excess, d)
+            taken = [heapq.heappop(heap) for _ in range(min(max_rep, len(heap)))]
+            for neg, rank in taken:
+                cap = -neg
+                if want:
+                    give = min(want, cap)
+                    out.append((e, rank, give))
+                    cap, want, excess = cap - give, want - give, excess - give
+                    slots[rank] -= 1
+                if cap and slots[rank]:
+                    heapq.heappush(heap, (-cap, rank))
+        if excess:
+            return excess + sum(x - quota for x, _ in over[i + 1 :] if x > quota), out
+    return 0, out
+
+
+def _fit_capped(pb: _Problem, quota: np.ndarray) -> _Fit:
+    """:func:`capped_fit` in every domain, replicas domain after domain."""
+    over, cap = pb.over, pb.max_replicas
+    if over is None or cap is None:
+        raise ValueError("the capped rule needs max_replicas_per_expert")
+    ranks, bases, slots, first = pb.recv_lists
+    feasible = np.zeros(quota.size, dtype=bool)
+    made: list[tuple[int, int, int]] = []
+    for d, t in enumerate(quota.tolist()):
+        lo, hi = first[d], first[d + 1]
+        recv = list(zip(bases[lo:hi], ranks[lo:hi], slots[lo:hi], strict=True))
+        short, out = capped_fit(over[d], recv, t, cap)
+        feasible[d] = short == 0
+        made.extend(out)
+    cols = np.array(made, dtype=np.int64).reshape(-1, 3).T
+    empty = np.zeros(0, dtype=np.int64)
+    return _Fit(feasible, empty, empty, empty, ([], [], []), (cols[0], cols[1], cols[2]))
 
 
 def _fit(pb: _Problem, quota: np.ndarray) -> _Fit:
     """Apply the rule of the module docstring with ``quota`` [D] to every domain at once."""
+    if pb.max_replicas is not None:
+        return _fit_capped(pb, quota)
     shed = np.minimum(np.maximum(pb.shed_above - quota[pb.shed_dom], 0), pb.shed_demand)  # [E]
     give = np.flatnonzero(shed)
     p_exp, p_amt, p_dom = pb.shed_order[give], shed[give], pb.shed_dom[give]
@@ -192,11 +286,7 @@ def _fit(pb: _Problem, quota: np.ndarray) -> _Fit:
     p_end = np.cumsum(p_amt)
     need = np.bincount(p_dom, weights=p_amt, minlength=quota.size).astype(np.int64)
     feasible, receivers = _walk(p_end, np.cumsum(need), quota, pb.recv_lists)
-    fit = _Fit(feasible, p_exp, p_end, p_amt, receivers)
-    if pb.max_replicas is not None:
-        _, count, *_ = _overlaps(fit)
-        feasible &= np.bincount(p_dom, weights=count > pb.max_replicas, minlength=quota.size) == 0
-    return fit
+    return _Fit(feasible, p_exp, p_end, p_amt, receivers)
 
 
 def _walk(
@@ -305,6 +395,8 @@ def _overlaps(fit: _Fit) -> tuple[np.ndarray, ...]:
 
 def _replicas(fit: _Fit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Replicas of a feasible fit in line order: expert, rank and tokens, each [N]."""
+    if fit.replicas is not None:
+        return fit.replicas
     first, count, r_rank, r_start, r_end = _overlaps(fit)
     piece = np.repeat(np.arange(first.size), count)
     recv = first[piece] + np.arange(piece.size) - np.repeat(np.cumsum(count) - count, count)

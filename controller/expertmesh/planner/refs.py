@@ -505,10 +505,13 @@ def quota_fit_ref(
     """One domain: the replicas ``(expert, rank, tokens)`` the rule of
     :mod:`expertmesh.planner.quota` places for ``quota``, in line order, or ``None``
     when the rule fails. ``demand``/``master_rank``: the domain's experts;
-    ``ranks``: the domain's ranks; ``free``: free slots per rank."""
+    ``ranks``: the domain's ranks; ``free``: free slots per rank. With ``max_replicas``,
+    the capped rule."""
     on_rank = {r: 0 for r in ranks}
     for e, r in master_rank.items():
         on_rank[r] += demand[e]
+    if max_replicas is not None:
+        return _quota_fit_capped_ref(demand, master_rank, free, quota, on_rank, cap=max_replicas)
     pieces = []  # (tokens, expert)
     for r in ranks:
         excess = on_rank[r] - quota
@@ -540,6 +543,46 @@ def quota_fit_ref(
             if receivers[q][1] == 0 or receivers[q][2] == 0:
                 q += 1  # full, or out of slots: the rest of its capacity is unused
         if max_replicas is not None and used > max_replicas:
+            return None
+    return out
+
+
+def _quota_fit_capped_ref(
+    demand: dict[int, int],
+    master_rank: dict[int, int],
+    free: dict[int, int],
+    quota: int,
+    on_rank: dict[int, int],
+    *,
+    cap: int,
+) -> list[tuple[int, int, int]] | None:
+    """The capped rule (``quota``'s module doc), one step at a time: overloaded ranks by
+    load descending; each sheds its excess from its experts, largest first, each expert
+    offering what is left of the excess to the ``cap`` receivers with the most
+    room (a free slot each), which take what they can."""
+    ranks = list(on_rank)  # the domain's ranks
+    room = {r: quota - on_rank[r] for r in ranks if free[r] > 0 and on_rank[r] < quota}
+    slots = {r: free[r] for r in room}
+    out = []
+    for r in sorted((r for r in ranks if on_rank[r] > quota), key=lambda r: (-on_rank[r], r)):
+        excess = on_rank[r] - quota
+        for e in sorted((e for e in demand if master_rank[e] == r), key=lambda e: (-demand[e], e)):
+            if excess == 0:
+                break
+            if demand[e] == 0:
+                continue
+            want = min(excess, demand[e])
+            open_ = [q for q in room if room[q] > 0 and slots[q] > 0]
+            for q in sorted(open_, key=lambda q: (-room[q], q))[:cap]:
+                if want == 0:
+                    break
+                take = min(want, room[q])
+                out.append((e, q, take))
+                room[q] -= take
+                slots[q] -= 1
+                want -= take
+                excess -= take
+        if excess > 0:
             return None
     return out
 
