@@ -131,7 +131,13 @@ def test_server_reflection_describes_the_service(live):
     assert {"expertmesh.v1.ExpertMeshService", "grpc.health.v1.Health"} <= services
     pool = descriptor_pool.DescriptorPool(db)  # only what the server told us
     svc = pool.FindServiceByName("expertmesh.v1.ExpertMeshService")
-    assert {m.name for m in svc.methods} == {"ReportLoad", "WatchPlans", "GetPlan", "Solve"}
+    assert {m.name for m in svc.methods} == {
+        "ReportLoad",
+        "WatchPlans",
+        "GetPlan",
+        "Solve",
+        "ReportWindows",
+    }
     get_plan = svc.FindMethodByName("GetPlan")
     request_cls = message_factory.GetMessageClass(get_plan.input_type)
     response_cls = message_factory.GetMessageClass(get_plan.output_type)
