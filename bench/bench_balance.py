@@ -41,6 +41,7 @@ for _root in ("controller", "workers", "proto"):
 from expertmesh.planner import ModelSpec  # noqa: E402 (after the source roots are on sys.path)
 from expertmesh.planner.costmodel import CostSettings  # noqa: E402
 from expertmesh.planner.fastquota import (  # noqa: E402
+    DEFAULTS,
     EXACT,
     BalanceSettings,
     balance_domain,
@@ -55,7 +56,7 @@ SIZES = (8, 16, 64)
 IMBALANCES = (1.5, 2.0, 3.0)
 MASTERS, SPARE, TOP_K, TOKENS_PER_RANK = 4, 2, 8, 8192
 TOLERANCES = (0.0, 0.005, 0.01, 0.02, 0.05)
-SHARES = (0.0, 0.01, 0.02, 0.05)
+SHARES = (0.0, 0.005, 0.01, 0.02, 0.05)
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 MALLOC_VARS = {"MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_": str(512 << 20)}
 
@@ -107,20 +108,21 @@ def speed_rows(seeds: int, repeats: int) -> list[dict[str, Any]]:
     for num_ranks in SIZES:
         masters = static_placement(num_ranks, MASTERS + SPARE, MASTERS * num_ranks, MASTERS)
         p2l_t = torch.from_numpy(masters.phy2log.astype(np.int64))
-        times: dict[str, list[float]] = {"quota": [], "numpy": [], "torch": []}
+        times: dict[str, list[float]] = {"quota": [], "numpy": [], "torch": [], "defaults": []}
         reps, targets = [], set()
         for target, load in loads(num_ranks, seeds):
             targets.add(target)
             load_t = torch.from_numpy(load)
-            sol = balance_domain(load, masters.phy2log)
+            sol = balance_domain(load, masters.phy2log, EXACT)
             old = quota_balance(load, masters)
             if sol.quota != int(old.quota[0]):  # the same answer, or the figures mean nothing
                 raise SystemExit(f"R={num_ranks}: fastquota T {sol.quota} != quota {old.quota}")
             reps.append(sol.replicas.shape[0])
             fns: dict[str, Callable[[], object]] = {
                 "quota": partial(quota_balance, load, masters),
-                "numpy": partial(balance_domain, load, masters.phy2log),
-                "torch": partial(balance_torch, load_t, p2l_t),
+                "numpy": partial(balance_domain, load, masters.phy2log, EXACT),
+                "torch": partial(balance_torch, load_t, p2l_t, EXACT),
+                "defaults": partial(balance_domain, load, masters.phy2log, DEFAULTS),
             }
             for name, sec in median_seconds(fns, repeats).items():
                 times[name].append(sec)
@@ -168,7 +170,7 @@ def economy_rows(seeds: int, model: ModelSpec, cost: CostSettings) -> list[dict[
 
 def speed_table(rows: list[dict[str, Any]]) -> Rendered:
     head = ["ranks", "loads (targets)", "replicas", "quota_balance ms", "numpy ms", "torch ms",
-            "quota / numpy", "quota / torch"]  # fmt: skip
+            "quota / numpy", "quota / torch", "numpy, defaults ms"]  # fmt: skip
     body = [
         [
             f"{r['ranks']}",
@@ -179,6 +181,7 @@ def speed_table(rows: list[dict[str, Any]]) -> Rendered:
             f"{r['torch_ms']:.3f}",
             f"{r['quota_ms'] / r['numpy_ms']:.1f}x",
             f"{r['quota_ms'] / r['torch_ms']:.1f}x",
+            f"{r['defaults_ms']:.3f}",
         ]
         for r in rows
     ]

@@ -9,7 +9,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from expertmesh.planner.fastquota import BalanceSettings, DomainBalance, balance_domain
+from expertmesh.planner.fastquota import (
+    DEFAULTS,
+    EXACT,
+    BalanceSettings,
+    DomainBalance,
+    balance_domain,
+)
 from expertmesh.planner.static import static_placement
 from expertmesh.workers.quota_torch import TorchBalance, balance, balance_torch
 
@@ -67,10 +73,14 @@ def test_an_ep64_like_load_is_equal_and_balanced():
     skew = rng.zipf(1.4, size=256).clip(max=400)
     counts = rng.poisson(60 * skew, size=(64, 256)).astype(np.int64)
     phy2log = static_placement(64, 6, 256, 4).phy2log
-    want = balance_domain(counts, phy2log)
-    assert want.replicas.shape[0] > 20  # the case does balance
-    assert_same(balance_torch(torch.from_numpy(counts), torch.from_numpy(phy2log)).numpy(), want)
-    assert want.rank_tokens.max() == want.quota
+    for econ in (EXACT, DEFAULTS):
+        want = balance_domain(counts, phy2log, econ)
+        assert want.replicas.shape[0] > 20  # the case does balance
+        got = balance_torch(torch.from_numpy(counts), torch.from_numpy(phy2log), econ)
+        assert_same(got.numpy(), want)
+    exact = balance_domain(counts, phy2log, EXACT)
+    assert exact.rank_tokens.max() == exact.quota
+    assert want.replicas.shape[0] < exact.replicas.shape[0]  # the defaults save replicas
 
 
 def test_entry_point_picks_by_input():

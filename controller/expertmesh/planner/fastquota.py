@@ -52,7 +52,6 @@ Figures: ``docs/benchmarks.md`` (``make bench-balance``).
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -67,6 +66,7 @@ from expertmesh.planner.quota import capped_fit
 from expertmesh.planner.topology import Link
 
 __all__ = [
+    "DEFAULTS",
     "EXACT",
     "MAX_EXPERT_TOKENS",
     "BalanceSettings",
@@ -81,19 +81,19 @@ __all__ = [
     "route_rows",
 ]
 
-# The split computes need * tokens and their quotients in float64, exactly: every
-# integer below 2^53 is a float64, so one expert's tokens stay below 2^26 (67M tokens of one
-# expert in one microbatch) and the domain below 2^26 source rows.
-MAX_EXPERT_TOKENS = 1 << 26
+# a product need * tokens in the split must fit in int64: one expert's tokens stay below this
+MAX_EXPERT_TOKENS = 1 << 31
 
 
 class BalanceSettings(BaseModel):
-    """The replica economy of one domain's solve (defaults: ``docs/quota.md``, measured)."""
+    """The replica economy of one domain's solve. The defaults were chosen on the
+    measurements of ``docs/quota.md`` (replicas vs max/mean on skewed loads);
+    :data:`EXACT` is the rule alone."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     tolerance: float = Field(
-        default=0.0,
+        default=0.01,
         ge=0.0,
         le=1.0,
         description="accept T up to (1 + tolerance) x the smallest feasible T when the rule "
@@ -107,7 +107,7 @@ class BalanceSettings(BaseModel):
         "for the cost model's break-even",
     )
     min_replica_share: float = Field(
-        default=0.0,
+        default=0.005,
         ge=0.0,
         le=1.0,
         description="the same as a share of the domain's mean tokens per rank (the larger "
@@ -118,7 +118,9 @@ class BalanceSettings(BaseModel):
     )
 
 
-EXACT = BalanceSettings()  # the rule alone: the smallest T, every replica it makes
+# the rule alone: the smallest T, every replica it makes (quota's own results)
+EXACT = BalanceSettings(tolerance=0.0, min_replica_share=0.0)
+DEFAULTS = BalanceSettings()
 
 
 @dataclass(frozen=True, eq=False)
@@ -335,7 +337,7 @@ def homes(demand: np.ndarray, phy2log: np.ndarray) -> tuple[np.ndarray, np.ndarr
         missing = np.flatnonzero((home_rank < 0) & (demand > 0))
         raise ValueError(f"tokens for experts the domain does not hold: {missing[:8].tolist()}")
     if demand.size and demand.max() >= MAX_EXPERT_TOKENS:
-        raise ValueError(f"an expert has {int(demand.max())} tokens (at most 2^26 - 1)")
+        raise ValueError(f"an expert has {int(demand.max())} tokens (at most 2^31 - 1)")
     empty = np.flatnonzero(flat < 0)
     free = np.bincount(empty // num_slots, minlength=phy2log.shape[0])
     return home_rank, free, empty
@@ -359,9 +361,10 @@ def replica_table(
     slot = empty[np.searchsorted(empty // num_slots, ranks) + nth]
     replicas[:, 0], replicas[:, 1] = np.divmod(slot, num_slots)
     replicas[:, 2] = seg[:, 0]
-    moved = np.bincount(ranks, weights=seg[:, 2], minlength=num_ranks)
-    moved -= np.bincount(home_rank[seg[:, 0]], weights=seg[:, 2], minlength=num_ranks)
-    return replicas, work + moved.astype(np.int64)
+    rank_tokens = work.copy()
+    np.add.at(rank_tokens, ranks, seg[:, 2])
+    np.subtract.at(rank_tokens, home_rank[seg[:, 0]], seg[:, 2])
+    return replicas, rank_tokens
 
 
 def _split(
@@ -371,10 +374,7 @@ def _split(
     the replicas ``seg`` [N, 4] (expert, rank, tokens, j): each copy first takes its own
     rank's tokens; then replica ``j`` of every expert, pass by pass, takes what it still
     needs from the sources' remaining tokens in proportion, floors plus one token each to
-    the largest remainders (lower source first on ties); the home takes the rest.
-
-    Integer arithmetic carried in float64 (exact below 2^53, see ``MAX_EXPERT_TOKENS``):
-    numpy's int64 division is several times slower than its float division."""
+    the largest remainders (lower source first on ties); the home takes the rest."""
     num_src = counts.shape[0]
     n = seg.shape[0]
     if not n:
@@ -384,46 +384,36 @@ def _split(
     k = hot.size
     c_col = np.concatenate([col, np.arange(k)])  # [C]
     c_rank = np.concatenate([seg[:, 1], home_rank[hot]])
-    left = counts.T[hot].astype(np.float64)  # [K, R_src] tokens not yet given to a copy
-    need = np.empty(n + k)
+    left = counts.T[hot]  # [K, R_src] tokens of each source not yet given to a copy
+    need = np.empty(n + k, np.int64)
     need[:n] = seg[:, 2]
-    need[n:] = left.sum(axis=1) - np.bincount(col, weights=seg[:, 2], minlength=k)
+    need[n:] = left.sum(axis=1) - np.bincount(col, weights=seg[:, 2], minlength=k).astype(np.int64)
     own = np.minimum(need, left[c_col, c_rank])  # own rank first
     left[c_col, c_rank] -= own
     need -= own
-    split = np.empty((n + k, num_src))
-    rev = np.arange(num_src - 1, -1, -1, dtype=np.float64)  # remainder ties: lower source
-    order = np.argsort(seg[:, 3], kind="stable")  # replicas pass by pass
-    bounds = np.searchsorted(seg[order, 3], np.arange(int(seg[:, 3].max()) + 2)).tolist()
-    for a, b in itertools.pairwise(bounds):
-        c = order[a:b]
+    split = np.empty((n + k, num_src), np.int64)
+    rev = np.arange(num_src - 1, -1, -1)  # [R_src] remainder ties to the lower source
+    passes = int(seg[:, 3].max()) + 1
+    for j in range(passes):
+        c = np.flatnonzero(seg[:, 3] == j) if passes > 1 else np.arange(n)
         cols = c_col[c]
         w, nd = left[cols], need[c]  # [n_j, R_src], [n_j]
-        num = w * nd[:, None]
-        tot = np.maximum(w.sum(axis=1), 1.0)[:, None]
-        share = np.floor(num / tot)  # the rounded quotient is at most one too large:
-        rem = num - share * tot
-        low = rem < 0
-        if low.any():
-            share -= low
-            rem += low * tot
+        share, rem = np.divmod(w * nd[:, None], np.maximum(w.sum(axis=1), 1)[:, None])
         short = nd - share.sum(axis=1)  # < R_src tokens the floors leave out
         if short.any():
             key = rem * num_src + rev  # distinct within a row
-            cut = np.sort(key, axis=1)[
-                np.arange(c.size), num_src - np.maximum(short, 1).astype(np.int64)
-            ]
-            cut[short == 0] = np.inf
+            cut = np.sort(key, axis=1)[np.arange(c.size), num_src - np.maximum(short, 1)]
+            cut[short == 0] = np.iinfo(np.int64).max
             share += key >= cut[:, None]
         left[cols] = w - share
         split[c] = share
     split[n:] = left
     split[np.arange(n + k), c_rank] += own
-    return c_rank, np.concatenate([seg[:, 0], hot]), split.astype(np.int64)
+    return c_rank, np.concatenate([seg[:, 0], hot]), split
 
 
 def balance_domain(
-    counts: np.ndarray, phy2log: np.ndarray, settings: BalanceSettings = EXACT
+    counts: np.ndarray, phy2log: np.ndarray, settings: BalanceSettings = DEFAULTS
 ) -> DomainBalance:
     """Replicas and token split for one domain's microbatch (module docstring).
 

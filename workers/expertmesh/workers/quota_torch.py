@@ -5,7 +5,7 @@ group and every rank calls :func:`balance` on the same input; the answer is the 
 every rank (plain integer arithmetic, ties by id), so no rank waits for another::
 
     balance(counts [R_src, E] int (torch or numpy), phy2log [R, S] int,
-            settings=BalanceSettings(...), *, impl="auto") -> DomainBalance | TorchBalance
+            settings=DEFAULTS, *, impl="auto") -> DomainBalance | TorchBalance
 
 - ``counts[r, e]``: tokens source row ``r`` sends to expert ``e`` this microbatch; rows
   ``0 .. R-1`` are the domain's ranks in order, rows ``R ..`` (optional) sources outside
@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from expertmesh.planner.fastquota import (
-    EXACT,
+    DEFAULTS,
     BalanceSettings,
     DomainBalance,
     balance_domain,
@@ -117,7 +117,7 @@ def _check(counts: torch.Tensor, phy2log: torch.Tensor) -> tuple[torch.Tensor, n
 
 
 def balance_torch(
-    counts: torch.Tensor, phy2log: torch.Tensor, settings: BalanceSettings = EXACT
+    counts: torch.Tensor, phy2log: torch.Tensor, settings: BalanceSettings = DEFAULTS
 ) -> TorchBalance:
     """The solve of :func:`~expertmesh.planner.fastquota.balance_domain` with the token
     split in torch on ``counts.device`` (module docstring). ``ValueError`` as there."""
@@ -203,7 +203,7 @@ def _split(
 def balance(
     counts: torch.Tensor | np.ndarray,
     phy2log: torch.Tensor | np.ndarray,
-    settings: BalanceSettings = EXACT,
+    settings: BalanceSettings = DEFAULTS,
     *,
     impl: Literal["auto", "numpy", "torch"] = "auto",
 ) -> DomainBalance | TorchBalance:
