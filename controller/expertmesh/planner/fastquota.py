@@ -248,28 +248,41 @@ def _search(pb: Prepared, max_rep: int | None) -> tuple[int, list[Segment]]:
     """The smallest ``T`` for which the rule succeeds, and its replicas.
 
     Invariant: ``lo`` fails (``lower - 1`` at first), ``hi`` succeeds (the static max
-    needs no replica). After a failure the next probe is ``lo`` plus the larger of a gap
-    that doubles (2, 4, 8, ...) and the shortfall over the ranks in play, at most the
-    midpoint; after the first success ``T - 1``, then plain bisection. Without
-    ``max_replicas_per_expert`` the rule is monotone in ``T`` (see ``quota``), so this is
-    the smallest feasible ``T``. With it, where it is not, the probes are ``quota``'s (the
-    doubling gap alone, then bisection), so both end at the same ``T`` (``T - 1`` fails).
+    needs no replica). Until a probe succeeds, each failure steps up to where the
+    shortfall (tokens left unplaced) would reach 0 if it kept falling as it did between
+    the last two failures (at first: one token per rank in play per unit of ``T``), at
+    most to the midpoint; the shortfall falls about linearly where receivers run out of
+    slots, so this lands on or just below the answer. After the first success ``T - 1``,
+    then plain bisection. Without ``max_replicas_per_expert`` the rule is monotone in
+    ``T`` (see ``quota``), so this is the smallest feasible ``T``. With it, where it is
+    not, the probes are ``quota``'s (a doubling gap, then bisection), so both end at the
+    same ``T`` (``T - 1`` fails).
     """
     lo, hi = pb.lower - 1, pb.upper
     best: list[Segment] = []
-    probe, found, gap = pb.lower, False, 1
+    probe, gap, found = pb.lower, 1, False
+    last: tuple[int, int] | None = None  # the last failure's (T, shortfall)
     while hi - lo > 1:
         short, busy, segs = _fit(pb, probe, max_rep)
         if short == 0:
             hi, best = probe, segs
-            bisect = found or max_rep is not None
-            probe = (lo + hi) // 2 if bisect else hi - 1  # stepped up from below: T - 1?
-            found = True
         else:
             lo = probe
+        if hi - lo <= 1:
+            break
+        if max_rep is not None:  # quota's own probes: a doubling gap, then bisection
             gap *= 2
-            step = gap if max_rep is not None else max(gap, -(-short // max(busy, 1)))
-            probe = min(lo + step, (lo + hi) // 2) if not found else (lo + hi) // 2
+            probe = min(lo + gap, (lo + hi) // 2) if hi == pb.upper else (lo + hi) // 2
+        elif found:
+            probe = (lo + hi) // 2
+        elif short > 0:  # the shortfall falls about linearly in T: step to where it is 0
+            drop = 0 if last is None else last[1] - short
+            slope = drop / (probe - last[0]) if last is not None and drop > 0 else busy
+            last = (probe, short)
+            probe = min(lo + max(1, math.ceil(short / slope)), (lo + hi) // 2)
+        else:  # the first success, reached from below: T - 1, then bisection
+            found = True
+            probe = hi - 1
     return hi, best
 
 
@@ -361,10 +374,9 @@ def replica_table(
     slot = empty[np.searchsorted(empty // num_slots, ranks) + nth]
     replicas[:, 0], replicas[:, 1] = np.divmod(slot, num_slots)
     replicas[:, 2] = seg[:, 0]
-    rank_tokens = work.copy()
-    np.add.at(rank_tokens, ranks, seg[:, 2])
-    np.subtract.at(rank_tokens, home_rank[seg[:, 0]], seg[:, 2])
-    return replicas, rank_tokens
+    moved = np.bincount(ranks, weights=seg[:, 2], minlength=work.size)
+    moved -= np.bincount(home_rank[seg[:, 0]], weights=seg[:, 2], minlength=work.size)
+    return replicas, work + moved.astype(np.int64)
 
 
 def _split(
@@ -380,7 +392,8 @@ def _split(
     if not n:
         z = np.zeros(0, np.int64)
         return z, z, np.zeros((0, num_src), np.int64)
-    hot, col = np.unique(seg[:, 0], return_inverse=True)  # [K], [N]
+    hot = np.flatnonzero(np.bincount(seg[:, 0], minlength=counts.shape[1]))  # [K]
+    col = np.searchsorted(hot, seg[:, 0])  # [N]
     k = hot.size
     c_col = np.concatenate([col, np.arange(k)])  # [C]
     c_rank = np.concatenate([seg[:, 1], home_rank[hot]])
