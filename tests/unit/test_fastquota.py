@@ -17,6 +17,7 @@ from expertmesh.planner.fastquota import (
     BalanceSettings,
     balance_domain,
     replica_min_tokens,
+    reuse_slots,
     route_rows,
 )
 from expertmesh.planner.quota import quota_balance
@@ -194,6 +195,29 @@ def test_replica_break_even_by_the_cost_model():
     assert replica_min_tokens(model, Link(gbps=80, latency_ms=1.0), cost) < replica_min_tokens(
         model, link, cost
     )
+
+
+def test_replicas_that_repeat_keep_the_slot_that_holds_their_weights():
+    rng = np.random.default_rng(11)
+    phy2log = static_placement(8, 6, 32, 4).phy2log
+    skew = rng.zipf(1.4, size=32).clip(max=80)
+    first = rng.poisson(50 * skew, size=(8, 32)).astype(np.int64)
+    second = rng.poisson(50 * skew * rng.uniform(0.5, 1.5, 32), size=(8, 32)).astype(np.int64)
+    a = balance_domain(first, phy2log, EXACT)
+    cached = phy2log.copy()
+    cached[a.replicas[:, 0], a.replicas[:, 1]] = a.replicas[:, 2]
+    b = balance_domain(second, phy2log, EXACT)
+    seated, fresh = reuse_slots(b.replicas, phy2log, cached)
+    assert np.array_equal(seated[:, [0, 2]], b.replicas[:, [0, 2]])  # same ranks, experts
+    again = {(r, e) for r, _, e in a.replicas.tolist()}
+    repeat = np.array([(r, e) in again for r, _, e in b.replicas.tolist()])
+    assert repeat.any() and not repeat.all()  # the case has both kinds
+    assert np.array_equal(fresh, ~repeat)
+    assert (cached[seated[~fresh, 0], seated[~fresh, 1]] == seated[~fresh, 2]).all()
+    assert (phy2log[seated[:, 0], seated[:, 1]] == -1).all()  # free slots only
+    assert len({(r, s) for r, s, _ in seated.tolist()}) == len(seated)  # one replica a slot
+    nothing = reuse_slots(b.replicas, phy2log, phy2log)  # no cache: lowest free slots
+    assert np.array_equal(nothing[0], b.replicas) and nothing[1].all()
 
 
 def test_bad_input_is_a_value_error():

@@ -79,6 +79,7 @@ __all__ = [
     "prepare",
     "replica_min_tokens",
     "replica_table",
+    "reuse_slots",
     "route_rows",
 ]
 
@@ -453,6 +454,39 @@ def balance_domain(
         split=split,
         rank_tokens=rank_tokens,
     )
+
+
+def reuse_slots(
+    replicas: np.ndarray, phy2log: np.ndarray, cached: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Seat ``replicas`` [N, 3] ``(rank, slot, expert)`` (a result's) where their weights
+    already are: a replica goes to a free slot of its rank that ``cached`` [R, S] says
+    holds its expert (what every slot holds now: last microbatch's replicas in the free
+    slots of ``phy2log`` [R, S]; -1 empty), the others, in line order, to the lowest free
+    slots left. Returns the re-seated replicas [N, 3] (same ranks and experts) and
+    ``fresh`` [N] bool: the weights must be sent. ``ValueError`` on shapes that differ
+    or more replicas on a rank than it has free slots."""
+    replicas, phy2log, cached = (np.asarray(x, np.int64) for x in (replicas, phy2log, cached))
+    if cached.shape != phy2log.shape or replicas.ndim != 2 or replicas.shape[1] != 3:
+        raise ValueError(f"cached {cached.shape} must match phy2log {phy2log.shape}")
+    free = phy2log < 0
+    out = replicas.copy()
+    fresh = np.ones(replicas.shape[0], bool)
+    taken: set[tuple[int, int]] = set()
+    rows = replicas.tolist()
+    for i, (r, _, e) in enumerate(rows):
+        hit = np.flatnonzero(free[r] & (cached[r] == e))
+        if hit.size and (r, int(hit[0])) not in taken:
+            out[i, 1], fresh[i] = hit[0], False
+            taken.add((r, int(hit[0])))
+    for i, (r, _, _) in enumerate(rows):
+        if fresh[i]:
+            slot = next((int(x) for x in np.flatnonzero(free[r]) if (r, int(x)) not in taken), -1)
+            if slot < 0:
+                raise ValueError(f"rank {r} has more replicas than free slots")
+            out[i, 1] = slot
+            taken.add((r, slot))
+    return out, fresh
 
 
 def route_rows(result: DomainBalance, counts: np.ndarray) -> np.ndarray:
