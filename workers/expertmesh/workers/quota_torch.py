@@ -22,6 +22,9 @@ every rank (plain integer arithmetic, ties by id), so no rank waits for another:
   used), ``smallest``, ``lower_bound`` (ints).
 - ``settings``: :class:`~expertmesh.planner.fastquota.BalanceSettings` (tolerance,
   minimum tokens per replica, bound on replicas per expert; ``docs/quota.md``).
+- Replicas that repeat from the last microbatch: ``fastquota.reuse_slots(replicas,
+  phy2log, cached)`` moves them to the slot that still holds their weights and says which
+  replicas need weights sent (``fresh``).
 - ``impl``: ``"numpy"`` (:func:`~expertmesh.planner.fastquota.balance_domain`; CPU
   tensors are shared with numpy, not copied), ``"torch"`` (:func:`balance_torch`), or
   ``"auto"``: numpy for CPU tensors and numpy arrays (fewer, cheaper calls:
