@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from expertmesh.planner import ModelSpec, Placement, rank_tokens
+from expertmesh.planner import ModelSpec, Placement, fastquota, rank_tokens
 from expertmesh.planner.costmodel import CostSettings
 from expertmesh.planner.fastquota import (
     EXACT,
@@ -220,7 +220,28 @@ def test_replicas_that_repeat_keep_the_slot_that_holds_their_weights():
     assert np.array_equal(nothing[0], b.replicas) and nothing[1].all()
 
 
-def test_bad_input_is_a_value_error():
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(domains(max_ranks=12), st.sampled_from([None, 1]), st.sampled_from([0.0, 0.05]))
+def test_the_list_and_numpy_setups_agree(case, max_rep, tol):
+    counts, phy2log, _ = case
+    econ = BalanceSettings(max_replicas_per_expert=max_rep, tolerance=tol, min_replica_share=0.01)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fastquota, "SMALL_DOMAIN_SLOTS", 10**9)
+        lists = balance_domain(counts, phy2log, econ)
+        mp.setattr(fastquota, "SMALL_DOMAIN_SLOTS", -1)
+        arrays = balance_domain(counts, phy2log, econ)
+    assert (lists.quota, lists.smallest, lists.lower_bound) == (
+        arrays.quota,
+        arrays.smallest,
+        arrays.lower_bound,
+    )
+    for f in ("replicas", "replica_tokens", "home_rank", "copy_rank", "split", "rank_tokens"):
+        assert np.array_equal(getattr(lists, f), getattr(arrays, f)), f
+
+
+@pytest.mark.parametrize("small", [10**9, -1])
+def test_bad_input_is_a_value_error(small, monkeypatch):
+    monkeypatch.setattr(fastquota, "SMALL_DOMAIN_SLOTS", small)
     p2l = static_placement(4, 2, 4, 1).phy2log
     with pytest.raises(ValueError, match="source rows"):
         balance_domain(GOLDEN_LOAD[:3], p2l)

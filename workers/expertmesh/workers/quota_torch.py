@@ -52,9 +52,8 @@ from expertmesh.planner.fastquota import (
     DomainBalance,
     balance_domain,
     choose,
-    homes,
-    prepare,
     replica_table,
+    setup,
 )
 
 __all__ = ["TorchBalance", "balance", "balance_torch"]
@@ -130,8 +129,7 @@ def balance_torch(
     if counts.numel() and int(counts.min()) < 0:
         raise ValueError("load has negative token counts")
     demand = demand_t.cpu().numpy()
-    home_rank, free, empty = homes(demand, p2l)
-    pb = prepare(demand, home_rank, free, settings.max_replicas_per_expert)
+    pb, home_rank, empty = setup(demand, p2l, settings.max_replicas_per_expert)
     quota, smallest, segs = choose(pb, settings)
     seg = np.array(segs, np.int64).reshape(-1, 4)  # [N] expert, rank, tokens, j
     replicas, rank_tokens = replica_table(seg, empty, p2l.shape[1], home_rank, pb.work)
