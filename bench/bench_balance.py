@@ -194,7 +194,7 @@ def economy_tables(rows: list[dict[str, float]]) -> list[Rendered]:
     out = []
     for num_ranks in sorted({int(r["ranks"]) for r in rows}, reverse=True):
         mine = [r for r in rows if r["ranks"] == num_ranks]
-        head = ["tolerance \\ min_replica_share", *(f"{x:.2f}" for x in SHARES)]
+        head = ["tolerance \\ min_replica_share", *(f"{x:g}" for x in SHARES)]
         body = []
         for tol in TOLERANCES:
             cells = {r["share"]: r for r in mine if r["tolerance"] == tol}
