@@ -433,7 +433,6 @@ def replica_table(
     what the replicas take from their homes). A rank's replicas need not be consecutive
     (the capped rule returns to a receiver)."""
     ranks = seg[:, 1]
-    num_ranks = work.size
     order = np.argsort(ranks, kind="stable")  # by rank, line order inside a rank
     by_rank = ranks[order]
     nth = np.empty(ranks.size, np.int64)  # earlier replicas on the same rank
