@@ -14,23 +14,16 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from expertmesh.controller.core import ControllerCore, ControllerSettings
 from expertmesh.controller.server import Surfaces
 from expertmesh.controller.settings import SurfaceSettings
-from expertmesh.planner import ModelSpec, Topology
 from expertmesh.v1 import expertmesh_pb2 as pb
 
+from .test_surfaces import E, L, R, _core  # the same small controller
+
 TOKEN = "edge-token"
-R, E, L = 4, 8, 2
 SERVICE = "/expertmesh.v1.ExpertMeshService"
 # Not protobuf: field 1 declared as 100 bytes long with 3 present; a tag with field number 0.
 GARBAGE = (b"\x0a\x64abc", b"\x00\x01\x02", b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01")
-
-
-def _core() -> ControllerCore:
-    topo = Topology.generate(dcs=2, ranks_per_dc=2, masters=2, spare=1)
-    model = ModelSpec(num_layers=L, num_experts=E, top_k=2, hidden=16, ffn_hidden=8)
-    return ControllerCore(topo, model, ControllerSettings(trigger={"mode": "every_step"}))
 
 
 @pytest.fixture
