@@ -66,8 +66,10 @@ def test_unregistered_policies_are_skipped_not_crashed():
 
 
 def test_the_simulation_is_deterministic():
-    a = simulate(_source(3), TOPO, MODEL, ["static", "hybrid", "fastermoe"])
-    b = simulate(_source(3), TOPO, MODEL, ["static", "hybrid", "fastermoe"])
+    # measured solve seconds on the critical path are the one thing that is not
+    cost = CostSettings(solve_on_critical_path=False)
+    a = simulate(_source(3), TOPO, MODEL, ["static", "hybrid", "fastermoe"], cost=cost)
+    b = simulate(_source(3), TOPO, MODEL, ["static", "hybrid", "fastermoe"], cost=cost)
     for ra, rb in zip(a.runs, b.runs, strict=True):
         assert [r.seconds for r in ra.rows] == [r.seconds for r in rb.rows]
 
@@ -284,3 +286,42 @@ def test_quota_traffic_equals_its_route_up_to_rounding(seed, domain):
     assert np.abs(fast.rank_out - exact.rank_out).max() <= bound
     assert np.abs(fast.rank_in - exact.rank_in).max() <= bound
     assert fast.pair_tokens.sum() == pytest.approx(exact.pair_tokens.sum(), abs=bound)
+
+
+def test_microbatch_replica_fanout_is_charged_on_the_critical_path():
+    """quota's replicas are placed every microbatch: the seconds their weights take to land
+    beyond the dispatch window are in the step (exposed_seconds), hand-checked here."""
+    from expertmesh.planner.costmodel import migration_streams, step_cost, transfer_seconds
+    from expertmesh.planner.migration import plan_migration
+
+    topo = Topology.generate(1, 6, masters=2, spare=2)  # one DC: dispatch is short
+    cost = CostSettings(solve_on_critical_path=False)
+    model = MODEL.model_copy(update={"num_layers": 1, "ffn_hidden": 65536})  # heavy copies
+    s = TraceSettings(num_ranks=6, num_experts=8, num_layers=1, num_steps=3, top_k=2,
+                      tokens_per_rank=256, imbalance=2.0, drift=0.3, seed=3)  # fmt: skip
+    load = generate_trace(s).load
+    res = simulate(dense_source(load), topo, model, ["quota", "static"], cost=cost)
+    assert all(r.exposed_seconds == 0.0 for r in res.run("static").rows)
+    pol, prev, plans = make_policy("quota"), None, []
+    for t in range(3):
+        ctx = PolicyContext(topology=topo, model=model, step=t, layer=0, load=load[t, 0],
+                            history=np.zeros((0, 6, 8), np.int64), previous=prev)  # fmt: skip
+        prev = plan_layer(pol, ctx)
+        plans.append(prev)
+    checked = 0
+    for t in (1, 2):
+        mig = plan_migration(plans[t - 1].placement, plans[t].placement, topo, model)
+        reps = [x for x in mig.transfers if x.kind != "master"]
+        if not reps:
+            continue
+        streams = migration_streams(
+            np.array([x.src_rank for x in reps]), np.array([x.dst_rank for x in reps]),
+            np.full(len(reps), float(model.expert_bytes)), topo,
+        )  # fmt: skip
+        fan = transfer_seconds(streams, topo)
+        traffic = traffic_from_route(plans[t].route, load[t, 0], topo, model.top_k)
+        dispatch = step_cost(topo, model, traffic).phases["dispatch"]
+        row = res.run("quota").rows[t]
+        assert fan > dispatch and row.exposed_seconds == pytest.approx(fan - dispatch)
+        checked += 1
+    assert checked, "the trace must make quota place new replicas"

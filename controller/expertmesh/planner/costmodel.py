@@ -48,6 +48,7 @@ __all__ = [
     "placement_cost",
     "replica_streams",
     "step_cost",
+    "transfer_seconds",
 ]
 
 PHASES = ("dispatch", "compute_fwd", "combine", "combine_bwd", "compute_bwd", "dispatch_bwd")
@@ -80,6 +81,12 @@ class CostSettings(BaseModel):
         default=True,
         description="a token crosses a DC pair once however many of its experts are there "
         "(False: once per top-k assignment)",
+    )
+    solve_on_critical_path: bool = Field(
+        default=True,
+        description="the simulator charges a per-microbatch policy's measured solve CPU time "
+        "(with its replica fan-out) where dispatch does not hide it (False: fan-out only, "
+        "deterministic)",
     )
     message_seconds: float = Field(
         default=0.0,
@@ -290,18 +297,43 @@ def migration_streams(
     )
 
 
+def transfer_seconds(streams: ExpertStreams, topology: Topology) -> float:
+    """Seconds until every byte of ``streams`` (tail and background alike) has arrived when
+    they all start together: the slowest DC pair (``L_ab + bytes / B_ab``, pairs summed by
+    key) or rank port (full duplex, node fabric and NIC). What a microbatch waits for when
+    its replicas' weights must land before their tokens compute (docs/cost-model.md)."""
+    num_dcs = topology.num_dcs
+    t = 0.0
+    if streams.pair_src.size:
+        key = streams.pair_src * num_dcs + streams.pair_dst
+        keys, inv = _index(key, num_dcs * num_dcs)
+        nb = np.bincount(inv, weights=streams.pair_tail + streams.pair_background)
+        a, b = keys // num_dcs, keys % num_dcs
+        bw = topology.dc_gbps[a, b] * 1e9 / 8.0
+        lat = topology.dc_latency_ms[a, b] / 1e3
+        t = float(np.max(np.where(nb > 0, lat + nb / bw, 0.0), initial=0.0))
+    ports = streams.port_tail + streams.port_background  # [R, 4]
+    node, nic = topology.intra_node, topology.intra_dc
+    node_t = _port_time(ports[:, _NODE_OUT], ports[:, _NODE_IN], node.bytes_per_second,
+                        node.latency_s)  # fmt: skip
+    nic_t = _port_time(ports[:, _NIC_OUT], ports[:, _NIC_IN], nic.bytes_per_second, nic.latency_s)
+    return max(t, float(np.max(np.maximum(node_t, nic_t), initial=0.0)))
+
+
 def crossings(traffic: TokenTraffic, top_k: int, hierarchical: bool = True) -> np.ndarray:
     """[P] tokens that cross each DC pair of ``traffic`` in one direction of one phase.
 
-    Exact when the traffic carries ``pair_crossings``. Else, with hierarchical dispatch, the
-    expected number of distinct tokens under independent top-k draws:
-    ``n_s * (1 - (1 - a / (n_s * k)) ** k)`` for ``a`` assignments of the ``n_s`` tokens of
-    the source DC (docs/cost-model.md); without it, one crossing per assignment.
+    Flat all-to-all (``hierarchical=False``): one crossing per assignment. Hierarchical: exact
+    when the traffic carries ``pair_crossings``, else the expected number of distinct tokens
+    under independent top-k draws: ``n_s * (1 - (1 - a / (n_s * k)) ** k)`` for ``a``
+    assignments of the ``n_s`` tokens of the source DC (docs/cost-model.md).
     """
+    a = traffic.pair_tokens
+    if not hierarchical:  # flat all-to-all: every assignment crosses on its own
+        return a
     if traffic.pair_crossings is not None:
         return traffic.pair_crossings
-    a = traffic.pair_tokens
-    if not hierarchical or top_k == 1:
+    if top_k == 1:
         return a
     return expected_crossings(traffic.dc_tokens[traffic.pair_src], a, top_k)
 

@@ -109,6 +109,8 @@ class FasterMoEPolicy(Policy):
     relabel_ranks = False
     #: the even split its route uses: own rank's copy, else the only copy (the master)
     even_split: ClassVar[tuple[str, str]] = ("rank", "spread")
+    #: shadows are chosen on each microbatch's load and broadcast before they compute
+    microbatch_copies: ClassVar[str] = "all"
 
     @property
     def cfg(self) -> FasterMoESettings:

@@ -56,6 +56,7 @@ simulator charge.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import ClassVar, Literal, cast
 
@@ -221,6 +222,8 @@ class _Pairs:
 
     def _bytes(self, remaining: np.ndarray, dcs: np.ndarray) -> np.ndarray:
         k, tb = self.inp.model.top_k, float(self.inp.model.token_bytes)
+        if not self.inp.cfg.cost.hierarchical:  # flat all-to-all: every assignment crosses
+            return np.asarray(remaining, dtype=np.float64) * tb
         return expected_crossings(self.inp.dc_tokens[dcs], remaining, k) * tb
 
     def options(self, j_cur: np.ndarray | None) -> dict[str, np.ndarray]:
@@ -618,6 +621,14 @@ class HybridPolicy(Policy):
     def __init__(self, settings: PolicySettings | None = None) -> None:
         super().__init__(settings)
         self._last: tuple[PolicyContext, DomainSolution, TokenTraffic] | None = None
+        #: CPU seconds of the last ``place``'s microbatch part (quota inside the DCs); the
+        #: slow loop's solve runs beside training and is not in it
+        self.microbatch_seconds = 0.0
+
+    @property
+    def microbatch_copies(self) -> str | None:
+        """What is decided every microbatch: with ``inside="quota"``, replicas inside DCs."""
+        return "in_dc" if self.cfg.inside == "quota" else None
 
     @property
     def cfg(self) -> HybridSettings:
@@ -640,12 +651,16 @@ class HybridPolicy(Policy):
         if not replan and self.cfg.inside == "split":
             return cast(Placement, prev)
         # between re-plans the base is last microbatch's holder sets, nothing moved
-        base = self._plan(ctx, prev) if replan else rehome(cast(Placement, prev), ctx.load, t)
+        base = self._plan(ctx, prev) if replan else None
         if self.cfg.inside == "split":
-            return base
+            return cast(Placement, base)
+        t0 = time.process_time()
+        if base is None:
+            base = rehome(cast(Placement, prev), ctx.load, t)
         before = prev.holds() if prev is not None else None
         sol, traffic, _ = compose(ctx.load, base, t, ctx.model, self.cfg, before=before)
         self._last = (ctx, sol, traffic)
+        self.microbatch_seconds = time.process_time() - t0
         return sol.placement
 
     def _plan(self, ctx: PolicyContext, prev: Placement | None) -> Placement:

@@ -538,6 +538,8 @@ class QuotaPolicy(Policy):
     name = "quota"
     Settings = QuotaSettings
     relabel_ranks: ClassVar[bool] = False
+    #: solved every microbatch on the critical path; every replica's weights fan out then
+    microbatch_copies: ClassVar[str] = "all"
 
     def __init__(self, settings: PolicySettings | None = None) -> None:
         super().__init__(settings)

@@ -37,6 +37,7 @@ from expertmesh.planner.costmodel import (
     migration_streams,
     replica_streams,
     step_cost,
+    transfer_seconds,
 )
 from expertmesh.planner.migration import align_placement, plan_migration
 from expertmesh.planner.model import ModelSpec
@@ -54,7 +55,7 @@ EVEN_SPLITS: dict[str, tuple[str, str]] = {"static": ("global", "spread"), "eplb
 
 COLUMNS = (
     "policy", "step", "seconds", "imbalance", "cross_dc_token_bytes", "cross_dc_weight_bytes",
-    "migration_bytes", "replicas", "solve_seconds", "bottleneck",
+    "migration_bytes", "replicas", "solve_seconds", "exposed_seconds", "bottleneck",
 )  # fmt: skip
 
 
@@ -86,6 +87,7 @@ class StepRow:
     migration_bytes: float
     replicas: int
     solve_seconds: float
+    exposed_seconds: float
     bottleneck: str
 
     def values(self) -> tuple[object, ...]:
@@ -177,6 +179,9 @@ class _PolicyState:
         self.split = tuple(split) if split is not None else None
         enc = getattr(policy, "transfer_encoding", None)
         self.encoding = enc if isinstance(enc, TransferEncoding) else TransferEncoding()
+        #: what the policy decides every microbatch on the critical path (None: nothing):
+        #: "all" its copies, "in_dc" its copies inside a DC (cross-DC ones are the slow loop's)
+        self.microbatch = getattr(policy, "microbatch_copies", None)
         self.run = PolicyRun(name)
 
 
@@ -257,7 +262,7 @@ def simulate(
 def _step(st: _PolicyState, world: _World, t: int, step_load: np.ndarray) -> StepRow:
     """Plan and cost every layer of one step for one policy."""
     topology, model, cost = world.topology, world.model, world.cost
-    seconds = imb = tok_bytes = w_bytes = mig_bytes = solve = 0.0
+    seconds = imb = tok_bytes = w_bytes = mig_bytes = solve = exposed = 0.0
     replicas = 0
     bottleneck = ""
     num_layers = step_load.shape[0]
@@ -276,6 +281,7 @@ def _step(st: _PolicyState, world: _World, t: int, step_load: np.ndarray) -> Ste
         )
         t0 = time.process_time()
         placement = st.policy.place(ctx)
+        place_seconds = time.process_time() - t0
         if prev is not None and placement is not prev.placement:
             relabel = bool(getattr(st.policy, "relabel_ranks", False))
             placement = align_placement(prev.placement, placement, topology, relabel)
@@ -290,6 +296,7 @@ def _step(st: _PolicyState, world: _World, t: int, step_load: np.ndarray) -> Ste
         changed = prev is not None and not np.array_equal(prev.placement.phy2log, placement.phy2log)
         streams = _sync_streams(st, world, layer, placement)
         migration = Migration()
+        fanout = 0.0  # seconds until this microbatch's replica weights have landed
         if changed and prev is not None:
             migration = plan_migration(prev.placement, placement, topology, model)
             gap = max(1, t - st.changed_at[layer])
@@ -297,7 +304,19 @@ def _step(st: _PolicyState, world: _World, t: int, step_load: np.ndarray) -> Ste
             nbytes, src, dst = _migration_bytes(st, world, (layer, t), migration, prev.placement)
             mig_bytes += float(nbytes.sum())
             streams = streams + migration_streams(src, dst, nbytes, topology, scale=1.0 / gap)
+            if st.microbatch is not None:
+                fanout = _fanout_seconds(st.microbatch, migration, (nbytes, src, dst), topology)
         c = step_cost(topology, model, traffic, streams, cost)
+        if st.microbatch is not None:
+            # the microbatch's solve and replica fan-out run while the tokens for copies
+            # already in place are dispatched (FEPLB's two-phase dispatch); what is left
+            # over waits on the critical path (docs/cost-model.md: charging everything)
+            fast = getattr(st.policy, "microbatch_seconds", None)
+            fast = place_seconds if fast is None else float(fast)
+            fast = fast if cost.solve_on_critical_path else 0.0
+            lost = max(0.0, fast + fanout - c.phases.get("dispatch", 0.0))
+            exposed += lost
+            seconds += lost
         st.prev[layer] = LayerPlan(placement=placement, route=route, migration=migration)
         seconds += c.seconds
         imb += c.imbalance / num_layers
@@ -307,8 +326,28 @@ def _step(st: _PolicyState, world: _World, t: int, step_load: np.ndarray) -> Ste
         if layer == 0:
             bottleneck = c.bottleneck
     return StepRow(
-        st.name, t, seconds, imb, tok_bytes, w_bytes, mig_bytes, replicas, solve, bottleneck
-    )
+        st.name, t, seconds, imb, tok_bytes, w_bytes, mig_bytes, replicas, solve, exposed,
+        bottleneck,
+    )  # fmt: skip
+
+
+def _fanout_seconds(
+    mode: str,
+    migration: Migration,
+    transfers: tuple[np.ndarray, np.ndarray, np.ndarray],
+    topology: Topology,
+) -> float:
+    """Seconds the microbatch's new replicas take to arrive, all sent at once (``mode``
+    ``"all"``: every replica transfer; ``"in_dc"``: those inside one DC)."""
+    nbytes, src, dst = transfers
+    n = len(migration.transfers)
+    replica = np.fromiter((x.kind != TransferKind.MASTER for x in migration.transfers), bool, n)
+    if mode == "in_dc":
+        replica &= topology.rank_dc[src] == topology.rank_dc[dst]
+    if not replica.any():
+        return 0.0
+    streams = migration_streams(src[replica], dst[replica], nbytes[replica], topology)
+    return transfer_seconds(streams, topology)
 
 
 def _fast_traffic(
