@@ -104,7 +104,13 @@ def test_sweep_runs_both_kinds():
     assert [(p.kind, p.x) for p in pts] == [
         ("bandwidth", 10), ("bandwidth", 1), ("dcs", 2), ("dcs", 4)
     ]  # fmt: skip
-    assert pts[3].topology.num_dcs == 4 and pts[1].topology.inter_dc.gbps == 1
+    # 8 experts fill the 4 master slots of 2 ranks: one DC is an EP group, DCs are groups
+    assert pts[3].topology.num_dcs == 1 and pts[3].groups == 4
+    assert pts[1].topology.inter_dc.gbps == 1 and pts[1].groups == 2
+    one = load_sweep_config(cfg.model_dump() | {"bandwidth": None, "dcs": {
+        "topology": {"ranks_per_dc": 2, "ep_dcs": 4}, "counts": [4]}})  # fmt: skip
+    (p,) = run_sweep(one)
+    assert p.groups == 1 and p.topology.num_dcs == 4
 
 
 def test_sweep_config_rejects_unknown_keys():
@@ -325,3 +331,44 @@ def test_microbatch_replica_fanout_is_charged_on_the_critical_path():
         assert fan > dispatch and row.exposed_seconds == pytest.approx(fan - dispatch)
         checked += 1
     assert checked, "the trace must make quota place new replicas"
+
+
+def test_ep_groups_fill_master_slots_and_divide_the_dcs():
+    from expertmesh.sim.groups import auto_group_dcs
+
+    assert auto_group_dcs(1000, 8, 256, 4) == 8  # EP64: 8 DCs x 8 ranks x 4 masters
+    assert auto_group_dcs(125, 8, 256, 4) == 125  # 8 does not divide 125: one group
+    assert auto_group_dcs(4, 8, 256, 4) == 4  # fewer DCs than a group needs
+    assert auto_group_dcs(6, 2, 8, 2) == 2
+    with pytest.raises(ValueError):
+        auto_group_dcs(0, 8, 256, 4)
+
+
+def test_the_world_waits_for_its_slowest_group_plus_the_gradient_all_reduce():
+    from expertmesh.sim.groups import dp_seconds, simulate_groups
+
+    group = Topology.generate(2, 2, masters=2, spare=2, inter_dc_gbps=1.0, inter_dc_latency_ms=5)
+    model = MODEL.model_copy(update={"num_layers": 1})
+    traces = {}
+
+    def trace(g):
+        s = TraceSettings(num_ranks=4, num_experts=8, num_layers=1, num_steps=3, top_k=2,
+                          tokens_per_rank=128 * (g + 1), imbalance=1.5, seed=g)  # fmt: skip
+        traces[g] = dense_source(generate_trace(s).load)
+        return traces[g]
+
+    cost = CostSettings(solve_on_critical_path=False, microbatches_per_update=2)
+    world = simulate_groups(group, 3, trace, model, ["static", "hybrid"], cost=cost)
+    # by hand: the most masters one DC holds (4 of 8 experts), reduce + broadcast, 2 levels
+    nbytes = 4 * model.expert_params * model.grad_bytes
+    dp = (2 * nbytes / (1e9 / 8) + 2 * 2 * 0.005) / 2
+    assert world.dp_seconds == pytest.approx(dp) == dp_seconds(group, 3, model, cost)
+    for name in ("static", "hybrid"):
+        alone = [simulate(traces[g], group, model, [name], cost=cost).run(name) for g in range(3)]
+        rows = world.run(name).rows
+        for t in range(3):
+            assert rows[t].seconds == pytest.approx(max(a.rows[t].seconds for a in alone) + dp)
+            assert rows[t].cross_dc_token_bytes == pytest.approx(
+                sum(a.rows[t].cross_dc_token_bytes for a in alone)
+            )
+    assert simulate_groups(group, 1, trace, model, ["static"], cost=cost).dp_seconds == 0.0

@@ -116,8 +116,13 @@ class PolicyRun:
 
 @dataclass
 class SimResult:
+    """Every policy's rows; ``num_groups`` EP groups (:mod:`expertmesh.sim.groups`) whose
+    cross-group gradient all-reduce adds ``dp_seconds`` to every step."""
+
     runs: list[PolicyRun]
     wall_seconds: float = 0.0
+    num_groups: int = 1
+    dp_seconds: float = 0.0
 
     def run(self, name: str) -> PolicyRun | None:
         return next((r for r in self.runs if r.name == name and r.skipped is None), None)

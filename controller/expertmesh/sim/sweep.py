@@ -30,7 +30,8 @@ from expertmesh.planner.costmodel import CostSettings
 from expertmesh.planner.model import ModelSpec
 from expertmesh.planner.topology import Topology
 from expertmesh.planner.trace import TraceSettings, generate_trace
-from expertmesh.sim.engine import SimResult, dense_source, simulate
+from expertmesh.sim.engine import LoadSource, SimResult, dense_source
+from expertmesh.sim.groups import auto_group_dcs, simulate_groups
 
 __all__ = ["SweepConfig", "SweepPoint", "load_sweep_config", "run_sweep"]
 
@@ -51,6 +52,12 @@ class TopologySpec(_Strict):
     spare: int = Field(default=2, ge=0, le=4096)
     inter_dc_gbps: float = Field(default=10.0, gt=0)
     inter_dc_latency_ms: float = Field(default=20.0, ge=0)
+    ep_dcs: int | None = Field(
+        default=None,
+        ge=1,
+        description="DCs per data-parallel EP group (None: the fewest whose master slots hold "
+        "every expert, when that divides dcs; = dcs: one group); see expertmesh.sim.groups",
+    )
 
     def build(self, **override: Any) -> Topology:
         spec = self.model_copy(update=override)
@@ -63,6 +70,14 @@ class TopologySpec(_Strict):
             inter_dc_gbps=spec.inter_dc_gbps,
             inter_dc_latency_ms=spec.inter_dc_latency_ms,
         )
+
+    def grouped(self, num_experts: int, **override: Any) -> tuple[Topology, int]:
+        """The topology of one EP group and the number of groups (1: the whole world)."""
+        spec = self.model_copy(update=override)
+        per = spec.ep_dcs or auto_group_dcs(spec.dcs, spec.ranks_per_dc, num_experts, spec.masters)
+        if spec.dcs % per:
+            raise ValueError(f"sweep config: ep_dcs {per} does not divide {spec.dcs} DCs")
+        return spec.build(dcs=per), spec.dcs // per
 
 
 class TraceSpec(_Strict):
@@ -102,7 +117,23 @@ class BandwidthSweep(_Strict):
 
 class DCSweep(_Strict):
     topology: TopologySpec = TopologySpec()
-    counts: list[PositiveInt] = Field(default=[8, 32, 125, 250, 500, 1000], min_length=1)
+    counts: list[PositiveInt] = Field(default=[8, 32, 128, 256, 512, 1000], min_length=1)
+    steps: int | None = Field(default=None, ge=1, description="override trace.steps here")
+    scale_gbps: list[PositiveFloat] = Field(
+        default_factory=list,
+        description="also run the largest count at each of these inter-DC bandwidths "
+        "(points of kind 'scale', x = Gbit/s)",
+    )
+
+
+class RegimeSweep(_Strict):
+    """Bandwidth x microbatches per optimizer update x tokens per rank on one topology (the
+    regimes where a copy is worth its sync); points of kind 'regime'."""
+
+    topology: TopologySpec = TopologySpec(dcs=8, ranks_per_dc=8)
+    gbps: list[PositiveFloat] = Field(default=[400, 10, 0.1], min_length=1)
+    microbatches_per_update: list[PositiveInt] = Field(default=[1, 16], min_length=1)
+    tokens_per_rank: list[PositiveInt] = Field(default=[8192], min_length=1)
     steps: int | None = Field(default=None, ge=1, description="override trace.steps here")
 
 
@@ -114,6 +145,7 @@ class SweepConfig(_Strict):
     trace: TraceSpec = TraceSpec()
     bandwidth: BandwidthSweep | None = BandwidthSweep()
     dcs: DCSweep | None = DCSweep()
+    regime: RegimeSweep | None = None
 
 
 def load_sweep_config(data: Any) -> SweepConfig:
@@ -132,25 +164,56 @@ def load_sweep_config(data: Any) -> SweepConfig:
 
 @dataclass
 class SweepPoint:
-    """One point of a sweep: ``kind`` is ``"bandwidth"`` (x in Gbit/s) or ``"dcs"``."""
+    """One point of a sweep: ``kind`` is ``"bandwidth"`` (x in Gbit/s), ``"dcs"``, ``"scale"``
+    (the largest DC count, x in Gbit/s) or ``"regime"`` (x in Gbit/s, with ``microbatches``
+    per update and ``tokens_per_rank``). ``topology`` is one EP group's, ``groups`` of them."""
 
     kind: str
     x: float
     topology: Topology
     result: SimResult = field(repr=False)
+    groups: int = 1
+    microbatches: int = 1
+    tokens_per_rank: int = 0
 
 
-def points(config: SweepConfig) -> list[tuple[str, float, Topology, int]]:
-    """Every (kind, x, topology, steps) the sweep runs, in order."""
-    out: list[tuple[str, float, Topology, int]] = []
+@dataclass(frozen=True)
+class _Point:
+    kind: str
+    x: float
+    topology: Topology
+    groups: int
+    steps: int
+    microbatches: int | None = None
+    tokens_per_rank: int | None = None
+
+
+def points(config: SweepConfig) -> list[_Point]:
+    """Every point the sweep runs, in order."""
+    out: list[_Point] = []
+    e = config.model.num_experts
+    steps = config.trace.steps
     if config.bandwidth is not None:
         for g in config.bandwidth.gbps:
-            topo = config.bandwidth.topology.build(inter_dc_gbps=g)
-            out.append(("bandwidth", g, topo, config.trace.steps))
+            topo, n = config.bandwidth.topology.grouped(e, inter_dc_gbps=g)
+            out.append(_Point("bandwidth", g, topo, n, steps))
     if config.dcs is not None:
-        steps = config.dcs.steps or config.trace.steps
-        for n in config.dcs.counts:
-            out.append(("dcs", float(n), config.dcs.topology.build(dcs=n), steps))
+        dcs = config.dcs
+        steps = dcs.steps or config.trace.steps
+        for c in dcs.counts:
+            topo, n = dcs.topology.grouped(e, dcs=c)
+            out.append(_Point("dcs", float(c), topo, n, steps))
+        for g in dcs.scale_gbps:
+            topo, n = dcs.topology.grouped(e, dcs=max(dcs.counts), inter_dc_gbps=g)
+            out.append(_Point("scale", g, topo, n, steps))
+    if config.regime is not None:
+        reg = config.regime
+        steps = reg.steps or config.trace.steps
+        for tpr in reg.tokens_per_rank:
+            for m in reg.microbatches_per_update:
+                for g in reg.gbps:
+                    topo, n = reg.topology.grouped(e, inter_dc_gbps=g)
+                    out.append(_Point("regime", g, topo, n, steps, m, tpr))
     return out
 
 
@@ -162,19 +225,27 @@ def run_sweep(
     """Run every point of ``config``; ``progress(n)`` after each step of a point."""
     model = config.model
     out: list[SweepPoint] = []
-    for kind, x, topo, steps in points(config):
-        trace = generate_trace(config.trace.settings(topo.num_ranks, model, steps))
-        source = dense_source(trace.load)
-        result = simulate(
-            source,
-            topo,
-            model,
-            list(config.policies),
-            policy_settings=config.policy_settings,
-            cost=config.cost,
-            progress=progress,
-        )
-        point = SweepPoint(kind, x, topo, result)
+    for p in points(config):
+        cost, spec = config.cost, config.trace
+        if p.microbatches is not None:
+            cost = cost.model_copy(update={"microbatches_per_update": p.microbatches})
+        if p.tokens_per_rank is not None:
+            spec = spec.model_copy(update={"tokens_per_rank": p.tokens_per_rank})
+
+        def trace(g: int, spec: TraceSpec = spec, p: _Point = p) -> LoadSource:
+            s = spec.model_copy(update={"seed": spec.seed + g})
+            return dense_source(
+                generate_trace(s.settings(p.topology.num_ranks, model, p.steps)).load
+            )
+
+        result = simulate_groups(
+            p.topology, p.groups, trace, model, list(config.policies),
+            policy_settings=config.policy_settings, cost=cost, progress=progress,
+        )  # fmt: skip
+        point = SweepPoint(
+            p.kind, p.x, p.topology, result, p.groups,
+            cost.microbatches_per_update, spec.tokens_per_rank,
+        )  # fmt: skip
         out.append(point)
         if on_point is not None:
             on_point(point)
