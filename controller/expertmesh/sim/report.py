@@ -11,6 +11,7 @@ from typing import Any
 from expertmesh.sim.engine import COLUMNS, SimResult
 
 __all__ = [
+    "plot_heatmap",
     "plot_speedup",
     "plot_step_times",
     "summary_rows",
@@ -132,6 +133,41 @@ def plot_speedup(
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_heatmap(
+    rows: Sequence[str],
+    cols: Sequence[str],
+    values: Sequence[Sequence[float]],
+    path: Path,
+    *,
+    xlabel: str,
+    ylabel: str,
+    title: str,
+) -> None:
+    """``values[i][j]`` (a speedup) at row label ``rows[i]`` and column label ``cols[j]``, on a
+    log colour scale, each cell printed."""
+    import numpy as np
+    from matplotlib.colors import LogNorm
+
+    plt = _pyplot()
+    v = np.asarray(values, dtype=np.float64)
+    fig, ax = plt.subplots(figsize=(1.1 * len(cols) + 2.5, 0.6 * len(rows) + 1.8))
+    finite = v[np.isfinite(v) & (v > 0)]
+    lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (1.0, 2.0)
+    im = ax.imshow(v, cmap="viridis", norm=LogNorm(vmin=min(lo, 1.0), vmax=max(hi, 1.01)))
+    ax.set_xticks(range(len(cols)), labels=list(cols))
+    ax.set_yticks(range(len(rows)), labels=list(rows))
+    for i in range(v.shape[0]):
+        for j in range(v.shape[1]):
+            ax.text(j, i, f"{v[i, j]:.2f}x", ha="center", va="center", color="w", fontsize=8)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    fig.colorbar(im, ax=ax, label="speedup over static (x)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

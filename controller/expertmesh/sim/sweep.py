@@ -137,6 +137,31 @@ class RegimeSweep(_Strict):
     steps: int | None = Field(default=None, ge=1, description="override trace.steps here")
 
 
+class DispatchStudy(_Strict):
+    """Hierarchical dispatch against a flat all-to-all on one topology (``bench/results.py``)."""
+
+    topology: TopologySpec = TopologySpec(dcs=8, ranks_per_dc=8)
+    gbps: list[PositiveFloat] = Field(default=[100, 10, 1], min_length=1)
+    steps: int | None = Field(default=None, ge=1, description="override trace.steps here")
+
+
+class EPSpec(_Strict):
+    """One expert-parallel layout of a single DC: ``ranks`` over ``nodes``."""
+
+    ranks: int = Field(ge=1, le=100_000)
+    nodes: int = Field(default=1, ge=1, le=100_000)
+    masters: int = Field(ge=1, le=4096)
+    spare: int = Field(default=2, ge=0, le=4096)
+
+
+class StragglerStudy(_Strict):
+    """Token straggler per policy inside one DC (FEPLB's setting; ``bench/results.py``)."""
+
+    model: ModelSpec = ModelSpec(num_experts=128)
+    trace: TraceSpec = TraceSpec()
+    ep: list[EPSpec] = Field(min_length=1)
+
+
 class SweepConfig(_Strict):
     policies: list[str] = Field(default_factory=lambda: list(DEFAULT_POLICIES), min_length=1)
     policy_settings: dict[str, dict[str, Any]] = Field(default_factory=dict)
@@ -146,6 +171,8 @@ class SweepConfig(_Strict):
     bandwidth: BandwidthSweep | None = BandwidthSweep()
     dcs: DCSweep | None = DCSweep()
     regime: RegimeSweep | None = None
+    dispatch: DispatchStudy | None = None
+    feplb: StragglerStudy | None = None
 
 
 def load_sweep_config(data: Any) -> SweepConfig:
