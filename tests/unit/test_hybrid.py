@@ -246,3 +246,66 @@ def test_shadow_traffic_equals_the_full_computation(seed, j):
     want = {(a, b): v for a, b, v in zip(ref.pair_src, ref.pair_dst, ref.pair_tokens, strict=True)}
     assert got.keys() == want.keys()
     assert all(got[k] == pytest.approx(v) for k, v in want.items())
+
+
+# ---- the domain quota copies experts inside: a decision of the cost model ----
+
+_DOM_MODEL = ModelSpec(num_experts=16, top_k=2, ffn_hidden=16384)
+_DOM_COST = CostSettings(flops_per_second=1e14)
+
+
+def _dom_load() -> np.ndarray:
+    """Tokens stay in their DC's experts; DC 0's are 10x as busy, expert 0 hotter still:
+    only a domain larger than a DC can spread DC 0's work, over the WAN."""
+    load = np.zeros((16, 16), np.int64)
+    for r in range(16):
+        d = r // 4
+        load[r, 4 * d : 4 * d + 4] = 20000 if d == 0 else 2000
+    load[0:4, 0] = 60000
+    return load
+
+
+def _domain(gbps, **enc):
+    from expertmesh.planner.hybrid import choose_domain
+
+    topo = Topology.generate(4, 4, masters=1, spare=2, inter_dc_gbps=gbps, inter_dc_latency_ms=1)
+    cfg = HybridSettings(cost=_DOM_COST, encoding=enc)
+    base = static_placement(16, 3, 16, 1)
+    return choose_domain(_dom_load(), base, topo, _DOM_MODEL, cfg)
+
+
+def test_the_domain_grows_as_the_wan_gets_faster():
+    sizes = [_domain(g) for g in (1, 10, 30, 100, 400)]
+    assert sizes == sorted(sizes), sizes  # never smaller on a faster WAN
+    assert sizes[0] == 1 and sizes[-1] == 4, sizes
+
+
+def test_the_domain_grows_as_migration_gets_cheaper():
+    # at 30 Gbit/s a bf16 copy across the WAN does not pay its way; a 4-bit one does
+    assert _domain(30) == 1
+    assert _domain(30, weight_bytes=0.5, grad_bytes=0.5) == 4
+
+
+def test_hybrid_plans_with_the_domain_it_chose():
+    topo = Topology.generate(4, 4, masters=1, spare=2, inter_dc_gbps=400, inter_dc_latency_ms=1)
+    load = _dom_load()
+    pol = make_policy("hybrid", {"cost": _DOM_COST.model_dump(), "move_masters": False})
+    prev = None
+    for t in range(3):
+        ctx = PolicyContext(topology=topo, model=_DOM_MODEL, step=t, layer=0, load=load,
+                            history=load[None] if t else np.zeros((0, 16, 16), np.int64),
+                            previous=prev)  # fmt: skip
+        prev = plan_layer(pol, ctx)
+        check_layer_plan(prev, load, topo.slots_per_rank)
+    assert pol.domain_size == 4
+    # copies of DC 0's experts now compute in other DCs, and the route sends them tokens
+    dst_dc = topo.rank_dc[prev.route[:, 2]]
+    src_dc = topo.rank_dc[prev.route[:, 0]]
+    assert ((src_dc == 0) & (dst_dc != 0) & (prev.route[:, 3] > 0)).any()
+    fixed = make_policy("hybrid", {"cost": _DOM_COST.model_dump(), "domain": 1})
+    ctx = PolicyContext(topology=topo, model=_DOM_MODEL, step=0, layer=0, load=load,
+                        history=np.zeros((0, 16, 16), np.int64), previous=None)  # fmt: skip
+    plan_layer(fixed, ctx)
+    assert fixed.domain_size == 1
+    with pytest.raises(ValueError, match="domain 3"):
+        plan_layer(make_policy("hybrid", {"domain": 3}), ctx)

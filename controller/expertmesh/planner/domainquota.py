@@ -35,7 +35,7 @@ import numpy as np
 from expertmesh.planner.plan import Placement, check_load
 from expertmesh.planner.quota import balance_demand
 from expertmesh.planner.routing import route_locality
-from expertmesh.planner.topology import Topology
+from expertmesh.planner.topology import DC, Topology
 from expertmesh.planner.traffic import TokenTraffic, level_sums
 
 __all__ = [
@@ -44,7 +44,9 @@ __all__ = [
     "dc_holds",
     "domain_quota",
     "domain_route",
+    "domain_sizes",
     "domain_traffic",
+    "merge_dcs",
     "rehome",
     "remote_inflow",
 ]
@@ -383,3 +385,35 @@ def rehome(placement: Placement, load: np.ndarray, topology: Topology) -> Placem
     slot = np.argmax(placement.phy2log[hr] == e[:, None], axis=1)
     keep[hr, slot] = True
     return Placement(np.where(keep, placement.phy2log, -1).astype(np.int32), placement.master)
+
+
+def merge_dcs(topology: Topology, size: int) -> Topology | None:
+    """``topology`` with every ``size`` consecutive DCs merged into one domain (a DC of the
+    returned topology; the same ranks, nodes and numbering), or ``None`` when ``size`` does
+    not divide the DC count or the DCs of a domain have different ranks per node. What
+    :func:`domain_quota` balances inside when the domain is a group of DCs; links are those
+    of ``topology`` (the caller costs traffic on ``topology`` itself)."""
+    num_dcs = topology.num_dcs
+    if size < 1 or num_dcs % size:
+        return None
+    if size == 1:
+        return topology
+    merged = []
+    for i in range(0, num_dcs, size):
+        group = topology.dcs[i : i + size]
+        if len({d.ranks_per_node for d in group}) != 1:
+            return None
+        nodes = sum(d.nodes for d in group)
+        merged.append(DC(f"domain{i // size:04d}", nodes, group[0].ranks_per_node))
+    return Topology(
+        tuple(merged), topology.masters_per_rank, topology.spare_per_rank,
+        topology.intra_node, topology.intra_dc, topology.inter_dc,
+    )  # fmt: skip
+
+
+def domain_sizes(topology: Topology) -> list[int]:
+    """Candidate domain sizes in DCs: 1, 2, 4, ... and every DC, those :func:`merge_dcs`
+    can build."""
+    n = topology.num_dcs
+    sizes = sorted({*(2**i for i in range(n.bit_length()) if 2**i <= n), n})
+    return [k for k in sizes if merge_dcs(topology, k) is not None]

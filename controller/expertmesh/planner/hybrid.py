@@ -71,6 +71,7 @@ from expertmesh.planner.costmodel import (
     expected_crossings,
     migration_streams,
     modeled_step,
+    transfer_seconds,
 )
 from expertmesh.planner.domainquota import (
     DomainSolution,
@@ -78,7 +79,9 @@ from expertmesh.planner.domainquota import (
     dc_holds,
     domain_quota,
     domain_route,
+    domain_sizes,
     domain_traffic,
+    merge_dcs,
     rehome,
 )
 from expertmesh.planner.model import ModelSpec
@@ -88,7 +91,7 @@ from expertmesh.planner.policy import Policy, PolicyContext, PolicySettings, reg
 from expertmesh.planner.routing import route_even
 from expertmesh.planner.static import static_placement
 from expertmesh.planner.topology import Topology
-from expertmesh.planner.traffic import TokenTraffic, even_traffic
+from expertmesh.planner.traffic import TokenTraffic, even_traffic, traffic_from_route
 
 __all__ = ["HybridPolicy", "plan_hybrid"]
 
@@ -137,6 +140,12 @@ class HybridSettings(PolicySettings):
         description="balance inside each DC: 'quota' every microbatch on the exact load over "
         "the plan's holder sets (module doc), or 'split': extra local copies in the plan "
         "and an even split (the plan's own in-DC layout)",
+    )
+    domain: Literal["auto"] | int = Field(
+        default="auto",
+        description="with inside='quota': the domain quota copies experts inside every "
+        "microbatch, in DCs (1: a DC, k: k consecutive DCs); 'auto' picks, at every re-plan, "
+        "the size the cost model says is fastest on the estimate (docs/cost-model.md)",
     )
     cost: CostSettings = Field(default_factory=CostSettings, description="the cost model")
     encoding: TransferEncoding = Field(
@@ -560,29 +569,66 @@ def compose(
     *,
     before: np.ndarray | None = None,
     extra: ExpertStreams | None = None,
+    domain: Topology | None = None,
 ) -> tuple[DomainSolution, TokenTraffic, float]:
-    """``quota`` inside every DC over ``base`` (:func:`~expertmesh.planner.domainquota.domain_quota`)
+    """``quota`` inside every domain over ``base`` (:func:`~expertmesh.planner.domainquota.domain_quota`)
     on ``load`` [R, E], or no replicas when the cost model says they do not pay: the
-    replicas' copies (from their home; ``before`` [R, E] bool: copies already in place)
-    and their sync against the compute they save. Returns the solution, its traffic and
-    its modeled seconds (``extra``: more background streams, charged to both)."""
+    replicas' copies (from their home; ``before`` [R, E] bool: copies already in place),
+    the time those copies take to land beyond the dispatch (they must arrive before their
+    tokens compute), and their sync, against the compute they save. ``domain``: the DCs
+    merged into domains (:func:`~expertmesh.planner.domainquota.merge_dcs`; ``None``: each
+    DC), ``base`` holding one copy per domain and expert. Returns the solution, its traffic
+    on ``topology`` and its modeled seconds (``extra``: more background streams)."""
+    dom = topology if domain is None else domain
 
     def option(sol: DomainSolution) -> tuple[DomainSolution, TokenTraffic, float]:
-        traffic = domain_traffic(load, sol, topology, model.top_k)
-        streams = _replica_copies(sol, before, topology, model, cfg.encoding)
-        if extra is not None:
-            streams = streams + extra
+        if dom is topology:
+            traffic = domain_traffic(load, sol, topology, model.top_k)
+        else:  # domains span DCs: the route's exact streams on the real links
+            route = domain_route(load, sol, dom)
+            traffic = traffic_from_route(route, load, topology, model.top_k)
+        copies = _replica_copies(sol, before, topology, model, cfg.encoding)
+        streams = copies if extra is None else copies + extra
         step = modeled_step(
             topology, model, traffic, sol.placement,
             settings=cfg.cost, encoding=cfg.encoding, extra=streams,
         )  # fmt: skip
-        return sol, traffic, step.seconds
+        late = transfer_seconds(copies, topology) - step.phases.get("dispatch", 0.0)
+        return sol, traffic, step.seconds + max(0.0, late)
 
-    balanced = option(domain_quota(load, base, topology))
+    balanced = option(domain_quota(load, base, dom))
     if balanced[0].replicas[0].size == 0:
         return balanced  # no replica needed
-    plain = option(at_home(balanced[0], base, topology))
+    plain = option(at_home(balanced[0], base, dom))
     return plain if plain[2] <= balanced[2] else balanced  # ties: no replicas
+
+
+def choose_domain(
+    load: np.ndarray,
+    base: Placement,
+    topology: Topology,
+    model: ModelSpec,
+    cfg: HybridSettings,
+    *,
+    before: np.ndarray | None = None,
+) -> int:
+    """Domain size in DCs (:func:`~expertmesh.planner.domainquota.domain_sizes`) whose
+    :func:`compose` on ``load`` [R, E] over ``base`` is fastest; ties: the smaller domain.
+    ``cfg.domain`` fixes it unless ``"auto"``."""
+    if cfg.domain != "auto":
+        if merge_dcs(topology, cfg.domain) is None:
+            raise ValueError(f"domain {cfg.domain}: does not divide the DCs into equal domains")
+        return int(cfg.domain)
+    best, best_cost = 1, np.inf
+    for k in domain_sizes(topology):
+        dom = merge_dcs(topology, k)
+        if dom is None:
+            continue
+        kbase = base if k == 1 else rehome(base, load, dom)
+        cost = compose(load, kbase, topology, model, cfg, before=before, domain=dom)[2]
+        if cost < best_cost * (1 - 1e-9):
+            best, best_cost = k, cost
+    return best
 
 
 def _replica_copies(
@@ -620,15 +666,25 @@ class HybridPolicy(Policy):
 
     def __init__(self, settings: PolicySettings | None = None) -> None:
         super().__init__(settings)
-        self._last: tuple[PolicyContext, DomainSolution, TokenTraffic] | None = None
-        #: CPU seconds of the last ``place``'s microbatch part (quota inside the DCs); the
-        #: slow loop's solve runs beside training and is not in it
+        self._last: tuple[PolicyContext, DomainSolution, TokenTraffic, Topology] | None = None
+        #: CPU seconds of the last ``place``'s microbatch part (quota inside the domains);
+        #: the slow loop's solve runs beside training and is not in it
         self.microbatch_seconds = 0.0
+        self._size = 1  # the domain, in DCs, chosen at the last re-plan
+        #: [R] the domain of each rank in the last ``place`` (copies inside one are the
+        #: microbatch's)
+        self.copy_domain: np.ndarray | None = None
+
+    @property
+    def domain_size(self) -> int:
+        """DCs per domain chosen at the last re-plan (:func:`choose_domain`)."""
+        return self._size
 
     @property
     def microbatch_copies(self) -> str | None:
-        """What is decided every microbatch: with ``inside="quota"``, replicas inside DCs."""
-        return "in_dc" if self.cfg.inside == "quota" else None
+        """What is decided every microbatch: with ``inside="quota"``, replicas inside
+        domains (:attr:`copy_domain`)."""
+        return "in_domain" if self.cfg.inside == "quota" else None
 
     @property
     def cfg(self) -> HybridSettings:
@@ -650,20 +706,25 @@ class HybridPolicy(Policy):
         t = ctx.topology
         if not replan and self.cfg.inside == "split":
             return cast(Placement, prev)
-        # between re-plans the base is last microbatch's holder sets, nothing moved
-        base = self._plan(ctx, prev) if replan else None
-        if self.cfg.inside == "split":
-            return cast(Placement, base)
-        t0 = time.process_time()
-        if base is None:
-            base = rehome(cast(Placement, prev), ctx.load, t)
         before = prev.holds() if prev is not None else None
-        sol, traffic, _ = compose(ctx.load, base, t, ctx.model, self.cfg, before=before)
-        self._last = (ctx, sol, traffic)
+        # between re-plans the base is last microbatch's holder sets, nothing moved
+        base = None
+        if replan:
+            base, estimate = self._plan(ctx, prev)
+            if self.cfg.inside == "split":
+                return base
+            self._size = choose_domain(estimate, base, t, ctx.model, self.cfg, before=before)
+        t0 = time.process_time()
+        dom = merge_dcs(t, self._size) if self._size > 1 else None
+        if base is None or dom is not None:
+            base = rehome(cast(Placement, base or prev), ctx.load, dom or t)
+        sol, traffic, _ = compose(ctx.load, base, t, ctx.model, self.cfg, before=before, domain=dom)
+        self._last = (ctx, sol, traffic, dom or t)
+        self.copy_domain = (dom or t).rank_dc
         self.microbatch_seconds = time.process_time() - t0
         return sol.placement
 
-    def _plan(self, ctx: PolicyContext, prev: Placement | None) -> Placement:
+    def _plan(self, ctx: PolicyContext, prev: Placement | None) -> tuple[Placement, np.ndarray]:
         """The slow loop: :func:`plan_hybrid` on the history window (never this load)."""
         t = ctx.topology
         masters = (
@@ -682,16 +743,17 @@ class HybridPolicy(Policy):
             )
         else:
             estimate = ctx.history.mean(axis=0)  # [R, E]
-        return plan_hybrid(estimate, masters, t, ctx.model, self.cfg, previous=prev)
+        plan = plan_hybrid(estimate, masters, t, ctx.model, self.cfg, previous=prev)
+        return plan, np.rint(estimate).astype(np.int64)
 
     def _solved(
         self, ctx: PolicyContext, placement: Placement
-    ) -> tuple[DomainSolution, TokenTraffic] | None:
+    ) -> tuple[DomainSolution, TokenTraffic, Topology] | None:
         if self._last is None or self._last[0] is not ctx:
             return None
         sol = self._last[1]
         if placement is sol.placement or np.array_equal(sol.placement.holds(), placement.holds()):
-            return sol, self._last[2]
+            return sol, self._last[2], self._last[3]
         return None
 
     def route_traffic(self, ctx: PolicyContext, placement: Placement) -> TokenTraffic | None:
@@ -705,4 +767,4 @@ class HybridPolicy(Policy):
         solved = self._solved(ctx, placement)
         if solved is None:
             return route_even(ctx.load, placement, ctx.topology.rank_dc)
-        return domain_route(ctx.load, solved[0], ctx.topology)
+        return domain_route(ctx.load, solved[0], solved[2])

@@ -310,7 +310,9 @@ def _step(st: _PolicyState, world: _World, t: int, step_load: np.ndarray) -> Ste
             mig_bytes += float(nbytes.sum())
             streams = streams + migration_streams(src, dst, nbytes, topology, scale=1.0 / gap)
             if st.microbatch is not None:
-                fanout = _fanout_seconds(st.microbatch, migration, (nbytes, src, dst), topology)
+                fanout = _fanout_seconds(
+                    st.microbatch, st.policy, migration, (nbytes, src, dst), topology
+                )
         c = step_cost(topology, model, traffic, streams, cost)
         if st.microbatch is not None:
             # the microbatch's solve and replica fan-out run while the tokens for copies
@@ -338,17 +340,23 @@ def _step(st: _PolicyState, world: _World, t: int, step_load: np.ndarray) -> Ste
 
 def _fanout_seconds(
     mode: str,
+    policy: Policy,
     migration: Migration,
     transfers: tuple[np.ndarray, np.ndarray, np.ndarray],
     topology: Topology,
 ) -> float:
     """Seconds the microbatch's new replicas take to arrive, all sent at once (``mode``
-    ``"all"``: every replica transfer; ``"in_dc"``: those inside one DC)."""
+    ``"all"``: every replica transfer; ``"in_dc"``: those inside one DC; ``"in_domain"``:
+    those inside one domain of the policy's ``copy_domain`` [R])."""
     nbytes, src, dst = transfers
     n = len(migration.transfers)
     replica = np.fromiter((x.kind != TransferKind.MASTER for x in migration.transfers), bool, n)
     if mode == "in_dc":
         replica &= topology.rank_dc[src] == topology.rank_dc[dst]
+    elif mode == "in_domain":
+        dom = getattr(policy, "copy_domain", None)
+        dom = topology.rank_dc if dom is None else dom
+        replica &= dom[src] == dom[dst]
     if not replica.any():
         return 0.0
     streams = migration_streams(src[replica], dst[replica], nbytes[replica], topology)
