@@ -24,13 +24,14 @@ from typing import Any
 from pydantic import ValidationError
 
 from expertmesh.cli.main import UsageError
-from expertmesh.formats import read_topology, read_trace, read_yaml
+from expertmesh.formats import read_plan, read_topology, read_trace, read_yaml
 from expertmesh.planner.costmodel import CostSettings
 from expertmesh.planner.model import ModelSpec
 from expertmesh.planner.topology import Topology
 from expertmesh.planner.trace import generate_trace
 from expertmesh.sim.engine import LoadSource, SimResult, dense_source, simulate
 from expertmesh.sim.groups import auto_group_dcs, simulate_groups
+from expertmesh.sim.replay import Calibration, RuntimeMeta, replay
 from expertmesh.sim.report import (
     plot_speedup,
     plot_step_times,
@@ -61,7 +62,7 @@ def add_parser(sub: Any) -> None:
     )
     _run_args(p)
     p.set_defaults(func=run)
-    sp = p.add_subparsers(dest="sim_command", metavar="{sweep}")
+    sp = p.add_subparsers(dest="sim_command", metavar="{sweep,replay}")
     s = sp.add_parser(
         "sweep",
         help="speedup over static against inter-DC bandwidth and number of DCs",
@@ -71,6 +72,19 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--out", type=Path, required=True, help="output directory")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
     s.set_defaults(func=run_sweep_cmd)
+    r = sp.add_parser(
+        "replay",
+        help="predict a runtime run's step times from the trace and plan it wrote",
+        description="Model every step of a training run from the trace (meta: topology, "
+        "model sizes, dense parameters, encoding, measured step seconds) and the plan file the "
+        "runtime wrote, with calibrated constants (YAML: flops_per_second, message_seconds); "
+        "print the predicted and measured medians (expertmesh.sim.replay).",
+    )
+    r.add_argument("--trace", type=Path, required=True, help="trace .npz the runtime wrote")
+    r.add_argument("--plan", type=Path, required=True, help="plan .npz of the steps it ran")
+    r.add_argument("--calibration", type=Path, required=True, help="YAML of the constants")
+    r.add_argument("--out", type=Path, help="write replay.csv (step, predicted, measured) here")
+    r.set_defaults(func=run_replay_cmd)
 
 
 def _run_args(p: argparse.ArgumentParser) -> None:
@@ -369,6 +383,35 @@ def _describe(topo: Topology, model: ModelSpec) -> str:
         f"hidden {model.hidden}, FFN {model.ffn_hidden}, "
         f"{'training' if model.training else 'forward only'}."
     )
+
+
+# ---- expertmesh sim replay ----
+
+
+def run_replay_cmd(args: argparse.Namespace) -> int:
+    trace = read_trace(args.trace)
+    plan = read_plan(args.plan)
+    cal: Calibration = _validated(Calibration, _read_yaml(args.calibration) or {})
+    meta: RuntimeMeta = _validated(RuntimeMeta, trace.meta)
+    if plan.master is None:
+        raise UsageError(f"{args.plan}: the plan has no 'master' array (write it with the plan)")
+    try:
+        res = replay(trace.load, meta, plan.phy2log, plan.master, plan.route, calibration=cal)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        with (args.out / "replay.csv").open("w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(("step", "predicted_seconds", "measured_seconds"))
+            for t, p in enumerate(res.predicted):
+                m = res.measured[t] if res.measured.size else ""
+                w.writerow((t, f"{p:.6g}", m if m == "" else f"{m:.6g}"))
+    line = f"{meta.policy}: predicted median step {res.predicted_median:.4g} s"
+    if res.measured.size:
+        line += f", measured {res.measured_median:.4g} s, error {res.error:+.1%}"
+    print(line)
+    return 0
 
 
 # ---- expertmesh sim sweep ----
