@@ -372,3 +372,17 @@ def test_the_world_waits_for_its_slowest_group_plus_the_gradient_all_reduce():
                 sum(a.rows[t].cross_dc_token_bytes for a in alone)
             )
     assert simulate_groups(group, 1, trace, model, ["static"], cost=cost).dp_seconds == 0.0
+
+
+def test_cli_generated_world_runs_ep_groups_by_default(tmp_path, capsys):
+    base = ["sim", "--dcs", "16", "--ranks-per-dc", "2", "--masters", "2", "--experts", "32",
+            "--top-k", "2", "--hidden", "256", "--ffn-hidden", "64", "--steps", "2",
+            "--policies", "static,hybrid", "--no-progress"]  # fmt: skip
+    code, _, _ = _run([*base, "--out", str(tmp_path / "a")], capsys)
+    assert code == 0
+    # 32 experts fill the 2 master slots of 16 ranks: 8 DCs per group, 2 groups
+    assert "2 data-parallel EP groups of 8 DCs" in (tmp_path / "a" / "summary.md").read_text()
+    code, _, _ = _run([*base, "--ep-dcs", "16", "--out", str(tmp_path / "b")], capsys)
+    assert code == 0 and "EP groups" not in (tmp_path / "b" / "summary.md").read_text()
+    code, _, err = _run([*base, "--ep-dcs", "3", "--out", str(tmp_path / "c")], capsys)
+    assert code == 2 and "--ep-dcs 3" in err and len(err.strip().splitlines()) == 1

@@ -147,6 +147,12 @@ class HybridSettings(PolicySettings):
         "microbatch, in DCs (1: a DC, k: k consecutive DCs); 'auto' picks, at every re-plan, "
         "the size the cost model says is fastest on the estimate (docs/cost-model.md)",
     )
+    max_domain: int = Field(
+        default=8,
+        ge=1,
+        le=100_000,
+        description="with domain='auto': the largest domain tried, in DCs",
+    )
     cost: CostSettings = Field(default_factory=CostSettings, description="the cost model")
     encoding: TransferEncoding = Field(
         default_factory=TransferEncoding,
@@ -621,6 +627,8 @@ def choose_domain(
         return int(cfg.domain)
     best, best_cost = 1, np.inf
     for k in domain_sizes(topology):
+        if k > cfg.max_domain:
+            break
         dom = merge_dcs(topology, k)
         if dom is None:
             continue
