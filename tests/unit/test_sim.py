@@ -263,6 +263,7 @@ def test_cli_sweep_writes_tables_and_plots(tmp_path, capsys):
         "trace: {steps: 2, tokens_per_rank: 64, imbalance: 1.2}\n"
         "bandwidth: {topology: {dcs: 2, ranks_per_dc: 2}, gbps: [10, 1]}\n"
         "dcs: {topology: {ranks_per_dc: 2}, counts: [2, 3]}\n"
+        "regime: {topology: {dcs: 2, ranks_per_dc: 2}, gbps: [1], microbatches_per_update: [1, 4]}\n"
     )
     code, _out, err = _run(["sim", "sweep", "--config", str(tmp_path / "s.yaml"), "--out",
                            str(tmp_path / "o"), "--no-progress"], capsys)  # fmt: skip
@@ -270,7 +271,10 @@ def test_cli_sweep_writes_tables_and_plots(tmp_path, capsys):
     for f in ("sweep.csv", "sweep.md", "speedup_vs_bandwidth.png", "speedup_vs_dcs.png"):
         assert (tmp_path / "o" / f).stat().st_size > 0
     rows = list(csv.DictReader((tmp_path / "o" / "sweep.csv").open()))
-    assert len(rows) == 8 and {r["kind"] for r in rows} == {"bandwidth", "dcs"}
+    assert len(rows) == 12 and {r["kind"] for r in rows} == {"bandwidth", "dcs", "regime"}
+    regime = [r for r in rows if r["kind"] == "regime"]
+    assert sorted(r["microbatches_per_update"] for r in regime) == ["1", "1", "4", "4"]
+    assert all(r["groups"] == "2" for r in regime)  # 8 experts fill one DC: 2 groups
 
 
 @settings(max_examples=20, deadline=None)
