@@ -153,6 +153,12 @@ class HybridSettings(PolicySettings):
         le=100_000,
         description="with domain='auto': the largest domain tried, in DCs",
     )
+    domain_cells: int = Field(
+        default=1 << 20,
+        ge=0,
+        description="with domain='auto': the largest ranks x experts whose domains larger "
+        "than a DC are scored (they are costed from route rows); above it the domain is a DC",
+    )
     cost: CostSettings = Field(default_factory=CostSettings, description="the cost model")
     encoding: TransferEncoding = Field(
         default_factory=TransferEncoding,
@@ -625,6 +631,8 @@ def choose_domain(
         if merge_dcs(topology, cfg.domain) is None:
             raise ValueError(f"domain {cfg.domain}: does not divide the DCs into equal domains")
         return int(cfg.domain)
+    if load.size > cfg.domain_cells:
+        return 1
     best, best_cost = 1, np.inf
     for k in domain_sizes(topology):
         if k > cfg.max_domain:
