@@ -11,6 +11,7 @@ figures and markdown lines (``bench/results.py`` puts them together).
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -36,28 +37,36 @@ def _x(v: float | None) -> str:
 # ---- regimes ----
 
 
-def regime_grid(pts: list[SweepPoint], figdir: Path, rel: Path) -> tuple[list[str], dict]:
-    """Markdown and figures of the regime points: one table per tokens-per-rank value
-    (rows: microbatches per update, columns: bandwidth) and a heat map of the first."""
-    reg = [p for p in pts if p.kind == "regime"]
+def regime_grid(
+    pts: list[SweepPoint], figdir: Path, rel: Path, label: str
+) -> tuple[list[str], dict]:
+    """Markdown and figures of the regime points labelled ``label``: one table per
+    tokens-per-rank value (rows: microbatches per update, columns: bandwidth) and a heat
+    map of each."""
+    reg = [p for p in pts if p.kind == "regime" and p.label == label]
     if not reg:
         return [], {}
+    topo = reg[0].topology
+    where = (
+        f"{topo.num_dcs} DCs x {topo.num_ranks // topo.num_dcs} ranks, "
+        f"{topo.masters_per_rank} + {topo.spare_per_rank} slots per rank"
+    )
     gbps = sorted({p.x for p in reg}, reverse=True)
     ms = sorted({p.microbatches for p in reg})
     tprs = sorted({p.tokens_per_rank for p in reg})
     grid = {(p.tokens_per_rank, p.microbatches, p.x): p.result.speedup("hybrid") for p in reg}
-    lines: list[str] = []
-    for i, tpr in enumerate(tprs):
+    lines: list[str] = [f"### {label}: {where}", ""]
+    for tpr in tprs:
         values = [[grid.get((tpr, m, g), float("nan")) for g in gbps] for m in ms]
-        name = f"regime_{tpr}.png"
+        name = f"regime_{re.sub(r'[^a-z0-9]+', '-', label.lower()).strip('-')}_{tpr}.png"
         plot_heatmap(
             [str(m) for m in ms], [f"{g:g}" for g in gbps], values, figdir / name,
             xlabel="inter-DC bandwidth (Gbit/s)", ylabel="microbatches per update",
-            title=f"hybrid over static, one EP64 group, {tpr} tokens per rank",
+            title=f"hybrid over static, {label}, {tpr} tokens per rank",
         )  # fmt: skip
-        if i == 0:
-            lines += [f"![]({rel}/{name})", ""]
         lines += [
+            f"![]({rel}/{name})",
+            "",
             f"hybrid's speedup over static, {tpr} tokens per rank "
             "(rows: microbatches per optimizer update; columns: inter-DC Gbit/s):",
             "",
@@ -67,10 +76,10 @@ def regime_grid(pts: list[SweepPoint], figdir: Path, rel: Path) -> tuple[list[st
         for m, row in zip(ms, values, strict=True):
             lines.append(f"| {m} | " + " | ".join(_x(v) for v in row) + " |")
         lines.append("")
-    return lines, {"grid": grid, "gbps": gbps, "ms": ms, "tprs": tprs}
+    return lines, {"grid": grid, "gbps": gbps, "ms": ms, "tprs": tprs, "where": where}
 
 
-def regime_claims(info: dict) -> list[tuple[str, bool, str]]:
+def regime_claims(info: dict, label: str) -> list[tuple[str, bool, str]]:
     """Where hybrid reaches HybridEP's 5.6x, and whether its gain grows as bandwidth falls."""
     if not info:
         return []
@@ -86,7 +95,8 @@ def regime_claims(info: dict) -> list[tuple[str, bool, str]]:
         f"at m = 1: {', '.join(_x(at_low[(t, 1)]) for t in tprs if (t, 1) in at_low)}"
     )
     out = [(
-        f"hybrid >= {HYBRIDEP_CONSTRAINED}x static at constrained bandwidth (HybridEP)",
+        f"hybrid >= {HYBRIDEP_CONSTRAINED}x static at constrained bandwidth (HybridEP), "
+        f"{label} ({info['where']})",
         bool(hit), detail,
     )]  # fmt: skip
     # the trend: does the gain grow as bandwidth falls? (per row, highest to lowest bandwidth)
@@ -97,7 +107,7 @@ def regime_claims(info: dict) -> list[tuple[str, bool, str]]:
             rows.append(((t, m), v[0], v[-1]))
     grows = [r for r in rows if r[2] > r[1] * 1.005]
     out.append((
-        "hybrid's gain grows as the bandwidth falls (HybridEP's premise)",
+        f"hybrid's gain grows as the bandwidth falls (HybridEP's premise), {label}",
         len(grows) == len(rows),
         f"grows from {max(gbps):g} to {low:g} Gbit/s in {len(grows)} of {len(rows)} "
         "(tokens, m) rows: "
@@ -123,7 +133,7 @@ def dispatch_table(config: SweepConfig) -> tuple[list[str], list[tuple[str, bool
                 "cost": config.cost.model_dump() | {"hierarchical": not flat},
                 "trace": config.trace.model_dump() | {"steps": study.steps or config.trace.steps},
                 "bandwidth": {"topology": study.topology.model_dump(), "gbps": study.gbps},
-                "dcs": None, "regime": None, "dispatch": None, "feplb": None,
+                "dcs": None, "regime": [], "dispatch": None, "feplb": None,
             }
         )  # fmt: skip
         for p in run_sweep(cfg):
@@ -204,8 +214,8 @@ def straggler_table(config: SweepConfig) -> tuple[list[str], list[tuple[str, boo
                 continue
             r = red[name]
             claims.append((
-                f"{name} cuts the token straggler by {FEPLB_REDUCTION[0]:.0%}-"
-                f"{FEPLB_REDUCTION[1]:.0%} at EP{ep.ranks} (FEPLB)",
+                f"{name} cuts the token straggler by at least FEPLB's {FEPLB_REDUCTION[0]:.0%} "
+                f"(FEPLB: {FEPLB_REDUCTION[0]:.0%}-{FEPLB_REDUCTION[1]:.0%}) at EP{ep.ranks}",
                 r >= FEPLB_REDUCTION[0], f"{-r:+.0%} (static max/mean {imb['static']:.3f}, "
                 f"{name} {imb[name]:.3f})",
             ))  # fmt: skip

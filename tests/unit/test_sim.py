@@ -263,7 +263,8 @@ def test_cli_sweep_writes_tables_and_plots(tmp_path, capsys):
         "trace: {steps: 2, tokens_per_rank: 64, imbalance: 1.2}\n"
         "bandwidth: {topology: {dcs: 2, ranks_per_dc: 2}, gbps: [10, 1]}\n"
         "dcs: {topology: {ranks_per_dc: 2}, counts: [2, 3]}\n"
-        "regime: {topology: {dcs: 2, ranks_per_dc: 2}, gbps: [1], microbatches_per_update: [1, 4]}\n"
+        "regime: [{name: two, topology: {dcs: 2, ranks_per_dc: 2}, gbps: [1],"
+        " microbatches_per_update: [1, 4]}]\n"
     )
     code, _out, err = _run(["sim", "sweep", "--config", str(tmp_path / "s.yaml"), "--out",
                            str(tmp_path / "o"), "--no-progress"], capsys)  # fmt: skip
@@ -275,6 +276,7 @@ def test_cli_sweep_writes_tables_and_plots(tmp_path, capsys):
     regime = [r for r in rows if r["kind"] == "regime"]
     assert sorted(r["microbatches_per_update"] for r in regime) == ["1", "1", "4", "4"]
     assert all(r["groups"] == "2" for r in regime)  # 8 experts fill one DC: 2 groups
+    assert {r["label"] for r in regime} == {"two"}
 
 
 @settings(max_examples=20, deadline=None)

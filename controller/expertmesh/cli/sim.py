@@ -434,7 +434,7 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
 
 
 SWEEP_COLUMNS = (
-    "kind", "x", "groups", "microbatches_per_update", "tokens_per_rank", "policy", "mean_seconds", "median_seconds", "speedup", "mean_imbalance",
+    "kind", "label", "x", "groups", "microbatches_per_update", "tokens_per_rank", "policy", "mean_seconds", "median_seconds", "speedup", "mean_imbalance",
     "cross_dc_token_bytes", "cross_dc_weight_bytes", "migration_bytes", "solve_seconds",
     "skipped",
 )  # fmt: skip
@@ -447,8 +447,8 @@ def write_sweep(pts: list[SweepPoint], out: Path, policies: list[str]) -> None:
         w.writerow(SWEEP_COLUMNS)
         for p in pts:
             for r in summary_rows(p.result):
-                head = [p.kind, f"{p.x:g}", p.groups, p.microbatches, p.tokens_per_rank]
-                w.writerow(head + [_cell(r.get(c, "")) for c in SWEEP_COLUMNS[5:]])
+                head = [p.kind, p.label, f"{p.x:g}", p.groups, p.microbatches, p.tokens_per_rank]
+                w.writerow(head + [_cell(r.get(c, "")) for c in SWEEP_COLUMNS[6:]])
     md = ["# expertmesh sim sweep", ""]
     for kind, xlabel, fname in (
         ("bandwidth", "inter-DC bandwidth (Gbit/s)", "speedup_vs_bandwidth.png"),

@@ -128,8 +128,9 @@ class DCSweep(_Strict):
 
 class RegimeSweep(_Strict):
     """Bandwidth x microbatches per optimizer update x tokens per rank on one topology (the
-    regimes where a copy is worth its sync); points of kind 'regime'."""
+    regimes where a copy is worth its sync); points of kind 'regime', labelled ``name``."""
 
+    name: str = Field(default="regime", min_length=1, max_length=80)
     topology: TopologySpec = TopologySpec(dcs=8, ranks_per_dc=8)
     gbps: list[PositiveFloat] = Field(default=[400, 10, 0.1], min_length=1)
     microbatches_per_update: list[PositiveInt] = Field(default=[1, 16], min_length=1)
@@ -170,7 +171,9 @@ class SweepConfig(_Strict):
     trace: TraceSpec = TraceSpec()
     bandwidth: BandwidthSweep | None = BandwidthSweep()
     dcs: DCSweep | None = DCSweep()
-    regime: RegimeSweep | None = None
+    regime: list[RegimeSweep] = Field(
+        default_factory=list, description="regime grids, each on its own topology"
+    )
     dispatch: DispatchStudy | None = None
     feplb: StragglerStudy | None = None
 
@@ -202,6 +205,7 @@ class SweepPoint:
     groups: int = 1
     microbatches: int = 1
     tokens_per_rank: int = 0
+    label: str = ""
 
 
 @dataclass(frozen=True)
@@ -213,6 +217,7 @@ class _Point:
     steps: int
     microbatches: int | None = None
     tokens_per_rank: int | None = None
+    label: str = ""
 
 
 def points(config: SweepConfig) -> list[_Point]:
@@ -233,14 +238,13 @@ def points(config: SweepConfig) -> list[_Point]:
         for g in dcs.scale_gbps:
             topo, n = dcs.topology.grouped(e, dcs=max(dcs.counts), inter_dc_gbps=g)
             out.append(_Point("scale", g, topo, n, steps))
-    if config.regime is not None:
-        reg = config.regime
+    for reg in config.regime:
         steps = reg.steps or config.trace.steps
         for tpr in reg.tokens_per_rank:
             for m in reg.microbatches_per_update:
                 for g in reg.gbps:
                     topo, n = reg.topology.grouped(e, inter_dc_gbps=g)
-                    out.append(_Point("regime", g, topo, n, steps, m, tpr))
+                    out.append(_Point("regime", g, topo, n, steps, m, tpr, reg.name))
     return out
 
 
@@ -271,7 +275,7 @@ def run_sweep(
         )  # fmt: skip
         point = SweepPoint(
             p.kind, p.x, p.topology, result, p.groups,
-            cost.microbatches_per_update, spec.tokens_per_rank,
+            cost.microbatches_per_update, spec.tokens_per_rank, p.label,
         )  # fmt: skip
         out.append(point)
         if on_point is not None:
