@@ -138,7 +138,8 @@ def test_cost_settings_reach_policies_with_a_cost_model():
     trace = TraceSettings(num_ranks=topo.num_ranks, num_experts=8, num_layers=1, num_steps=2,
                           top_k=2, tokens_per_rank=128, imbalance=1.5, drift=0.1, seed=1)  # fmt: skip
     source = dense_source(generate_trace(trace).load)
-    cs = CostSettings(microbatches_per_update=4)
+    # the measured solve seconds on the critical path differ run to run: left out here
+    cs = CostSettings(microbatches_per_update=4, solve_on_critical_path=False)
     names = ["fastermoe", "hybrid"]
     given_sim = simulate(source, topo, model, names, cost=cs)
     own = {name: {"cost": cs.model_dump()} for name in names}
