@@ -44,6 +44,12 @@ from expertmesh.planner.window import WindowReport
 
 
 def _pin(core_index: int) -> int | None:
+    """Pin this process to one core; and, as `expertmesh serve` does, serve buffers of 1 MiB
+    and more from their own mmap (freed [R, E] loads go back to the OS, not to a heap that
+    fragments)."""
+    from expertmesh.cli.serve import big_buffers_to_mmap
+
+    big_buffers_to_mmap()
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         return None
