@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .netemu_module import load_netemu
+from .netemu_module import load_netemu, start_nodes
 
 REPO = Path(__file__).resolve().parents[2]
 TOPOLOGY = REPO / "deploy/topologies/emulate.yaml"
@@ -120,30 +120,7 @@ def test_start_node_script_brings_up_labeled_nodes_and_serve(tmp_path: Path) -> 
     em = netemu.plan_emulation(yaml.safe_load(TOPOLOGY.read_text()), name=name)
     netemu.up(em, ray=False)
     try:
-        dc_map = tmp_path / "dc-map.yaml"
-        dc_map.write_text("".join(f"{n.ip}/32: {n.dc}\n" for n in em.nodes))
-        env = netemu.env_for_namespace(em)
-        env.pop("RAY_ADDRESS")
-        env.update(
-            EXPERTMESH_VENV=str(Path(sys.executable).parent.parent),
-            EXPERTMESH_DC_MAP=str(dc_map),
-            EXPERTMESH_DC_FILE=str(tmp_path / "none"),
-            EXPERTMESH_TOPOLOGY=str(TOPOLOGY),
-            HOME=str(tmp_path),
-        )
-        script = str(REPO / "deploy/scripts/start-node.sh")
-        for n in em.nodes:
-            args = ["head"] if n.index == 0 else ["worker", em.head.ip]
-            node_env = {**env, "EXPERTMESH_NODE_IP": n.ip, "EXPERTMESH_STATE": str(tmp_path / n.dc)}
-            run = subprocess.run(
-                ["ip", "netns", "exec", n.netns, "bash", script, *args],
-                env=node_env,
-                capture_output=True,
-                text=True,
-                timeout=180,
-                check=False,
-            )
-            assert run.returncode == 0, run.stderr[-2000:]
+        env = start_nodes(em, tmp_path, TOPOLOGY)
         netemu.wait_nodes(em, timeout=60)  # one alive node per DC, labeled with its DC
         token = (tmp_path / em.head.dc / "token").read_text().strip()
         assert len(token) >= 32

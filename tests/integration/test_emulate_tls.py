@@ -19,7 +19,7 @@ import yaml
 
 from expertmesh.controller.certs import make_certs
 
-from .netemu_module import load_netemu
+from .netemu_module import load_netemu, start_nodes
 
 REPO = Path(__file__).resolve().parents[2]
 TOPOLOGY = REPO / "deploy/topologies/emulate.yaml"
@@ -65,33 +65,7 @@ def test_start_node_brings_up_ray_over_tls_and_serve_over_https(tmp_path: Path) 
     em = netemu.Emulation(**{**em.__dict__, "tls_dir": str(tls)})
     netemu.up(em, ray=False)
     try:
-        dc_map = tmp_path / "dc-map.yaml"
-        dc_map.write_text("".join(f"{n.ip}/32: {n.dc}\n" for n in em.nodes))
-        env = netemu.env_for_namespace(em)
-        env.pop("RAY_ADDRESS")
-        for var in ("RAY_USE_TLS", "RAY_TLS_SERVER_CERT", "RAY_TLS_SERVER_KEY", "RAY_TLS_CA_CERT"):
-            env.pop(var)  # start-node.sh must set them itself, from EXPERTMESH_TLS_DIR
-        env.update(
-            EXPERTMESH_VENV=str(Path(sys.executable).parent.parent),
-            EXPERTMESH_DC_MAP=str(dc_map),
-            EXPERTMESH_DC_FILE=str(tmp_path / "none"),
-            EXPERTMESH_TOPOLOGY=str(TOPOLOGY),
-            EXPERTMESH_TLS_DIR=str(tls),
-            HOME=str(tmp_path),
-        )
-        script = str(REPO / "deploy/scripts/start-node.sh")
-        for n in em.nodes:
-            args = ["head"] if n.index == 0 else ["worker", em.head.ip]
-            node_env = {**env, "EXPERTMESH_NODE_IP": n.ip, "EXPERTMESH_STATE": str(tmp_path / n.dc)}
-            run = subprocess.run(
-                ["ip", "netns", "exec", n.netns, "bash", script, *args],
-                env=node_env,
-                capture_output=True,
-                text=True,
-                timeout=180,
-                check=False,
-            )
-            assert run.returncode == 0, run.stderr[-2000:]
+        env = start_nodes(em, tmp_path, TOPOLOGY, EXPERTMESH_TLS_DIR=str(tls))
         netemu.wait_nodes(em, timeout=90)  # a driver with DC 0's TLS variables joins
         # a driver without them cannot (the GCS speaks only TLS): bounded by a timeout
         plain = {k: v for k, v in env.items() if not k.startswith("RAY_TLS")}
