@@ -35,7 +35,8 @@ every rank (plain integer arithmetic, ties by id), so no rank waits for another:
 walk over ``E``-sized vectors in plain Python ints, shared with the numpy solve, run on
 the host from the ``[E]`` demand (one ``[E]`` copy from the device); the ``[C, R_src]``
 token split, the only part that grows with the counts, runs in torch on the counts'
-device.
+device (its ``[C]`` index bookkeeping stays on the host, where the replicas are made, so
+the device sees a few dozen kernels and no atomics).
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def balance_torch(
     seg = np.array(segs, np.int64).reshape(-1, 4)  # [N] expert, rank, tokens, j
     replicas, rank_tokens = replica_table(seg, empty, p2l.shape[1], home_rank, pb.work)
     home_t = torch.from_numpy(home_rank).to(dev)
-    copy_rank, copy_expert, split = _split(counts, home_t, segs)
+    copy_rank, copy_expert, split = _split(counts, home_rank, seg)
 
     def put(x: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(x).to(dev)
@@ -154,35 +155,40 @@ def balance_torch(
 
 
 def _split(
-    counts: torch.Tensor, home_rank: torch.Tensor, segs: list[tuple[int, int, int, int]]
+    counts: torch.Tensor, home_rank: np.ndarray, seg: np.ndarray
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``fastquota._split`` in torch: each copy its own rank's tokens first, then replica
-    ``j`` of every expert, pass by pass, in proportion with the largest remainders (lower
-    source on ties); the home takes the rest. ``counts`` [R_src, E] int64."""
+    """``fastquota._split`` with its ``[C, R_src]`` arithmetic in torch on the counts'
+    device: each copy its own rank's tokens first, then replica ``j`` of every expert,
+    pass by pass, in proportion with the largest remainders (lower source on ties); the
+    home takes the rest. ``counts`` [R_src, E] int64; ``seg`` [N, 4] (expert, rank,
+    tokens, j) on the host, where the copies' bookkeeping ([C] indices) stays."""
     dev, num_src = counts.device, counts.shape[0]
-    if not segs:
+    n = seg.shape[0]
+    if not n:
         z = torch.zeros(0, dtype=torch.int64, device=dev)
         return z, z, torch.zeros((0, num_src), dtype=torch.int64, device=dev)
-    seg_np = np.array(segs, np.int64)
-    seg = torch.from_numpy(seg_np).to(dev)  # [N, 4] expert, rank, tokens, j
-    n = seg.shape[0]
-    hot, col = torch.unique(seg[:, 0], sorted=True, return_inverse=True)  # [K], [N]
-    k = hot.shape[0]
-    c_col = torch.cat([col, torch.arange(k, device=dev)])  # [C]
-    c_rank = torch.cat([seg[:, 1], home_rank[hot]])
-    left = counts.index_select(1, hot).T.contiguous()  # [K, R_src]
-    given = torch.zeros(k, dtype=torch.int64, device=dev).index_add_(0, col, seg[:, 2])
-    need = torch.cat([seg[:, 2], left.sum(dim=1) - given])  # [C]
+    hot = np.flatnonzero(np.bincount(seg[:, 0], minlength=counts.shape[1]))  # [K]
+    col = np.searchsorted(hot, seg[:, 0])  # [N]
+    k = hot.size
+    c_col_np = np.concatenate([col, np.arange(k)])  # [C]
+    c_rank_np = np.concatenate([seg[:, 1], home_rank[hot]])
+    given = np.bincount(col, weights=seg[:, 2], minlength=k).astype(np.int64)
+
+    def put(x: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64)).to(dev)
+
+    c_col, c_rank = put(c_col_np), put(c_rank_np)
+    left = counts.index_select(1, put(hot)).T.contiguous()  # [K, R_src]
+    need = torch.cat([put(seg[:, 2]), left.sum(dim=1) - put(given)])  # [C]
     own = torch.minimum(need, left[c_col, c_rank])  # own rank first
     left[c_col, c_rank] -= own
     need -= own
     split = torch.empty((n + k, num_src), dtype=torch.int64, device=dev)
     rev = torch.arange(num_src - 1, -1, -1, device=dev)  # remainder ties to the lower source
     top = torch.iinfo(torch.int64).max
-    passes = int(seg_np[:, 3].max()) + 1
-    for j in range(passes):
-        c = torch.from_numpy(np.flatnonzero(seg_np[:, 3] == j)).to(dev)
-        cols = c_col[c]
+    for j in range(int(seg[:, 3].max()) + 1):
+        c_np = np.flatnonzero(seg[:, 3] == j)
+        c, cols = put(c_np), put(c_col_np[c_np])
         w, nd = left[cols], need[c]  # [n_j, R_src], [n_j]
         num = w * nd[:, None]
         tot = w.sum(dim=1).clamp(min=1)[:, None]
@@ -191,14 +197,14 @@ def _split(
         short = nd - share.sum(dim=1)  # < R_src tokens the floors leave out
         key = rem * num_src + rev  # distinct within a row
         ranked = torch.sort(key, dim=1).values
-        cut = ranked[torch.arange(c.shape[0], device=dev), num_src - short.clamp(min=1)]
+        cut = ranked[torch.arange(c_np.size, device=dev), num_src - short.clamp(min=1)]
         cut = torch.where(short > 0, cut, torch.full_like(cut, top))
         share += (key >= cut[:, None]).to(torch.int64)
         left[cols] = w - share
         split[c] = share
     split[n:] = left
     split[torch.arange(n + k, device=dev), c_rank] += own
-    return c_rank, torch.cat([seg[:, 0], hot]), split
+    return c_rank, put(np.concatenate([seg[:, 0], hot])), split
 
 
 def balance(
