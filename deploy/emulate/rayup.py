@@ -46,6 +46,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -251,6 +252,20 @@ def check_host() -> str | None:
         return "`unshare` not found (apt-get install util-linux)"
     if "overlay" not in Path("/proc/filesystems").read_text():
         return "the kernel has no overlay filesystem"
+    with tempfile.TemporaryDirectory(prefix="expertmesh-hostcheck-") as d:
+        for sub in ("lower", "upper", "work", "merged"):
+            Path(d, sub).mkdir()
+        probe = (  # what a host's first process does: overlay, bind, its own /proc
+            f"mount -t overlay probe -o lowerdir={d}/lower,upperdir={d}/upper,workdir={d}/work "
+            f"{d}/merged && mount --bind {d}/upper {d}/lower && test -d /proc/1"
+        )
+        got = subprocess.run(
+            ["unshare", "--mount", "--propagation", "private", "--pid", "--fork", "--mount-proc",
+             "--uts", "sh", "-c", probe],
+            capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
+    if got.returncode != 0:
+        return f"mount/PID namespaces with overlayfs do not work here: {got.stderr.strip()}"
     return None
 
 
