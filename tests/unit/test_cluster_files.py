@@ -285,3 +285,19 @@ def test_with_certificates_ray_and_serve_run_over_tls(tmp_path: Path) -> None:
     # a CA without this DC's certificate: refused before anything starts
     rc, cmds = _start_node(tmp_path, "worker", "10.0.1.10", EXPERTMESH_NODE_IP="10.0.3.10", **env)
     assert rc != 0 and cmds == []
+
+
+def test_rayup_cli_refuses_bad_input_with_one_line() -> None:
+    import sys
+
+    for argv in (["ops", "--name", f"nx{os.getpid()}", "--", "true"], ["run", "--steps", "x"]):
+        got = subprocess.run(
+            [sys.executable, str(REPO / "deploy/emulate/rayup.py"), *argv],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert got.returncode == 2, got
+        assert got.stderr.strip().splitlines()[-1].startswith(("rayup: ", "rayup.py run: error")), (
+            got
+        )
