@@ -99,6 +99,7 @@ class RayUp:
     hosts: tuple[Host, ...]
     operator_ip: str
     cluster_name: str
+    experts: int = 0  # the demo's experts per layer: every master slot of the topology
 
     @property
     def workstation_tmp(self) -> str:
@@ -139,7 +140,11 @@ def plan_rayup(
     hosts = tuple(
         Host(n.dc, n.netns, n.ip, f"{name}-{n.dc}", f"{em.temp_dir}/hosts/{n.dc}") for n in em.nodes
     )
-    return RayUp(em, hosts, operator, f"expertmesh-emu-{name}")
+    from expertmesh.planner import Topology
+
+    topo = Topology.from_dict(topology)
+    experts = topo.num_ranks * topo.masters_per_rank
+    return RayUp(em, hosts, operator, f"expertmesh-emu-{name}", experts)
 
 
 def _venv_base_python() -> str:
@@ -198,6 +203,9 @@ def cluster_config(
     cfg["auth"] = {"ssh_user": "root", "ssh_private_key": ru.key}
     cfg["min_workers"] = cfg["max_workers"] = len(workers)
     cfg["file_mounts"] = {"~/expertmesh": repo}
+    # Certificates in the checkout name your machines, not the emulated ones: the rehearsal
+    # runs in clear (`netemu.py up --tls` rehearses Ray's TLS).
+    cfg["rsync_exclude"] = [*cfg.get("rsync_exclude", []), "deploy/tls"]
     cfg["setup_commands"] = setup_commands(python, site_packages)
     topo = f"EXPERTMESH_TOPOLOGY=~/expertmesh/{topology_rel} "
     cmd = heads[at[0]]
@@ -486,14 +494,33 @@ def wait_nodes(ru: RayUp, *, timeout: float) -> subprocess.CompletedProcess[str]
     return remote(ru, cmd, timeout=timeout + 120)
 
 
-def watch_surfaces(ru: RayUp, port: int, *, timeout: float) -> dict[str, Any]:
+def watch_surfaces(
+    ru: RayUp, port: int, *, timeout: float, until_exit: subprocess.Popen[str] | None = None
+) -> dict[str, Any]:
     """Poll the head's ``/metrics`` on ``port`` from the workstation until a step is recorded,
-    then GET the dashboard, REST and ``/metrics``: ``{"step", "/": {...}, ...}``."""
+    then GET the dashboard, REST and ``/metrics``: ``{"step", "/": {...}, ...}``. Gives up
+    after ``timeout`` s, or 10 s after ``until_exit`` (the process serving them) ended."""
     base = f"http://{ru.head.ip}:{port}"
-    got = ops(ru, [sys.executable, "-c", _WATCH, base, str(timeout)], timeout=timeout + 60)
-    if got.returncode != 0:
-        raise RuntimeError(f"watching {base}: {got.stderr.strip()[-500:]}")
-    out: dict[str, Any] = json.loads(got.stdout)
+    watch = subprocess.Popen(
+        ops_argv(ru, [sys.executable, "-c", _WATCH, base, str(timeout)]),
+        env=ops_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    end, gone = time.monotonic() + timeout + 60, None
+    while watch.poll() is None and time.monotonic() < end:
+        if until_exit is not None and until_exit.poll() is not None:
+            gone = gone or time.monotonic()
+            if time.monotonic() - gone > 10:
+                break
+        time.sleep(0.5)
+    if watch.poll() is None:
+        watch.kill()
+    out_, err = watch.communicate()
+    if watch.returncode != 0:
+        return {"step": -1.0, "error": err.strip()[-500:] or f"stopped ({watch.returncode})"}
+    out: dict[str, Any] = json.loads(out_)
     return out
 
 
@@ -503,7 +530,7 @@ def demo_command(ru: RayUp, steps: int) -> str:
     topo = f"~/expertmesh/{TOPOLOGY.relative_to(REPO)}"
     return (
         "EXPERTMESH_TOKEN=$(cat ~/.expertmesh/token) expertmesh demo --address auto --exit "
-        f"--steps {steps} --topology {topo} --no-shaper --host {ru.head.ip} "
+        f"--steps {steps} --topology {topo} --experts {ru.experts} --no-shaper --host {ru.head.ip} "
         f"--rest-port {DEMO_REST_PORT} --grpc-port {DEMO_GRPC_PORT}"
     )
 
@@ -596,7 +623,7 @@ def rehearse(
         t = time.monotonic()
         demo = _ops_popen(ru, [ray, "exec", ru.cluster_file, demo_command(ru, steps)])
         try:
-            seen = watch_surfaces(ru, DEMO_REST_PORT, timeout=600)
+            seen = watch_surfaces(ru, DEMO_REST_PORT, timeout=600, until_exit=demo)
             out, _ = demo.communicate(timeout=900)
         finally:
             if demo.poll() is None:
@@ -605,7 +632,7 @@ def rehearse(
         rep["demo_s"] = time.monotonic() - t
         _check(demo.returncode == 0, f"ray exec demo failed ({demo.returncode})", out)
         _check_surfaces(ru, seen, f"demo http://{ru.head.ip}:{DEMO_REST_PORT}")
-        rep["demo_surfaces"] = {p: v["status"] for p, v in seen.items() if p != "step"}
+        rep["demo_surfaces"] = {p: v["status"] for p, v in seen.items() if p.startswith("/")}
         rep["demo_step_seen"] = seen["step"]
         log(
             f"demo: {steps} steps through ray exec in {rep['demo_s']:.1f}s; surfaces {rep['demo_surfaces']}"

@@ -73,7 +73,17 @@ def test_demo_trains_on_the_emulated_cluster_with_the_shaper_off(
         pytest.skip("`expertmesh demo` has no --address yet (runtime issue 4)")
     out = tmp_path / "demo.json"
     argv = [sys.executable, "-m", "expertmesh.cli", "demo", "--address", cluster.address]
-    argv += ["--topology", str(TOPOLOGY), "--no-shaper", "--steps", "3", "--exit"]
+    # 12 experts: every master slot of emulate.yaml (the demo's default, 24, does not fit)
+    argv += [
+        "--topology",
+        str(TOPOLOGY),
+        "--experts",
+        "12",
+        "--no-shaper",
+        "--steps",
+        "3",
+        "--exit",
+    ]
     argv += ["--batch", "4", "--seq-len", "32", "--json", str(out)]
     env = netemu.env_for_namespace(cluster)
     run = subprocess.run(

@@ -200,8 +200,10 @@ def test_emulated_cluster_file_is_cluster_yaml_with_the_emulation_filled_in() ->
     changed = {k for k in base if base[k] != cfg[k]}
     assert changed == {
         "cluster_name", "provider", "auth", "min_workers", "max_workers", "file_mounts",
-        "setup_commands", "head_start_ray_commands",
+        "setup_commands", "head_start_ray_commands", "rsync_exclude",
     }  # fmt: skip
+    assert cfg["rsync_exclude"] == [*base["rsync_exclude"], "deploy/tls"]  # certs name real hosts
+    assert ru.experts == 12  # the demo's experts: every master slot (6 ranks x 2)
     assert cfg["provider"] == {
         "type": "local",
         "head_ip": "10.213.0.1",
