@@ -101,10 +101,13 @@ class SpmdSteps:
             self.core.commit(pv.version)
             self.placements = [lp.placement for lp in pv.layers]
             self._offered = None
-        for r in ranks:
-            self._rank_bytes[r] = np.asarray(reports[r]["bytes"])
-        total = np.sum(list(self._rank_bytes.values()), axis=0)
-        delta, self._bytes = total - self._bytes, total
+        delta = np.zeros_like(self._bytes)
+        for r in ranks:  # cumulative per rank; a replacement worker counts from zero again
+            cur = np.asarray(reports[r]["bytes"])
+            prev = self._rank_bytes.get(r, np.zeros_like(cur))
+            delta += cur - prev if (cur >= prev).all() else cur
+            self._rank_bytes[r] = cur
+        self._bytes += delta
         migration = delta[2]
         computed = np.zeros((self.topology.num_ranks, num_layers), np.int64)
         load = np.zeros((num_layers, self.settings.lm.num_experts), np.int64)
@@ -177,6 +180,23 @@ class SpmdSteps:
             "imbalance_before": max(pv.imbalance_before),
             "imbalance_after": max(pv.imbalance_after),
         }
+
+    def replace_workers(self, workers: list[Any], ranks: list[int]) -> None:
+        """``ranks`` run on new worker actors (``workers``: every rank's); the plan on offer,
+        if any, is offered to them too."""
+        with self._spmd_lock:
+            self._spmd_workers = workers
+            self.workers = workers
+            pv = self._offered
+            if pv is None:
+                return
+            new = [lp.placement for lp in pv.layers]
+            rounds = migration_rounds(
+                self.placements, new, [lp.migration for lp in pv.layers], self.topology
+            )
+            layers = [(p.phy2log, p.master, lp.route) for p, lp in zip(new, pv.layers, strict=True)]
+            for r in ranks:
+                workers[r].offer_plan.remote(pv.version, layers, rounds, pv.encoding)
 
     def results_since(self, step: int) -> list[dict[str, Any]]:
         """Recorded steps from ``step`` on."""

@@ -23,6 +23,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from expertmesh.planner import Topology
+from expertmesh.runtime.checkpoint import CheckpointDir
 from expertmesh.runtime.controller import ControllerActor
 from expertmesh.runtime.settings import (
     CONTROLLER_RESTARTS,
@@ -35,6 +36,7 @@ from expertmesh.runtime.settings import (
     make_actor,
     source_roots,
 )
+from expertmesh.runtime.spmd_faults import SpmdFaults, WorkersFailed, new_run_id
 from expertmesh.runtime.worker import SpmdWorker
 
 __all__ = ["GROUP_TIMEOUT_S", "SpmdRuntime"]
@@ -44,7 +46,7 @@ GROUP_TIMEOUT_S = 60.0  # a collective that waits this long for a peer fails (a 
 RESULT_WAIT_S = 30.0  # after the workers return, the driver waits this long for the reports
 
 
-class SpmdRuntime:
+class SpmdRuntime(SpmdFaults):
     """A multi-DC Ray cluster training the demo model on the SPMD data plane."""
 
     def __init__(self, settings: RuntimeSettings, *, address: str | None = None) -> None:
@@ -56,6 +58,11 @@ class SpmdRuntime:
         self.backend = ""
         self.step = -1
         self._tmp: str | None = None
+        self.checkpoints: CheckpointDir | None = None
+        self.checkpoint_log: list[dict[str, Any]] = []
+        self.recoveries: list[dict[str, Any]] = []
+        self.retried_steps: list[int] = []
+        self.run_id = new_run_id()
 
     def __enter__(self) -> SpmdRuntime:
         self.start()
@@ -91,27 +98,37 @@ class SpmdRuntime:
             .options(name="controller", label_selector={"dc": dcs[0].name})
             .remote(s, None if self.address else os.path.join(self._tmp, "plans.sqlite"))
         )
-        shaper = os.path.join(self._tmp, "links") if s.shaper and self.address is None else None
-        placements = [(p.phy2log, p.master) for p in initial_placements(self.topology, s.lm)]
-        cls = make_actor(SpmdWorker, num_cpus=0, max_concurrency=4)
-        self.workers = [
-            cls.options(
-                name=f"worker-{r}",
-                label_selector={"dc": dcs[int(self.topology.rank_dc[r])].name},
-            ).remote(r, s, placements, shaper, self.controller)
-            for r in range(self.topology.num_ranks)
-        ]
-        self.nodes = ray.get([w.ping.remote() for w in self.workers])
-        members = list(range(self.topology.num_ranks))
-        addr, port = ray.get(self.workers[0].address.remote())
-        backends = ray.get(
-            [w.join.remote(members, addr, port, GROUP_TIMEOUT_S) for w in self.workers]
+        self._shaper = (
+            os.path.join(self._tmp, "links") if s.shaper and self.address is None else None
         )
-        self.backend = backends[0]
+        self._worker_cls = make_actor(SpmdWorker, num_cpus=0, max_concurrency=4)
+        self.workers = [self._spawn(r) for r in range(self.topology.num_ranks)]
+        self.nodes = ray.get([w.ping.remote() for w in self.workers])
+        self._form_group()
+        members = list(range(self.topology.num_ranks))
         ray.get(self.controller.attach.remote(self.workers))
         ray.get(self.controller.spmd_reset.remote(self.workers, members, self.backend))
+        root = s.checkpoint_dir or os.path.join(self._tmp, "checkpoints")
+        self.checkpoints = CheckpointDir(root, keep=s.checkpoint_keep)
+        self.take_checkpoint()  # the initial weights: a death in step 0 recovers too
         if s.surfaces is not None:
             self.surfaces = ray.get(self.controller.start_surfaces.remote())
+
+    def _spawn(self, rank: int) -> Any:
+        """A ``worker-<rank>`` actor on a node of the rank's DC, with the initial weights."""
+        s, dcs = self.settings, self.topology.dcs
+        placements = [(p.phy2log, p.master) for p in initial_placements(self.topology, s.lm)]
+        return self._worker_cls.options(
+            name=f"worker-{rank}",
+            label_selector={"dc": dcs[int(self.topology.rank_dc[rank])].name},
+        ).remote(rank, s, placements, self._shaper, self.controller)
+
+    def _form_group(self) -> None:
+        """Every worker joins one new process group (the store on rank 0's node)."""
+        members = list(range(self.topology.num_ranks))
+        addr, port = ray.get(self.workers[0].address.remote())
+        refs = [w.join.remote(members, addr, port, GROUP_TIMEOUT_S) for w in self.workers]
+        self.backend = ray.get(refs)[0]
 
     def node_dcs(self) -> list[str]:
         """DC label of the node each worker runs on."""
@@ -121,8 +138,33 @@ class SpmdRuntime:
     def train(
         self, steps: int, on_step: Callable[[StepResult], None] | None = None
     ) -> list[StepResult]:
-        """Every worker trains ``steps`` steps on its own; ``on_step`` sees each recorded
-        step as the controller records it. Returns the steps in order."""
+        """Every worker trains ``steps`` steps on its own, in chunks of ``checkpoint_every``
+        with the checkpoint written between them; a step that fails because a worker died
+        runs again after :meth:`recover`. ``on_step`` sees each recorded step as the
+        controller records it. Returns the steps in order."""
+        target = self.step + steps
+        out: list[StepResult] = []
+        every = self.settings.checkpoint_every or steps
+        while self.step < target:
+            n = min(every, target - self.step)
+            try:
+                out += self._chunk(n, on_step)
+            except WorkersFailed as failed:
+                rows = ray.get(self.controller.results_since.remote(self.step + 1))
+                for row in rows:
+                    if row["step"] < failed.failed_at and row["step"] > self.step:
+                        result = StepResult(**row)
+                        out.append(result)
+                        if on_step is not None:
+                            on_step(result)
+                self.step = failed.failed_at - 1
+                self.retried_steps.append(failed.failed_at)
+                self.recover(failed)
+                continue
+            self.take_checkpoint()
+        return out
+
+    def _chunk(self, steps: int, on_step: Callable[[StepResult], None] | None) -> list[StepResult]:
         start = self.step + 1
         refs = [w.run.remote(start, steps) for w in self.workers]
         seen: list[StepResult] = []
@@ -132,7 +174,7 @@ class SpmdRuntime:
             if pending:
                 _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.25)
                 if not pending:
-                    ray.get(refs)  # a worker's error surfaces here
+                    self._check(refs, start)
                     deadline = time.monotonic() + RESULT_WAIT_S
             elif deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"the controller recorded {len(seen)} of {steps} steps")
@@ -145,6 +187,22 @@ class SpmdRuntime:
                     on_step(result)
         self.step = start + steps - 1
         return seen
+
+    def _check(self, refs: list[Any], start: int) -> None:
+        """``WorkersFailed`` when a worker died or returned a failed step."""
+        failed: list[int] = []
+        errors = []
+        for ref in refs:
+            try:
+                res = ray.get(ref)
+            except ray.exceptions.RayActorError as err:
+                errors.append(f"a worker died: {type(err).__name__}")
+                continue
+            if "failed_at" in res:
+                failed.append(int(res["failed_at"]))
+                errors.append(f"rank {res['rank']}: {res['error']}")
+        if errors:
+            raise WorkersFailed(min(failed, default=start), "; ".join(errors)[:1000])
 
     def _ask(self, method: str, *args: Any) -> Any:
         deadline = time.monotonic() + CONTROLLER_WAIT_S
@@ -159,6 +217,9 @@ class SpmdRuntime:
     def status(self) -> dict[str, Any]:
         out = dict(self._ask("status"))
         out["backend"] = self.backend
+        out["retried_steps"] = list(self.retried_steps)
+        out["recoveries"] = list(self.recoveries)
+        out["checkpoints"] = list(self.checkpoint_log)
         return out
 
     def metrics(self) -> str:

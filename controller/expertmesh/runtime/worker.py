@@ -32,7 +32,7 @@ from expertmesh.planner import Placement, Topology
 from expertmesh.workers.comm import Comm, pick_backend
 from expertmesh.workers.model import Corpus
 from expertmesh.workers.shaper import LinkShaper
-from expertmesh.workers.spmd import SpmdRank
+from expertmesh.workers.spmd import RankSnapshot, SpmdRank
 from expertmesh.workers.wire import WireFormat
 
 __all__ = ["SpmdWorker", "free_port"]
@@ -45,6 +45,24 @@ def free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _leave_group(rank: int, timeout_s: float = 10.0) -> None:
+    """Destroy this process's groups; bounded (a destroy waiting on a dead peer's pending
+    work is left behind in its thread, and the next init starts afresh)."""
+    if not dist.is_initialized():
+        return
+
+    def destroy() -> None:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+    t = threading.Thread(target=destroy, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    log.warning(
+        "rank %d left its process group%s", rank, "" if not t.is_alive() else " (timed out)"
+    )
 
 
 def _interface_of(ip: str) -> str | None:
@@ -82,6 +100,7 @@ class SpmdWorker:
         self._plans: dict[int, tuple[Any, ...]] = {}  # version -> offered plan
         self._lock = threading.Lock()
         self.ip = ray.util.get_node_ip_address()
+        self._exit_at: int | None = None
 
     def address(self) -> tuple[str, int]:
         """Where rank 0 of a new process group listens: this node's address, a free port."""
@@ -90,9 +109,7 @@ class SpmdWorker:
     def join(self, members: list[int], addr: str, port: int, timeout_s: float) -> str:
         """(Re-)form the process groups with ``members`` (expertmesh ranks); the store runs
         on ``addr:port`` (the first member's). Returns the backend."""
-        if dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
+        _leave_group(self.rank)
         iface = _interface_of(self.ip)
         if iface is not None:
             os.environ["GLOO_SOCKET_IFNAME"] = iface
@@ -106,8 +123,9 @@ class SpmdWorker:
             timeout=datetime.timedelta(seconds=timeout_s),
         )
         comm = Comm(
-            self.rank, self.topology.rank_dc, members, shaper=self.shaper, device=self.device
-        )
+            self.rank, self.topology.rank_dc, members, shaper=self.shaper, device=self.device,
+            timeout_s=timeout_s,
+        )  # fmt: skip
         if self.state is None:
             self.state = SpmdRank(
                 comm, self.settings.lm, self.corpus, self.placements, balance=self.settings.balance
@@ -142,10 +160,20 @@ class SpmdWorker:
         t_prev = time.perf_counter()
         ray_s = 0.0
         for step in range(start, start + steps):
-            stats = st.train_step(step, offer=self._offered())
-            applied: dict[str, Any] | None = None
-            if st.agreed > st.version:
-                applied = self._apply(st.agreed)
+            if self._exit_at == step:
+                log.error("rank %d: injected exit at step %d", self.rank, step)
+                os._exit(1)
+            snap = RankSnapshot(st)
+            try:
+                stats = st.train_step(step, offer=self._offered())
+                applied: dict[str, Any] | None = None
+                if st.agreed > st.version:
+                    applied = self._apply(st.agreed)
+            except Exception as err:  # a peer died or a link is down: undo, leave the group
+                log.warning("rank %d: step %d failed: %s", self.rank, step, err)
+                snap.restore(st)  # a plan switch commits last, so none happened
+                _leave_group(self.rank)
+                return {"rank": self.rank, "failed_at": step, "error": str(err)[:500]}
             now = time.perf_counter()
             stats["wall_seconds"] = now - t_prev  # the whole step, plan switch included
             t_prev = now
@@ -167,6 +195,66 @@ class SpmdWorker:
         t0 = time.perf_counter()
         sent = st.apply_plan(version, layers, rounds, WireFormat.of(encoding))
         return {"version": version, "seconds": time.perf_counter() - t0, "bytes": sent}
+
+    # ---- faults ----
+
+    def inject_exit(self, step: int) -> None:
+        """Fault injection: exit the process (as a crash would) when step ``step`` starts."""
+        self._exit_at = step
+
+    def export_state(self) -> dict[str, Any]:
+        assert self.state is not None
+        return self.state.export_state()
+
+    def masters(self) -> dict[tuple[int, int], Any]:
+        return {} if self.state is None else self.state.masters()
+
+    def refill(
+        self,
+        transfers: list[tuple[int, int, int, int, str]],
+        state: dict[str, Any] | None = None,
+        seeds: dict[tuple[int, int], Any] | None = None,
+    ) -> None:
+        """After the groups re-formed with replacements (every member calls it): live
+        holders send the replacements' expert copies (``transfers``); a replacement
+        (``state``: a live rank's :meth:`export_state`) adopts it, with ``seeds``
+        ``(layer, expert) -> (weights, m, v)`` from the checkpoint on disk for the experts
+        no live rank holds and the Adam state of the masters it takes over."""
+        st = self.state
+        assert st is not None
+        ep = st.experts
+        got = ep._send(
+            transfers, lambda k: list(st.layers[k[0]].expert(k[1])), torch.float32, "migration"
+        )
+        if state is None:
+            return
+        dev = self.device
+        seeds = seeds or {}
+        experts: list[dict[int, Any]] = [{} for _ in st.layers]
+        for (layer, e), ts in got:
+            experts[layer][e] = tuple(t.clone() for t in ts)
+        for (layer, e), (w, _, _) in seeds.items():
+            if e not in experts[layer]:
+                experts[layer][e] = tuple(torch.as_tensor(np.asarray(t)).to(dev) for t in w)
+        st.adopt(state, experts)
+        for layer, moe in enumerate(st.layers):
+            for e in moe.held():
+                if moe.plan.master_rank[e] != self.rank:
+                    continue
+                if (layer, e) in seeds:
+                    _, m, v = seeds[(layer, e)]
+                    ep.opt[layer][e] = (
+                        [torch.as_tensor(np.asarray(t)).to(dev) for t in m],
+                        [torch.as_tensor(np.asarray(t)).to(dev) for t in v],
+                    )
+                else:
+                    log.warning(
+                        "rank %d: master %d/%d restarts its Adam state", self.rank, layer, e
+                    )
+                    ep.opt[layer][e] = (
+                        [torch.zeros_like(p.detach()) for p in moe.expert(e)],
+                        [torch.zeros_like(p.detach()) for p in moe.expert(e)],
+                    )
 
     def expert_weights(self, layer: int, expert: int) -> list[np.ndarray] | None:
         return None if self.state is None else self.state.expert_weights(layer, expert)

@@ -21,6 +21,7 @@ skip (a rank with nothing to send still takes part with empty splits).
 
 from __future__ import annotations
 
+import datetime
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -72,6 +73,7 @@ class Comm:
         *,
         shaper: LinkShaper | None = None,
         device: torch.device | str = "cpu",
+        timeout_s: float = 60.0,
     ) -> None:
         members = sorted(int(r) for r in members)
         if rank not in members:
@@ -87,10 +89,14 @@ class Comm:
         self.world = Group(members)
         self.dcs: list[Group | None] = []
         for ranks in self.dc_ranks:  # every rank creates every group, in DC order
-            pg = _new_group([self.world.index[r] for r in ranks.tolist()]) if ranks.size else None
+            pg = (
+                _new_group([self.world.index[r] for r in ranks.tolist()], timeout_s)
+                if ranks.size
+                else None
+            )
             self.dcs.append(Group(ranks.tolist(), pg) if ranks.size else None)
         leaders = [int(r[0]) for r in self.dc_ranks if r.size]
-        self.leaders = Group(leaders, _new_group([self.world.index[r] for r in leaders]))
+        self.leaders = Group(leaders, _new_group([self.world.index[r] for r in leaders], timeout_s))
         self.shaper = shaper
         self.bytes = np.zeros((len(KINDS), self.num_dcs, self.num_dcs), np.int64)
         self.shaped_seconds = 0.0
@@ -210,8 +216,12 @@ class Comm:
         return int(t.item())
 
 
-def _new_group(group_ranks: list[int]) -> Any:
-    return dist.new_group(sorted(group_ranks)) if dist.is_initialized() else None
+def _new_group(group_ranks: list[int], timeout_s: float) -> Any:
+    """A subgroup with the world's timeout (torch's default for subgroups is 30 minutes: a
+    dead peer would hold a collective that long)."""
+    if not dist.is_initialized():
+        return None
+    return dist.new_group(sorted(group_ranks), timeout=datetime.timedelta(seconds=timeout_s))
 
 
 class _Exchange(torch.autograd.Function):

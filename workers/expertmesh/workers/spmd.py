@@ -27,11 +27,11 @@ from expertmesh.planner.plan import Placement
 from expertmesh.workers.comm import Comm
 from expertmesh.workers.experts import ExpertParallel, Transfer
 from expertmesh.workers.layer import LayerPlan, MoELayer
-from expertmesh.workers.model import Corpus, DenseModel, LMConfig, init_expert
+from expertmesh.workers.model import Corpus, DenseModel, ExpertWeights, LMConfig, init_expert
 from expertmesh.workers.moe import adam_
 from expertmesh.workers.wire import WireFormat
 
-__all__ = ["SpmdRank", "Transfer"]
+__all__ = ["RankSnapshot", "SpmdRank", "Transfer"]
 
 
 class SpmdRank:
@@ -185,9 +185,92 @@ class SpmdRank:
             "seconds": dict(self.seconds),
         }
 
+    # ---- recovery ----
+
+    def export_state(self) -> dict[str, Any]:
+        """What a replacement of a dead rank takes from a live one: dense weights and Adam
+        state, counters, the committed plan and its encoding (no experts)."""
+        return {
+            "dense": [p.detach().cpu().clone() for p in self._dparams()],
+            "dense_state": [(m.cpu().clone(), v.cpu().clone()) for m, v in self.dense_state],
+            "step": self.step,
+            "opt_step": self.opt_step,
+            "expert_step": self.experts.opt_step,
+            "version": self.experts.version,
+            "wire": self.experts.wire,
+            "layers": [
+                (m.plan.placement.phy2log, m.plan.placement.master, m.plan.route)
+                for m in self.layers
+            ],
+        }
+
+    def adopt(self, state: dict[str, Any], experts: list[dict[int, ExpertWeights]]) -> None:
+        """Become a live rank's twin (:meth:`export_state`) holding ``experts`` (per layer:
+        the weights of every expert the committed plan gives this rank)."""
+        dev = self.comm.device
+        with torch.no_grad():
+            for p, t in zip(self._dparams(), state["dense"], strict=True):
+                p.copy_(t.to(dev))
+        self.dense_state = [(m.to(dev), v.to(dev)) for m, v in state["dense_state"]]
+        self.step, self.opt_step = state["step"], state["opt_step"]
+        ep = self.experts
+        ep.opt_step, ep.version, ep.wire = state["expert_step"], state["version"], state["wire"]
+        for moe, (p2l, master, route), mine in zip(
+            self.layers, state["layers"], experts, strict=True
+        ):
+            moe.set_plan(LayerPlan(Placement(np.asarray(p2l), np.asarray(master)), route), mine)
+        ep.opt = [{} for _ in self.layers]
+
+    def masters(self) -> dict[tuple[int, int], tuple[list[Any], list[Any], list[Any]]]:
+        """Every master this rank holds: ``(layer, expert) -> (weights, adam m, adam v)``
+        as numpy (for the checkpoint on disk)."""
+        out = {}
+        for layer, (moe, opt) in enumerate(zip(self.layers, self.experts.opt, strict=True)):
+            for e, (m, v) in opt.items():
+                out[(layer, e)] = (
+                    [t.detach().cpu().numpy().copy() for t in moe.expert(e)],
+                    [t.cpu().numpy().copy() for t in m],
+                    [t.cpu().numpy().copy() for t in v],
+                )
+        return out
+
     def expert_weights(self, layer: int, expert: int) -> list[np.ndarray] | None:
         """This rank's copy of ``expert`` of ``layer`` (numpy), or None."""
         moe = self.layers[layer]
         if expert not in moe.held():
             return None
         return [t.detach().cpu().numpy().copy() for t in moe.expert(expert)]
+
+
+class RankSnapshot:
+    """Copies of everything a step changes on one rank (to undo a step that failed)."""
+
+    def __init__(self, rank: SpmdRank) -> None:
+        def cl(ts: Any) -> list[torch.Tensor]:
+            return [t.detach().clone() for t in ts]
+
+        self.step, self.opt_step = rank.step, rank.opt_step
+        self.dense = cl(rank._dparams())
+        self.dense_state = [(m.clone(), v.clone()) for m, v in rank.dense_state]
+        ep = rank.experts
+        self.expert_step = ep.opt_step
+        self.experts = [{e: cl(moe.expert(e)) for e in moe.held()} for moe in rank.layers]
+        self.opt = [{e: (cl(m), cl(v)) for e, (m, v) in o.items()} for o in ep.opt]
+        self.version = ep.version
+
+    def restore(self, rank: SpmdRank) -> None:
+        """Put ``rank`` back to this snapshot (the plan it had then stays committed)."""
+        if rank.experts.version != self.version:
+            raise ValueError("a plan was switched since the snapshot; it cannot be undone")
+        with torch.no_grad():
+            for p, t in zip(rank._dparams(), self.dense, strict=True):
+                p.copy_(t)
+                p.grad = None
+            for moe, mine in zip(rank.layers, self.experts, strict=True):
+                for e, ts in mine.items():
+                    for p, t in zip(moe.expert(e), ts, strict=True):
+                        p.copy_(t)
+                        p.grad = None
+        rank.dense_state = self.dense_state
+        rank.experts.opt = self.opt
+        rank.step, rank.opt_step, rank.experts.opt_step = self.step, self.opt_step, self.expert_step
