@@ -95,6 +95,14 @@ class Comm:
                 else None
             )
             self.dcs.append(Group(ranks.tolist(), pg) if ranks.size else None)
+        self.dcs_aux: list[Group | None] = []  # a second group per DC: background transfers
+        for ranks in self.dc_ranks:
+            pg = (
+                _new_group([self.world.index[r] for r in ranks.tolist()], timeout_s)
+                if ranks.size
+                else None
+            )
+            self.dcs_aux.append(Group(ranks.tolist(), pg) if ranks.size else None)
         leaders = [int(r[0]) for r in self.dc_ranks if r.size]
         self.leaders = Group(leaders, _new_group([self.world.index[r] for r in leaders], timeout_s))
         self.shaper = shaper
@@ -106,6 +114,13 @@ class Comm:
     def my_dc(self) -> Group:
         g = self.dcs[self.dc]
         assert g is not None  # this rank is a member of its DC
+        return g
+
+    @property
+    def my_dc_aux(self) -> Group:
+        """This DC's second group: a transfer on it runs beside the DC group's collectives."""
+        g = self.dcs_aux[self.dc]
+        assert g is not None
         return g
 
     @property
@@ -154,6 +169,26 @@ class Comm:
             return out
         dist.all_to_all_single(out, x.contiguous(), recv, send, group=group.pg)
         return out
+
+    def all_to_all_async(
+        self, x: torch.Tensor, send: Sequence[int], recv: Sequence[int], group: Group, kind: str
+    ) -> tuple[torch.Tensor, Any]:
+        """:meth:`all_to_all` started in the background: ``(out, work)``; ``out`` is valid
+        after ``work.wait()`` (``work`` is None when nothing had to move)."""
+        send, recv = [int(s) for s in send], [int(r) for r in recv]
+        if len(send) != group.size or len(recv) != group.size or sum(send) != x.numel():
+            raise ValueError(f"splits {send}/{recv} do not fit {x.numel()} elements")
+        size = x.element_size()
+        self.charge(kind, {q: s * size for q, s in zip(group.ranks, send, strict=True)})
+        out = torch.empty(sum(recv), dtype=x.dtype, device=x.device)
+        self.collectives += 1
+        if group.size == 1:
+            out.copy_(x)
+            return out, None
+        work = dist.all_to_all_single(
+            out, x.contiguous(), recv, send, group=group.pg, async_op=True
+        )
+        return out, work
 
     def exchange_counts(self, counts: np.ndarray, group: Group, kind: str = "tokens") -> np.ndarray:
         """``counts`` [G, c] int: row ``i`` goes to ``group.ranks[i]``; returns [G, c], row

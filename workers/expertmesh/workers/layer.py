@@ -29,6 +29,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -119,7 +120,9 @@ class MoELayer(nn.Module):
         self.fetched = np.zeros((0, 3), np.int64)  # (src_local, dst_local, expert)
         self.replicas = 0  # replicas the fast loop added in the last forward (this DC)
         self.fanout_bytes = 0  # replica weights this rank sent in the last forward
-        self.balance_seconds = 0.0  # counts exchange + solve + replica fetch, last forward
+        self.balance_seconds = 0.0  # counts exchange + solve + starting the fetch, last forward
+        self.fetch_wait_seconds = 0.0  # waiting for replica weights not hidden by compute
+        self._in_flight: tuple[Any, ...] | None = None
         self.counts = np.zeros(self.num_experts, np.int64)  # of the last forward
         self.computed = 0  # assignments this rank computed in the last forward
         self.crossings = np.zeros(comm.num_dcs, np.int64)  # distinct tokens sent per DC
@@ -235,6 +238,7 @@ class MoELayer(nn.Module):
         w_in = torch.cat(ws) if ws else u.new_zeros(0)  # [M]
         pos_in, e_in, dst_in = (np.concatenate(v) for v in (pos_l, e_l, dst_l))
         self.temp, self.replicas, self.fanout_bytes, self.balance_seconds = {}, 0, 0, 0.0
+        self.fetch_wait_seconds = 0.0
         if self.balance:
             dst_in = self._balance(e_in)
         z = self._fan_out(x_in, w_in, pos_in, e_in, dst_in)  # [U, d] summed per token
@@ -299,7 +303,22 @@ class MoELayer(nn.Module):
                 recv[s] += per
         flat = torch.cat(parts) if parts else torch.zeros(0, device=c.device)
         self.fanout_bytes = int(flat.numel() * flat.element_size())
-        got = c.all_to_all(flat, send, recv, grp, "weights")
+        # FEPLB's two phases: the weights travel on the DC's second group while the tokens
+        # are dispatched and the experts this rank already holds compute (_compute waits)
+        got, work = c.all_to_all_async(flat, send, recv, c.my_dc_aux, "weights")
+        self._in_flight = (got, work, incoming, flat)
+
+    def _fetch_wait(self) -> None:
+        """The fetched replicas' weights, once they have landed (time waited is exposed)."""
+        if self._in_flight is None:
+            return
+        t0 = time.perf_counter()
+        got, work, incoming, _ = self._in_flight
+        if work is not None:
+            work.wait()
+        self._in_flight = None
+        self.fetch_wait_seconds += time.perf_counter() - t0
+        d, f = self.gate.in_features, self.ffn_hidden
         at = 0
         for e in incoming:
             ts = []
@@ -412,7 +431,12 @@ class MoELayer(nn.Module):
         self.computed = int(experts.size)
         dev = self.comm.device
         held = set(self.held())
-        for e in np.unique(experts).tolist():
+        mine = [e for e in np.unique(experts).tolist() if e in held]
+        rest = [e for e in np.unique(experts).tolist() if e not in held]
+        for e in [*mine, None, *rest]:  # held experts first, while replica weights travel
+            if e is None:
+                self._fetch_wait()
+                continue
             if e not in held and e not in self.temp:
                 raise ValueError(f"rank {self.comm.rank}: tokens for expert {e}, not held here")
             ids = np.flatnonzero(experts == e)

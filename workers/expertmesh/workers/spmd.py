@@ -71,6 +71,7 @@ class SpmdRank:
         self.agreed = 0  # the plan version every rank has received (after a step)
         self._counts = np.zeros((cfg.num_layers, cfg.num_experts), np.int64)
         self._computed = np.zeros((cfg.microbatches, cfg.num_layers), np.int64)
+        self._fast: list[Any] = [np.zeros(cfg.num_layers, np.int64), 0, 0.0]
         self.seconds: dict[str, float] = {}
 
     def _dparams(self) -> list[torch.Tensor]:
@@ -97,6 +98,7 @@ class SpmdRank:
         self.loss = 0.0
         counts = np.zeros((len(self.layers), self.cfg.num_experts), np.int64)
         computed = np.zeros((k, len(self.layers)), np.int64)  # [k, L] per microbatch
+        fast: list[Any] = [np.zeros(len(self.layers), np.int64), 0, 0.0]  # summed over k
         for i in range(k):  # gradients accumulate over the microbatches
             x, y = self.corpus.batch(self.cfg, step * k + i, self.rank)
             x, y = x.to(self.comm.device), y.to(self.comm.device)
@@ -110,10 +112,13 @@ class SpmdRank:
                     self.report(layer, moe.counts)
             loss = self.dense.loss_sum(h, y) / total
             loss.backward()
-            for moe in self.layers:  # fast-loop replicas' gradients back to their homes
+            for layer, moe in enumerate(self.layers):  # fast-loop replica grads to homes
                 moe.return_replica_grads()
+                fast[0][layer] += moe.replicas
+                fast[1] += moe.fanout_bytes
+                fast[2] += moe.balance_seconds + moe.fetch_wait_seconds
             self.loss += float(loss.detach())
-        self._counts, self._computed = counts, computed
+        self._counts, self._computed, self._fast = counts, computed, fast
         t1 = time.perf_counter()
         self.sync(offer)
         t2 = time.perf_counter()
@@ -171,9 +176,12 @@ class SpmdRank:
             "loss": self.loss,
             "computed": self._computed.sum(axis=0),  # [L] summed over the step's microbatches
             "computed_mb": self._computed.copy(),  # [k, L] per microbatch
-            "replicas": np.array([m.replicas for m in self.layers], np.int64),  # [L] fast loop
-            "fanout_bytes": int(sum(m.fanout_bytes for m in self.layers)),
-            "balance_seconds": float(sum(m.balance_seconds for m in self.layers)),
+            # the fast loop over the step's microbatches: replicas [L] it added, replica
+            # weights this rank sent, and its exposed seconds (counts exchange + solve + the
+            # replica fetch not hidden by compute)
+            "replicas": self._fast[0].copy(),
+            "fanout_bytes": int(self._fast[1]),
+            "balance_seconds": float(self._fast[2]),
             "load": self._counts.copy(),  # [L, E] summed over the step's microbatches
             "expert_seconds": np.array([m.expert_seconds for m in self.layers]),  # [L]
             "crossings": np.stack([m.crossings for m in self.layers]),  # [L, D]
