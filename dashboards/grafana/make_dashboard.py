@@ -143,6 +143,65 @@ ROWS: list[tuple[str, list[tuple[str, str, str, str, list[tuple[str, str]]]]]] =
         ],
     ),
     (
+        "Fast loop (SPMD data plane, measured)",
+        [
+            (
+                "Measured vs static EP imbalance (max/mean)",
+                "Newest step: max over microbatches and layers of max/mean tokens each rank "
+                "computed, beside what static EP would have had on the same tokens",
+                "none",
+                "timeseries",
+                [
+                    (f"expertmesh_measured_imbalance_ratio{SEL}", "measured"),
+                    (f"expertmesh_static_imbalance_ratio{SEL}", "static EP"),
+                ],
+            ),
+            (
+                "Measured balancedness per layer (mean/max)",
+                "Mean/max tokens computed per rank in the newest step (vLLM's "
+                "vllm:eplb_balancedness meaning), measured, not planned",
+                "percentunit",
+                "timeseries",
+                [(f"expertmesh_measured_balancedness_ratio{SEL}", "layer {{layer}}")],
+            ),
+            (
+                "Fast-loop replicas and fan-out",
+                "Replicas added per second (over layers and domains) and replica weights "
+                "fetched inside domains",
+                "short",
+                "timeseries",
+                [
+                    (f"rate(expertmesh_fast_loop_replicas_total{SEL}[1m])", "replicas/s"),
+                    (f"rate(expertmesh_fast_loop_fanout_bytes_total{SEL}[1m])", "fan-out B/s"),
+                ],
+            ),
+            (
+                "Fast-loop time per step",
+                "Counts exchange + quota solve + replica fetch, max over ranks: p50 and p95 "
+                "over 5 minutes, beside the mean step time",
+                "s",
+                "timeseries",
+                [
+                    (
+                        "histogram_quantile(0.5, sum by (le) "
+                        f"(rate(expertmesh_fast_loop_seconds_bucket{SEL}[5m])))",
+                        "p50",
+                    ),
+                    (
+                        "histogram_quantile(0.95, sum by (le) "
+                        f"(rate(expertmesh_fast_loop_seconds_bucket{SEL}[5m])))",
+                        "p95",
+                    ),
+                    (
+                        f"rate(expertmesh_step_seconds_sum{SEL}[5m]) / "
+                        f"rate(expertmesh_step_seconds_count{SEL}[5m])",
+                        "step (mean)",
+                    ),
+                ],
+            ),
+        ],
+    ),
+    (
         "Plans",
         [
             (

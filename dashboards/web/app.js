@@ -165,6 +165,46 @@
     }
   }
 
+  // ---- measured balance (SPMD steps): measured vs static EP per step, balancedness per layer ----
+  function drawBalance(d) {
+    const b = d.balance, box = $("balance-chart");
+    $("balance-note").hidden = b.length > 0;
+    box.dataset.points = b.length;
+    const last = b.length ? b[b.length - 1] : null;
+    box.dataset.lastStep = last ? last.step : "";
+    box.dataset.lastMeasured = last ? fmt(last.imbalance, 4) : "";
+    box.dataset.lastStatic = last ? fmt(last.imbalance_static, 4) : "";
+    $("balance-summary").replaceChildren(...(last ? [
+      document.createTextNode(`step ${last.step}: measured `), el("b", { class: last.imbalance <= last.imbalance_static ? "better" : "worse" }, fmt(last.imbalance)),
+      document.createTextNode(" vs static EP "), el("b", null, fmt(last.imbalance_static)),
+      document.createTextNode(` · ${last.replicas} replicas, ${bytes(last.fanout_bytes)} fanned out, fast loop ${fmt(last.balance_seconds * 1000, 1)} ms of ${fmt(last.seconds * 1000, 0)} ms`),
+    ] : []));
+    const rows = last ? last.balancedness.map((v, l) => {
+      const row = el("div", { class: "row", "data-layer": l, "data-value": fmt(v, 4) });
+      const bar = el("div", { class: "bar" });
+      bar.style.width = (Math.max(0, Math.min(1, v)) * 100).toFixed(1) + "%";
+      const track = el("div");
+      track.appendChild(bar);
+      row.append(el("span", { class: "name" }, `layer ${l}`), track, el("span", { class: "val" }, fmt(v)));
+      return row;
+    }) : [];
+    $("balance-layers").replaceChildren(...rows);
+    const data = [b.map((x) => x.step), b.map((x) => x.imbalance), b.map((x) => x.imbalance_static)];
+    if (!state.balancePlot) {
+      state.balancePlot = new uPlot({
+        width: chartWidth("balance-chart"), height: 240,
+        scales: { x: { time: false } },
+        axes: [{ stroke: "#8a9aab", grid: { stroke: "#263341" }, label: "step" },
+               { stroke: "#8a9aab", grid: { stroke: "#263341" }, label: "max/mean" }],
+        series: [{ label: "step" },
+          { label: "measured", stroke: "#3ddc97", width: 2 },
+          { label: "static EP", stroke: "#ff6b6b", width: 1, dash: [4, 4] }],
+      }, data, box);
+    } else {
+      state.balancePlot.setData(data);
+    }
+  }
+
   // ---- DC map (SVG) ----
   function drawMap(d) {
     const map = $("dc-map");
@@ -341,6 +381,7 @@
     drawHeatmap(d.heatmap);
     drawRanks(d);
     drawTimeline(d);
+    drawBalance(d);
     drawMap(d);
     drawWorkers(d);
     drawPlans(d);
@@ -369,6 +410,7 @@
   window.addEventListener("resize", () => {
     if (state.ranksPlot) state.ranksPlot.setSize({ width: chartWidth("ranks-chart"), height: 230 });
     if (state.timelinePlot) state.timelinePlot.setSize({ width: chartWidth("timeline-chart"), height: 240 });
+    if (state.balancePlot) state.balancePlot.setSize({ width: chartWidth("balance-chart"), height: 240 });
   });
   poll();
   setInterval(poll, POLL_MS);

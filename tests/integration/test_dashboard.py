@@ -88,6 +88,20 @@ class Feeder:
         )
         for r in range(num_ranks):
             tel.set_worker_state(r, not (r == 5 and self.step >= 3))
+        # what the SPMD runtime measures per step: tokens computed per rank and layer under
+        # the committed plan beside static EP on the same load
+        per_layer = [core.newest_rank_tokens(layer) for layer in range(L)]
+        static = [core.newest_rank_tokens(layer, static=True) for layer in range(L)]
+        tel.record_balance(
+            self.step,
+            imbalance=max(float(t.max() / t.mean()) for t in per_layer),
+            imbalance_static=max(float(t.max() / t.mean()) for t in static),
+            balancedness=[float(t.mean() / t.max()) for t in per_layer],
+            replicas=int(self.rng.integers(0, 20)),
+            fanout_bytes=int(self.rng.integers(0, 1 << 20)),
+            balance_seconds=0.002 + 0.001 * self.rng.random(),
+            seconds=0.05,
+        )
         self.step += 1
 
 
@@ -159,6 +173,41 @@ def test_dashboard_renders_real_data_and_updates(browser, tmp_path, record_prope
             stop.set()
             t.join(10)
         assert int(newer) > version
+        assert browser.console == [], browser.console
+
+
+def test_dashboard_shows_measured_balance_beside_static(browser, tmp_path):
+    """The SPMD steps' measured imbalance per step beside static EP's, and the newest step's
+    balancedness per layer: the numbers telemetry recorded."""
+    core = _core()
+    with Surfaces(core, SurfaceSettings(rest_port=0, grpc_port=0)) as s:
+        feeder = Feeder(s)
+        for _ in range(5):
+            feeder.run_step()
+        browser.navigate(f"{s.rest_url}/")
+        browser.wait_for("document.getElementById('balance-chart').dataset.points === '5'")
+        recs = s.telemetry.balance.records()
+        last = recs[-1]
+        box = browser.eval("Object.assign({}, document.getElementById('balance-chart').dataset)")
+        assert int(box["lastStep"]) == last.step == 4
+        assert box["lastMeasured"] == f"{last.imbalance:.4f}"
+        assert box["lastStatic"] == f"{last.imbalance_static:.4f}"
+        assert browser.eval("document.querySelectorAll('#balance-chart canvas').length") >= 1
+        rows = browser.eval(
+            "[...document.querySelectorAll('#balance-layers .row')]"
+            ".map(r => [r.dataset.layer, r.dataset.value, r.textContent])"
+        )
+        assert [r[0] for r in rows] == [str(i) for i in range(L)]
+        assert [r[1] for r in rows] == [f"{b:.4f}" for b in last.balancedness]
+        assert all(r[2].startswith(f"layer {i}") for i, r in enumerate(rows)), rows
+        summary = browser.eval("document.getElementById('balance-summary').textContent")
+        assert summary.startswith(
+            f"step 4: measured {last.imbalance:.3f} vs static EP {last.imbalance_static:.3f}"
+        ), summary
+        assert browser.eval("document.getElementById('balance-note').hidden") is True
+        # a new step reaches the page without a reload
+        feeder.run_step()
+        browser.wait_for("document.getElementById('balance-chart').dataset.lastStep === '5'")
         assert browser.console == [], browser.console
 
 
@@ -266,6 +315,8 @@ def test_serve_dashboard_shows_reporting_ranks_not_an_outage(browser):
         )
         assert browser.eval("document.getElementById('workers-note').hidden") is False
         assert browser.eval("document.getElementById('traffic-note').hidden") is False
+        assert browser.eval("document.getElementById('balance-note').hidden") is False
+        assert browser.eval("document.getElementById('balance-chart').dataset.points") == "0"
         cells = browser.eval(
             "[...document.querySelectorAll('#links-table tbody td')].map(t => t.textContent)"
         )

@@ -49,6 +49,10 @@ def families(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, obj
                 step, 0.1, 2.5, np.full(R, 64), cross_dc_token_bytes=cross,
                 cross_dc_weight_bytes=cross // 10,
             )  # fmt: skip
+            s.telemetry.record_balance(
+                step, imbalance=1.1, imbalance_static=1.5, balancedness=[0.9] * L, replicas=3,
+                fanout_bytes=4096, balance_seconds=0.002, seconds=0.1,
+            )  # fmt: skip
         text = httpx.get(f"{s.rest_url}/metrics", timeout=10).text
     yield {f.name: f for f in text_string_to_metric_families(text)}
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from expertmesh.controller.core import Trigger
 from expertmesh.planner import Topology
@@ -109,3 +110,28 @@ def test_bfloat16_copies_train_close_with_fewer_weight_bytes(runs: dict[str, Any
     ]
     assert both
     assert all(y.cross_dc_weight_bytes < x.cross_dc_weight_bytes for x, y in both)
+
+
+def test_measured_balance_of_every_step_reaches_metrics(runs: dict[str, Any]) -> None:
+    """The controller records each SPMD step's measured balance in telemetry: /metrics shows
+    the newest step's values and the fast loop's totals over every step."""
+    for key in ("static/2", "hybrid/2"):
+        steps, text = runs[key]["steps"], runs[key]["metrics"]
+        got = {
+            (x.name, tuple(sorted(x.labels.items()))): x.value
+            for f in text_string_to_metric_families(text)
+            for x in f.samples
+        }
+        last = steps[-1]
+        assert got[("expertmesh_measured_imbalance_ratio", ())] == last.imbalance, key
+        assert got[("expertmesh_static_imbalance_ratio", ())] == last.imbalance_static, key
+        assert last.balancedness is not None
+        for layer, b in enumerate(last.balancedness):
+            assert got[("expertmesh_measured_balancedness_ratio", (("layer", str(layer)),))] == b
+        assert got[("expertmesh_fast_loop_replicas_total", ())] == sum(s.replicas for s in steps)
+        fanout = sum(s.fanout_bytes for s in steps)
+        assert got[("expertmesh_fast_loop_fanout_bytes_total", ())] == fanout, key
+        assert got[("expertmesh_fast_loop_seconds_count", ())] == len(steps), key
+        total = sum(s.balance_seconds for s in steps)
+        assert got[("expertmesh_fast_loop_seconds_sum", ())] == pytest.approx(total), key
+        assert runs[key]["status"]["errors"] == 0, key

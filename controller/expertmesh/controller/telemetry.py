@@ -45,10 +45,11 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from pydantic import BaseModel, ConfigDict, Field
 
+from expertmesh.controller.balance import BalanceMetrics, BalanceRecord
 from expertmesh.controller.core import ControllerCore, PlanVersion
 from expertmesh.planner import balancedness_stats, imbalance
 
-__all__ = ["CONTENT_TYPE", "StepRecord", "Telemetry", "TelemetrySettings"]
+__all__ = ["CONTENT_TYPE", "BalanceRecord", "StepRecord", "Telemetry", "TelemetrySettings"]
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +182,8 @@ class Telemetry:
             "expertmesh_worker_up", "1 if the worker of a rank is up, else 0", ["rank"], registry=r
         )
         self.registry.register(_CoreCollector(self))
+        # measured balance of the SPMD data plane's fast loop (controller/balance.py)
+        self.balance = BalanceMetrics(r, core.model.num_layers, self.settings.history)
 
         self._steps: deque[StepRecord] = deque(maxlen=self.settings.history)
         self._plans: deque[PlanEvent] = deque(maxlen=self.settings.plan_history)
@@ -270,6 +273,26 @@ class Telemetry:
                     self.cross_dc_bytes.labels(src_dc=src, dst_dc=dst, kind=kind).inc(
                         float(m[a, b])
                     )
+
+    def record_balance(
+        self,
+        step: int,
+        *,
+        imbalance: float,
+        imbalance_static: float,
+        balancedness: list[float],
+        replicas: int,
+        fanout_bytes: int,
+        balance_seconds: float,
+        seconds: float,
+    ) -> BalanceRecord:
+        """Record what the fast loop did in one SPMD step (measured from the tokens each rank
+        computed; see :mod:`expertmesh.controller.balance`). ``ValueError`` on bad values."""
+        return self.balance.record(
+            step, imbalance=imbalance, imbalance_static=imbalance_static,
+            balancedness=balancedness, replicas=replicas, fanout_bytes=fanout_bytes,
+            balance_seconds=balance_seconds, seconds=seconds, at=self._clock(),
+        )  # fmt: skip
 
     def set_worker_state(self, rank: int, up: bool) -> None:
         """Mark the worker of ``rank`` up or down. ``ValueError`` for an unknown rank."""

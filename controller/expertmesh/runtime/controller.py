@@ -156,6 +156,13 @@ class SpmdSteps:
                 **out,
             }
         )
+        res = self._results[-1]
+        self.telemetry.record_balance(
+            step, imbalance=res["imbalance"], imbalance_static=res["imbalance_static"],
+            balancedness=res["balancedness"], replicas=res["replicas"],
+            fanout_bytes=res["fanout_bytes"], balance_seconds=res["balance_seconds"],
+            seconds=seconds,
+        )  # fmt: skip
 
     def _offer(self, step: int) -> dict[str, Any]:
         """Plan if the trigger fires and offer the plan to every worker (prepare happens on

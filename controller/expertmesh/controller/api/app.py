@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from expertmesh.controller.api.deps import REPORTS_PREFIX, AppState
 from expertmesh.controller.api.errors import BodyLimit, install_error_handlers
 from expertmesh.controller.api.routers import (
+    balance,
     dashboard,
     health,
     layers,
@@ -133,7 +134,7 @@ def create_app(
     # Any operation may answer these (unknown layer/version, malformed or oversized bodies).
     err = {"model": ErrorOut}
     api = APIRouter(prefix="/api/v1", responses={400: err, 404: err, 413: err, 422: err})
-    for mod in (topology, layers, plans, solve, policy, reports, health, dashboard):
+    for mod in (topology, layers, plans, solve, policy, reports, health, dashboard, balance):
         api.include_router(mod.router)
     app.include_router(api)
 

@@ -276,6 +276,32 @@ class StepOut(_Out):
     at: float
 
 
+class BalanceStepOut(_Out):
+    """One SPMD step's measured balance (what the data plane's fast loop did)."""
+
+    step: int
+    imbalance: float = Field(
+        description="max over microbatches and layers of max/mean tokens computed per rank"
+    )
+    imbalance_static: float = Field(description="what static EP would have had on the tokens")
+    balancedness: list[float] = Field(description="[L] mean/max tokens computed per rank")
+    replicas: int = Field(description="replicas the fast loop added, over layers and domains")
+    fanout_bytes: int = Field(description="replica weights fetched inside domains")
+    balance_seconds: float = Field(
+        description="counts exchange + quota solve + fetch, max over ranks"
+    )
+    seconds: float = Field(description="end-to-end step")
+    at: float
+
+
+class BalanceOut(_Out):
+    """Recent measured steps, oldest first (the controller keeps a bounded history)."""
+
+    steps: list[BalanceStepOut]
+    num_layers: int
+    history: int = Field(description="steps the controller keeps")
+
+
 class PlanEventOut(_Out):
     event: str
     version: int
@@ -330,6 +356,7 @@ class DashboardOut(_Out):
         "demo`); false under `expertmesh serve`, which only receives load reports"
     )
     steps: list[StepOut]
+    balance: list[BalanceStepOut] = Field(description="measured balance of recent SPMD steps")
     plan_events: list[PlanEventOut]
     plans: list[PlanSummaryOut]
     dcs: list[DCOut]

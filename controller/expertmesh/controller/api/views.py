@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from expertmesh.controller.api import schemas as s
+from expertmesh.controller.balance import BalanceRecord
 from expertmesh.controller.core import ControllerCore, LayerStats, PlanVersion
 from expertmesh.controller.store import PlanSummary, summarize
 from expertmesh.planner import LayerPlan, Link, ModelSpec, Topology, imbalance
@@ -68,6 +69,10 @@ def layer_out(st: LayerStats) -> s.LayerOut:
         expert_load=[float(x) for x in st.expert_load],
         rank_load=[float(x) for x in st.rank_load],
     )
+
+
+def balance_out(rec: BalanceRecord) -> s.BalanceStepOut:
+    return s.BalanceStepOut(**{**vars(rec), "balancedness": list(rec.balancedness)})
 
 
 def summary_out(sm: PlanSummary) -> s.PlanSummaryOut:

@@ -72,6 +72,7 @@ def build(state: AppState, layer: int) -> s.DashboardOut:
         layer_imbalance=tel.layer_imbalance(),
         runtime=bool(steps) or bool(known),
         steps=[s.StepOut(**vars(x)) for x in steps],
+        balance=[views.balance_out(x) for x in tel.balance.records()[-300:]],
         plan_events=[s.PlanEventOut(**vars(x)) for x in events],
         plans=[views.summary_out(x) for x in state.store.summaries(limit=20)],
         dcs=views.dcs_out(topo),

@@ -1,0 +1,168 @@
+"""Measured balance: what the data plane's fast loop did in each training step.
+
+The SPMD runtime measures, per step, the tokens each rank actually computed (after the
+per-microbatch quota inside each domain) and records them here through
+:meth:`Telemetry.record_balance`. This is the *measured* side; the planned side (the
+committed plan's imbalance on the newest load) is ``expertmesh_layer_*`` in
+``telemetry.py``.
+
+Series (absent until a step is recorded; no data is not a value):
+
+- ``expertmesh_measured_balancedness_ratio{layer}``: mean/max tokens computed per rank in
+  the newest step, per layer (vLLM's ``vllm:eplb_balancedness`` meaning);
+- ``expertmesh_measured_imbalance_ratio``: max over microbatches and layers of max/mean
+  tokens computed per rank in the newest step;
+- ``expertmesh_static_imbalance_ratio``: what static EP would have had on the same tokens.
+
+Counters (0 until counted): ``expertmesh_fast_loop_replicas_total`` (replicas the fast loop
+added, summed over layers and domains), ``expertmesh_fast_loop_fanout_bytes_total`` (replica
+weights fetched inside domains). Histogram: ``expertmesh_fast_loop_seconds`` (counts
+exchange + quota solve + fan-out per step, max over ranks).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+__all__ = ["BalanceMetrics", "BalanceRecord"]
+
+FAST_LOOP_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
+
+
+@dataclass(frozen=True)
+class BalanceRecord:
+    """One step's measured balance (fields as in the runtime's per-step result)."""
+
+    step: int
+    imbalance: float  # measured: max over microbatches and layers of max/mean per rank
+    imbalance_static: float  # static EP on the same tokens
+    balancedness: tuple[float, ...]  # [L] mean/max tokens computed per rank
+    replicas: int  # added by the fast loop, over layers and domains
+    fanout_bytes: int  # replica weights fetched inside domains
+    balance_seconds: float  # counts exchange + quota solve + fetch, max over ranks
+    seconds: float  # end-to-end step
+    at: float
+
+
+def _ratio(x: float, name: str, lo: float, hi: float) -> float:
+    x = float(x)
+    if not (math.isfinite(x) and lo <= x <= hi):
+        raise ValueError(f"{name} must be finite and in [{lo}, {hi}], got {x}")
+    return x
+
+
+class BalanceMetrics:
+    """The measured-balance series on ``registry`` and a bounded history. Thread-safe."""
+
+    def __init__(self, registry: CollectorRegistry, num_layers: int, history: int) -> None:
+        self.num_layers = num_layers
+        self._lock = threading.Lock()
+        self._records: deque[BalanceRecord] = deque(maxlen=history)
+        self.replicas = Counter(
+            "expertmesh_fast_loop_replicas",
+            "Replicas the fast loop added (summed over layers and domains, every step)",
+            registry=registry,
+        )
+        self.fanout_bytes = Counter(
+            "expertmesh_fast_loop_fanout_bytes",
+            "Bytes of replica weights the fast loop fetched inside domains",
+            registry=registry,
+        )
+        self.seconds = Histogram(
+            "expertmesh_fast_loop_seconds",
+            "Fast-loop time of a step: counts exchange + quota solve + replica fetch, max over "
+            "ranks",
+            buckets=FAST_LOOP_BUCKETS,
+            registry=registry,
+        )
+        registry.register(_Collector(self))
+
+    def record(
+        self,
+        step: int,
+        *,
+        imbalance: float,
+        imbalance_static: float,
+        balancedness: Sequence[float],
+        replicas: int,
+        fanout_bytes: int,
+        balance_seconds: float,
+        seconds: float,
+        at: float,
+    ) -> BalanceRecord:
+        """Validate and keep one step; ``ValueError`` (nothing recorded) on bad values."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        bal = tuple(float(b) for b in balancedness)
+        if len(bal) != self.num_layers:
+            raise ValueError(f"balancedness must be [{self.num_layers}], got {len(bal)} values")
+        for b in bal:
+            _ratio(b, "balancedness", 0.0, 1.0)
+        if int(replicas) < 0 or int(fanout_bytes) < 0:
+            raise ValueError("replicas and fanout_bytes must be >= 0")
+        rec = BalanceRecord(
+            step=int(step),
+            imbalance=_ratio(imbalance, "imbalance", 1.0, math.inf),
+            imbalance_static=_ratio(imbalance_static, "imbalance_static", 1.0, math.inf),
+            balancedness=bal,
+            replicas=int(replicas),
+            fanout_bytes=int(fanout_bytes),
+            balance_seconds=_ratio(balance_seconds, "balance_seconds", 0.0, math.inf),
+            seconds=_ratio(seconds, "seconds", 0.0, math.inf),
+            at=float(at),
+        )
+        with self._lock:
+            self._records.append(rec)
+            self.replicas.inc(rec.replicas)
+            self.fanout_bytes.inc(rec.fanout_bytes)
+            self.seconds.observe(rec.balance_seconds)
+        return rec
+
+    def records(self, since: int = 0) -> list[BalanceRecord]:
+        """Kept records of steps ``>= since``, oldest first."""
+        with self._lock:
+            return [r for r in self._records if r.step >= since]
+
+    def newest(self) -> BalanceRecord | None:
+        with self._lock:
+            return self._records[-1] if self._records else None
+
+
+class _Collector:
+    """The newest record's gauges, at scrape time; none before the first record."""
+
+    def __init__(self, metrics: BalanceMetrics) -> None:
+        self._m = metrics
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        rec = self._m.newest()
+        if rec is None:
+            return []
+        bal = GaugeMetricFamily(
+            "expertmesh_measured_balancedness_ratio",
+            "Mean/max tokens computed per rank in the newest step, per layer (measured)",
+            labels=["layer"],
+        )
+        for layer, b in enumerate(rec.balancedness):
+            bal.add_metric([str(layer)], b)
+        measured = GaugeMetricFamily(
+            "expertmesh_measured_imbalance_ratio",
+            "Max over microbatches and layers of max/mean tokens computed per rank, newest step",
+        )
+        measured.add_metric([], rec.imbalance)
+        static = GaugeMetricFamily(
+            "expertmesh_static_imbalance_ratio",
+            "Max/mean tokens per rank static EP would have had on the newest step's tokens",
+        )
+        static.add_metric([], rec.imbalance_static)
+        return [bal, measured, static]
