@@ -169,11 +169,13 @@
   function drawBalance(d) {
     const b = d.balance, box = $("balance-chart");
     $("balance-note").hidden = b.length > 0;
-    box.dataset.points = b.length;
+    const data = [b.map((x) => x.step), b.map((x) => x.imbalance), b.map((x) => x.imbalance_static)];
     const last = b.length ? b[b.length - 1] : null;
-    box.dataset.lastStep = last ? last.step : "";
-    box.dataset.lastMeasured = last ? fmt(last.imbalance, 4) : "";
-    box.dataset.lastStatic = last ? fmt(last.imbalance_static, 4) : "";
+    // what the chart plots, for tests and the curious: the newest point of each series
+    box.dataset.points = data[0].length;
+    box.dataset.lastStep = last ? data[0].at(-1) : "";
+    box.dataset.lastMeasured = last ? fmt(data[1].at(-1), 4) : "";
+    box.dataset.lastStatic = last ? fmt(data[2].at(-1), 4) : "";
     $("balance-summary").replaceChildren(...(last ? [
       document.createTextNode(`step ${last.step}: measured `), el("b", { class: last.imbalance <= last.imbalance_static ? "better" : "worse" }, fmt(last.imbalance)),
       document.createTextNode(" vs static EP "), el("b", null, fmt(last.imbalance_static)),
@@ -189,7 +191,6 @@
       return row;
     }) : [];
     $("balance-layers").replaceChildren(...rows);
-    const data = [b.map((x) => x.step), b.map((x) => x.imbalance), b.map((x) => x.imbalance_static)];
     if (!state.balancePlot) {
       state.balancePlot = new uPlot({
         width: chartWidth("balance-chart"), height: 240,

@@ -193,6 +193,11 @@ def test_dashboard_shows_measured_balance_beside_static(browser, tmp_path):
         assert box["lastMeasured"] == f"{last.imbalance:.4f}"
         assert box["lastStatic"] == f"{last.imbalance_static:.4f}"
         assert browser.eval("document.querySelectorAll('#balance-chart canvas').length") >= 1
+        legend = browser.eval(
+            "[...document.querySelectorAll('#balance-chart .u-legend .u-label')]"
+            ".map(x => x.textContent)"
+        )
+        assert legend[1:] == ["measured", "static EP"], legend
         rows = browser.eval(
             "[...document.querySelectorAll('#balance-layers .row')]"
             ".map(r => [r.dataset.layer, r.dataset.value, r.textContent])"
