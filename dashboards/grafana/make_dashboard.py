@@ -177,8 +177,9 @@ ROWS: list[tuple[str, list[tuple[str, str, str, str, list[tuple[str, str]]]]]] =
             ),
             (
                 "Fast-loop time per step",
-                "Counts exchange + quota solve + replica fetch, max over ranks: p50 and p95 "
-                "over 5 minutes, beside the mean step time",
+                "Exposed fast-loop time (counts exchange + quota solve + replica-fetch wait "
+                "not hidden by compute), max over ranks: p50 and p95 over 5 minutes, beside "
+                "the mean step time",
                 "s",
                 "timeseries",
                 [

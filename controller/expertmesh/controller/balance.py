@@ -16,8 +16,9 @@ Series (absent until a step is recorded; no data is not a value):
 
 Counters (0 until counted): ``expertmesh_fast_loop_replicas_total`` (replicas the fast loop
 added, summed over layers and domains), ``expertmesh_fast_loop_fanout_bytes_total`` (replica
-weights fetched inside domains). Histogram: ``expertmesh_fast_loop_seconds`` (counts
-exchange + quota solve + fan-out per step, max over ranks).
+weights fetched inside domains). Histogram: ``expertmesh_fast_loop_seconds`` (a step's
+exposed fast-loop time: counts exchange + quota solve + replica-fetch wait not hidden by
+compute, summed over its microbatches, max over ranks).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class BalanceRecord:
     balancedness: tuple[float, ...]  # [L] mean/max tokens computed per rank
     replicas: int  # added by the fast loop, over layers and domains
     fanout_bytes: int  # replica weights fetched inside domains
-    balance_seconds: float  # counts exchange + quota solve + fetch, max over ranks
+    balance_seconds: float  # exposed: exchange + solve + fetch wait, max over ranks
     seconds: float  # end-to-end step
     at: float
 
@@ -77,8 +78,8 @@ class BalanceMetrics:
         )
         self.seconds = Histogram(
             "expertmesh_fast_loop_seconds",
-            "Fast-loop time of a step: counts exchange + quota solve + replica fetch, max over "
-            "ranks",
+            "Exposed fast-loop time of a step: counts exchange + quota solve + replica-fetch "
+            "wait not hidden by compute, summed over microbatches, max over ranks",
             buckets=FAST_LOOP_BUCKETS,
             registry=registry,
         )

@@ -288,7 +288,8 @@ class BalanceStepOut(_Out):
     replicas: int = Field(description="replicas the fast loop added, over layers and domains")
     fanout_bytes: int = Field(description="replica weights fetched inside domains")
     balance_seconds: float = Field(
-        description="counts exchange + quota solve + fetch, max over ranks"
+        description="exposed fast-loop seconds: counts exchange + quota solve + replica-fetch "
+        "wait not hidden by compute, summed over microbatches, max over ranks"
     )
     seconds: float = Field(description="end-to-end step")
     at: float
