@@ -219,7 +219,7 @@ class MoELayer(nn.Module):
             parts += [u[_ix(uniq, dev)].reshape(-1), w[_ix(a_ids, dev)], _bits(m3, dev)]
         send = [int(s[0]) * d + int(s[1]) * (1 + _META) for s in sizes]
         recv = [int(g[0]) * d + int(g[1]) * (1 + _META) for g in got]
-        flat = torch.cat(parts) if parts else u.new_zeros(0)
+        flat = torch.cat(parts) if parts else u.reshape(-1)[:0]  # empty, still in the graph
         got_a = exchange(flat, c, send, recv, world, "tokens") if self.cross else flat
         # unpack what each source sent to this rank (as relay of its DC)
         xs, ws, pos_l, e_l, dst_l, offs = [], [], [], [], [], []
@@ -249,13 +249,10 @@ class MoELayer(nn.Module):
             if self.cross
             else z.reshape(-1)
         )
-        y = u.new_zeros(n, d)
-        at = 0
-        for i in order:
-            uniq = bundles[i][0]
-            y = y.index_add(0, _ix(uniq, dev), y_parts[at : at + uniq.size * d].reshape(-1, d))
-            at += uniq.size * d
-        return y
+        # one index_add over every bundle's rows: ``y`` depends on the exchange even when
+        # nothing came back, so every rank's backward runs the same collectives
+        rows = np.concatenate([bundles[i][0] for i in order] + [np.zeros(0, np.int64)])
+        return u.new_zeros(n, d).index_add(0, _ix(rows, dev), y_parts.reshape(-1, d))
 
     def _balance(self, experts: np.ndarray) -> np.ndarray:
         """The fast loop on this relay's assignments ``experts`` [M] (token order): the DC's
@@ -394,7 +391,7 @@ class MoELayer(nn.Module):
             parts += [x[_ix(uniq, dev)].reshape(-1), w[_ix(sel, dev)], _bits(m2, dev)]
         send = [int(s[0]) * d + int(s[1]) * 3 for s in sizes]
         recv = [int(g[0]) * d + int(g[1]) * 3 for g in got]
-        flat = torch.cat(parts) if parts else x.new_zeros(0)
+        flat = torch.cat(parts) if parts else x.reshape(-1)[:0]  # empty, still in the graph
         got_b = exchange(flat, c, send, recv, grp, "tokens")
         xs, ws, ps, es = [], [], [], []
         row = at = 0
@@ -413,13 +410,8 @@ class MoELayer(nn.Module):
             yq.reshape(-1), c, [int(g[0]) * d for g in got], [int(s[0]) * d for s in sizes],
             grp, "tokens",
         )  # fmt: skip
-        z = x.new_zeros(x.shape[0], d)
-        at = 0
-        for i in sorted(per):
-            uniq = per[i][0]
-            z = z.index_add(0, _ix(uniq, dev), back[at : at + uniq.size * d].reshape(-1, d))
-            at += uniq.size * d
-        return z
+        rows = np.concatenate([per[i][0] for i in sorted(per)] + [np.zeros(0, np.int64)])
+        return x.new_zeros(x.shape[0], d).index_add(0, _ix(rows, dev), back.reshape(-1, d))
 
     def _compute(
         self, x: torch.Tensor, w: torch.Tensor, pos: np.ndarray, experts: np.ndarray
@@ -427,7 +419,9 @@ class MoELayer(nn.Module):
         """This rank's experts: ``y[t] = sum over assignments a at row t of w[a] *
         expert_{experts[a]}(x[t])``; ``x`` [u, d], ``w``/``pos``/``experts`` [m]."""
         t0 = time.perf_counter()
-        y = torch.zeros_like(x)
+        # zeros that depend on ``x``: a rank computing nothing still sends its (empty)
+        # gradient back through the exchange that brought ``x``, as every other rank does
+        y = x * 0
         self.computed = int(experts.size)
         dev = self.comm.device
         held = set(self.held())
