@@ -80,13 +80,15 @@ bench-soak: setup ## soak: 1,000 ranks stream reports to `expertmesh serve` for 
 bench-planner: setup ## planner: quota/eplb vs DeepSeek EPLB at EP64 (table + ratios)
 	$(PY) bench/bench_planner.py
 
-bench-balance: setup ## per-microbatch quota in one domain: solve ms at 8/16/64 ranks (numpy, torch, vs quota_balance), replica economy
+bench-balance: setup ## balancing: quota solve ms at 8/16/64 ranks, replica economy; then the fast loop training the demo (max/mean, step time, 20 Mbit/s x 1/4 microbatches vs the model)
+	@mkdir -p $(OUT)
 	$(PY) bench/bench_balance.py
+	$(PY) bench/bench_balance_train.py --json $(OUT)/bench-balance-train.json
 
 results: setup ## docs/results.md: simulator sweeps (bandwidth, DC count), 1,000-DC run, growth with DCs (~20 min)
 	$(PY) bench/results.py
 
-bench-runtime: setup ## runtime: static/eplb/quota/hybrid/hybrid-bf16 training on Ray, 2-3 DCs at 1 Gbit/s-20 Mbit/s, vs the cost model
+bench-runtime: setup ## runtime (SPMD plane over gloo): Ray overhead vs the old plane, every policy vs static at 2-3 DCs x 1 Gbit/s-20 Mbit/s vs the step model, tokens/s
 	@mkdir -p $(OUT)
 	$(PY) bench/bench_runtime.py --json $(OUT)/bench-runtime.json
 

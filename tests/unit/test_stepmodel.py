@@ -5,7 +5,14 @@ import pytest
 
 from expertmesh.planner import ModelSpec, Placement, Topology
 from expertmesh.planner.costmodel import CostSettings, step_cost
-from expertmesh.planner.stepmodel import StepLayout, step_layout, training_step_cost
+from expertmesh.planner.stepmodel import (
+    SpmdCollectives,
+    StepLayout,
+    spmd_step_cost,
+    step_layout,
+    sync_hops,
+    training_step_cost,
+)
 from expertmesh.planner.topology import DC, Link
 from expertmesh.planner.traffic import even_traffic
 
@@ -112,4 +119,56 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="layout"):
         training_step_cost(
             TOPO, MODEL, [_traffic(STATIC)] * 2, [STATIC] * 2, layout=StepLayout.full(1)
+        )
+
+
+# ---- the SPMD plane's model ----
+
+
+def test_spmd_collectives_count_the_layer_and_sync_exchanges():
+    static = SpmdCollectives.of([True, True], num_dcs=2)
+    # per layer 5 crossing + 5 in the DC; sync: 2 in the DC + 1 between leaders
+    assert (static.total, static.crossing) == (23, 11)
+    home = SpmdCollectives.of([False, False], num_dcs=2, hops=(True, True, True, True))
+    assert (home.total, home.crossing) == (10 + 3 + 4, 1 + 2)
+    fast = SpmdCollectives.of([False, True], microbatches=4, balance=True, fetch=[True, False])
+    # microbatch: layer 0 5 + 1 + 2 in the DC; layer 1 5 + 1 in the DC, 5 crossing
+    assert (fast.total, fast.crossing) == (4 * (8 + 11) + 3, 4 * 5 + 1)
+    mig = SpmdCollectives.of([True], num_dcs=1, migration=3, migration_cross=2)
+    assert (mig.total, mig.crossing) == (10 + 2 + 3, 5 + 2)
+    with pytest.raises(ValueError, match="migration_cross"):
+        SpmdCollectives.of([True], migration=1, migration_cross=2)
+
+
+def test_sync_hops_follow_the_copies():
+    assert sync_hops([STATIC], TOPO) == (False, False, False, False)
+    assert sync_hops([REPLICA], TOPO) == (False, True, True, False)  # 1 copied to DC a
+    two = Placement(np.array([[0, 1, 1], [1, -1, -1]], np.int32), np.array([0, 3]))
+    big = Topology(
+        dcs=(DC("a", 1, 1), DC("b", 1, 1)),
+        masters_per_rank=1,
+        spare_per_rank=2,
+        inter_dc=Link(8, 10.0),
+    )
+    assert sync_hops([two], big) == (False, True, True, False)  # one rank: no in-DC hop
+
+
+def test_spmd_step_cost_adds_compute_software_latency_and_the_busiest_pair():
+    coll = SpmdCollectives(total=20, crossing=4)
+    nbytes = np.array([[0.0, 2e6], [1e6, 0.0]])  # a -> b 2 MB at 1e9 B/s = 2 ms
+    t = spmd_step_cost(
+        TOPO, coll, nbytes, tokens_per_rank=1000, seconds_per_token=1e-5, collective_seconds=1e-3
+    )
+    assert t.compute == pytest.approx(0.01)
+    assert t.software == pytest.approx(0.02)
+    assert t.latency == pytest.approx(0.04)  # 4 crossings x 10 ms
+    assert t.transfer == pytest.approx(0.002)
+    assert t.seconds == pytest.approx(0.072)
+    none = spmd_step_cost(
+        TOPO, coll, np.zeros((2, 2)), tokens_per_rank=0, seconds_per_token=0, collective_seconds=0
+    )
+    assert none.seconds == pytest.approx(0.04)
+    with pytest.raises(ValueError, match="pair_bytes"):
+        spmd_step_cost(
+            TOPO, coll, np.zeros(3), tokens_per_rank=0, seconds_per_token=0, collective_seconds=0
         )

@@ -1,0 +1,66 @@
+"""The SPMD runtime benchmarks run end to end at a tiny scale: their reports have every
+row, and the ratios they print are computed from the numbers they measured."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+def _run(repo, tmp_path, script: str) -> dict:
+    out = tmp_path / f"{script}.json"
+    cmd = [sys.executable, str(repo / "bench" / script), "--quick", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result: dict = json.loads(out.read_text())
+    assert result["markdown"] in proc.stdout
+    assert len(result["load_avg"]) == 2
+    return result
+
+
+def test_bench_runtime_quick(repo, tmp_path):
+    result = _run(repo, tmp_path, "bench_runtime.py")
+    (group,) = result["groups"]
+    rows = {r["policy"]: r for r in group["rows"]}
+    assert set(rows) == {"static", "hybrid"} and group["gbps"] == 0.02
+    static = rows["static"]
+    for r in rows.values():
+        assert r["backend"] == "gloo" and not r["errors"]
+        measured = r["seconds"][1:]  # the first step is not measured
+        assert r["median_seconds"] == pytest.approx(statistics.median(measured))
+        assert r["speedup_vs_static"] == pytest.approx(
+            statistics.median(static["seconds"][1:]) / r["median_seconds"]
+        )
+        assert r["predicted_seconds"] == pytest.approx(statistics.median(r["predicted"][1:]))
+        assert r["predicted_over_measured"] == pytest.approx(
+            r["predicted_seconds"] / r["median_seconds"]
+        )
+        assert 0 <= r["ray_fraction"] < 1 and 0 <= r["outside_fraction"] < 1
+        assert all(p > 0 for p in r["predicted"])
+    (cal,) = result["calibrations"]
+    assert cal["collectives"] > 0 and cal["full_median"] > 0 and cal["small_median"] > 0
+
+
+def test_bench_balance_train_quick(repo, tmp_path):
+    result = _run(repo, tmp_path, "bench_balance_train.py")
+    rows = {r["mode"]: r for r in result["balance"]}
+    assert set(rows) == {"hybrid + fast loop", "hybrid, slow loop only", "static"}
+    for r in rows.values():
+        assert r["median_max_over_mean"] == pytest.approx(statistics.median(r["per_microbatch"]))
+        assert r["median_max_over_mean"] >= r["median_floor"] - 1e-9 >= 1.0 - 1e-9
+    assert rows["static"]["median_replicas"] == 0  # no fast loop, no replicas
+    links = result["links"]
+    assert {(r["microbatches"], r["mode"]) for r in links} == {
+        (k, m) for k in (1, 2) for m in ("static", "hybrid + fast loop")
+    }
+    for r in links:
+        assert r["median_seconds"] == pytest.approx(statistics.median(r["seconds"][1:]))
+        assert r["predicted_over_measured"] == pytest.approx(
+            statistics.median(r["predicted"][1:]) / r["median_seconds"]
+        )
