@@ -148,7 +148,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"balance": [], "links": [], "calibrations": []}
     with SharedCluster(3) as cluster:
         print(f"cluster up in {cluster.start_seconds:.1f}s", flush=True)
-        run_spmd(settings(topology(3, 1e4, 0.0), lm, "static", args), 2)  # warm-up, unused
+        if not args.quick:
+            run_spmd(settings(topology(3, 1e4, 0.0), lm, "static", args), 2)  # warm-up, unused
         topo = topology(3, args.gbps)
         runs = {m: run_spmd(settings(topo, lm, m, args), args.steps) for m in MODES}
         for mode, run in runs.items():
@@ -274,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     args.microbatches = [int(x) for x in args.microbatches.split(",")]
     if args.quick:
         args.steps, args.every, args.link_steps, args.calib_steps = 5, 2, 3, 3
-        args.batch, args.dcs, args.microbatches = 4, [2], [1, 2]
+        args.batch, args.dcs, args.microbatches = 4, [2], [2]
     if min(args.steps, args.link_steps, args.calib_steps) < 3:
         p.error("--steps, --link-steps and --calib-steps must be >= 3")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")

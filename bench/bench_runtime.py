@@ -153,7 +153,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         print(f"cluster up in {cluster.start_seconds:.1f}s", flush=True)
         for dcs in args.dcs:
             free = topology(dcs, FREE_GBPS, 0.0, lm.num_experts)
-            run_spmd(settings(free, small, "static", args), 2)  # warm-up: not used
+            if not args.quick:
+                run_spmd(settings(free, small, "static", args), 2)  # warm-up: not used
             full_run = run_spmd(settings(free, lm, "static", args), args.calib_steps)
             small_run = run_spmd(settings(free, small, "static", args), args.calib_steps)
             cal = calibrate(full_run, small_run)
