@@ -121,6 +121,10 @@ def row(run: SpmdRun, pred: list[float], static: SpmdRun | None) -> dict[str, An
             (s.seconds - s.step_seconds) / s.seconds  # type: ignore[operator]
             for s in steps
         ),
+        # the driver's wall around train() beyond the steps' own: starting each chunk,
+        # the checkpoints between chunks, waiting for the last reports
+        "driver_fraction": max(run.train_seconds - sum(s.seconds or 0.0 for s in run.steps), 0.0)
+        / run.train_seconds,
         "tokens_per_second_per_worker": tokens_per_rank(run.settings) / med,
         "token_mb_per_step": statistics.median(s.cross_dc_token_bytes for s in steps) / 1e6,
         "weight_mb_per_step": statistics.median(s.cross_dc_weight_bytes for s in steps) / 1e6,
@@ -225,7 +229,8 @@ def _line(r: dict[str, Any]) -> str:
         f"{r['policy']:11s} median {r['median_seconds']:.3f}s "
         f"x{r.get('speedup_vs_static', 1.0):.2f} vs static, predicted "
         f"{r['predicted_seconds']:.3f}s ({r['predicted_over_measured']:.2f}); Ray "
-        f"{r['ray_fraction']:.1%}, outside training {r['outside_fraction']:.1%}; "
+        f"{r['ray_fraction']:.1%}, outside training {r['outside_fraction']:.1%}, driver "
+        f"{r['driver_fraction']:.1%}; "
         f"{r['tokens_per_second_per_worker']:.0f} tok/s/worker"
     )
 
@@ -233,9 +238,9 @@ def _line(r: dict[str, Any]) -> str:
 def markdown(result: dict[str, Any]) -> str:
     lines = [
         "| DCs | inter-DC | policy | median s/step | vs static | predicted s | pred / meas "
-        "| tokens/s/worker | Ray % | outside training % | WAN tokens MB/step "
+        "| tokens/s/worker | Ray % | outside training % | driver % | WAN tokens MB/step "
         "| WAN weights MB/step | migration MB/run | max loss diff vs static |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for g in result["groups"]:
         for r in g["rows"]:
@@ -246,7 +251,8 @@ def markdown(result: dict[str, Any]) -> str:
                 f"| {r['median_seconds']:.3f} | {r.get('speedup_vs_static', 1.0):.2f}x "
                 f"| {r['predicted_seconds']:.3f} | {f'**{ratio}**' if bad else ratio} "
                 f"| {r['tokens_per_second_per_worker']:.0f} | {100 * r['ray_fraction']:.1f} "
-                f"| {100 * r['outside_fraction']:.1f} | {r['token_mb_per_step']:.2f} "
+                f"| {100 * r['outside_fraction']:.1f} | {100 * r['driver_fraction']:.1f} "
+                f"| {r['token_mb_per_step']:.2f} "
                 f"| {r['weight_mb_per_step']:.2f} | {r['migration_mb_per_run']:.2f} "
                 f"| {r.get('loss_rel_diff_vs_static', 0.0):.1e} |"
             )
