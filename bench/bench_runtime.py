@@ -157,7 +157,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         print(f"cluster up in {cluster.start_seconds:.1f}s", flush=True)
         for dcs in args.dcs:
             free = topology(dcs, FREE_GBPS, 0.0, lm.num_experts)
-            if not args.quick:
+            if args.warmup:
                 run_spmd(settings(free, small, "static", args), 2)  # warm-up: not used
             full_run = run_spmd(settings(free, lm, "static", args), args.calib_steps)
             small_run = run_spmd(settings(free, small, "static", args), args.calib_steps)
@@ -174,10 +174,18 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             for gbps in args.gbps:
                 group = _group(dcs, gbps, lm, labels, args, cal)
                 out["groups"].append(group)
-            if not args.no_old:
-                link = topology(dcs, 1.0, args.latency_ms, lm.num_experts)
-                out["old_plane"].append(_old(dcs, free, link, lm, args))
+                _save(out, args)  # what is measured so far, should the run be cut short
+                if gbps == args.gbps[0] and not args.no_old:
+                    link = topology(dcs, gbps, args.latency_ms, lm.num_experts)
+                    out["old_plane"].append(_old(dcs, free, link, lm, args))
+                    _save(out, args)
     return out
+
+
+def _save(out: dict[str, Any], args: argparse.Namespace) -> None:
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({**out, "partial": True}, indent=1))
 
 
 def _group(
@@ -216,7 +224,7 @@ def _old(
     )
     res["dcs"] = dcs
     print(
-        f"  {dcs} DCs old plane (Ray rounds), static 1 Gbit/s: median step "
+        f"  {dcs} DCs old plane (Ray rounds), static {fmt_gbps(link.inter_dc.gbps)}: median step "
         f"{res['median_step_seconds']:.3f}s, {res['rounds_per_step']:g} rounds x "
         f"{res['round_seconds'] * 1e3:.1f} ms = {res['ray_fraction']:.0%} of the step",
         flush=True,
@@ -284,10 +292,15 @@ def markdown(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--dcs", default="2,3", help="DC counts (default 2,3)")
-    p.add_argument("--gbps", default="1,0.1,0.02", help="inter-DC Gbit/s (default 1,0.1,0.02)")
+    p.add_argument(
+        "--gbps",
+        default="1,0.02,0.1",
+        help="inter-DC Gbit/s (default 1,0.02,0.1; the old plane runs at the first)",
+    )
     p.add_argument("--latency-ms", type=float, default=LATENCY_MS, help="inter-DC latency")
     p.add_argument("--policies", default=",".join(POLICIES))
-    p.add_argument("--steps", type=int, default=7, help="steps per row (the first not measured)")
+    p.add_argument("--steps", type=int, default=6, help="steps per row (the first not measured)")
+    p.add_argument("--warmup", action="store_true", help="one unused run before calibrating")
     p.add_argument("--every", type=int, default=3, help="steps between plans")
     p.add_argument("--calib-steps", type=int, default=5, help="steps of each calibration run")
     p.add_argument("--batch", type=int, default=LMConfig().batch, help="sequences per rank")
