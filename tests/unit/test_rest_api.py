@@ -300,3 +300,23 @@ def test_a_committed_plan_is_rendered_before_anyone_asks():
     _commit(core, 3)
     time.sleep(0.2)
     assert (4, False) not in state.plan_json
+
+
+def test_a_prepared_plan_is_served_from_memory_and_an_unknown_one_is_named(env):
+    """A prepared plan is not in the store yet: REST finds it in the controller's memory (a
+    lookup that went to the store first, or asked memory for another version, would 404)."""
+    core, c = env
+    _commit(core, 0)
+    rng = np.random.default_rng(5)
+    for layer in range(L):
+        core.report_layer(1, layer, rng.integers(0, 50, (R, E)))
+    pv = core.plan(1)
+    assert pv.state == "prepared" and c.app.state.expertmesh.store.get(pv.version) is None
+    got = c.get(f"/api/v1/plans/{pv.version}")
+    assert got.status_code == 200 and got.json()["state"] == "prepared"
+    assert got.json()["layers"][0]["phy2log"] == pv.layers[0].phy2log.tolist()
+    assert c.get(f"/api/v1/plans/{pv.version}/layers/0").status_code == 200
+    diff = c.get("/api/v1/plans/diff", params={"from": 1, "to": pv.version})
+    assert diff.status_code == 200 and diff.json()["to_version"] == pv.version
+    missing = c.get("/api/v1/plans/99")
+    assert missing.status_code == 404 and missing.json() == {"error": "unknown plan version 99"}
