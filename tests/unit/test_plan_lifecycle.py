@@ -126,3 +126,55 @@ def test_every_n_trigger_fires_exactly_every_n_steps() -> None:
             fired.append(step)
         assert core.maybe_plan(step) is None  # never a second plan at the same step
     assert fired == [0, 2, 4, 6]
+
+
+def test_no_plan_before_every_layer_has_a_complete_step() -> None:
+    core, _ = _core(Trigger(mode="every_step"))
+    assert not core.should_plan(0) and core.maybe_plan(0) is None
+    core.report_layer(0, 0, np.ones((core.topology.num_ranks, 8), int))  # layer 1 missing
+    assert not core.should_plan(0) and core.maybe_plan(0) is None
+    core.report_layer(0, 1, np.ones((core.topology.num_ranks, 8), int))
+    assert core.should_plan(0)
+
+
+@pytest.mark.parametrize(("threshold", "fires"), [(2.0, False), (1.99, True)])
+def test_threshold_trigger_fires_only_above_the_threshold(threshold: float, fires: bool) -> None:
+    """Static placement: rank r holds experts 2r and 2r+1. Expert 0 gets 5 tokens from each
+    of the 4 ranks, every other expert 1: rank 0 computes 24, the others 8; mean 12, so the
+    imbalance is exactly 2.0, which is not above a threshold of 2.0."""
+    core, _ = _core(Trigger(mode="threshold", threshold=threshold))
+    ranks = core.topology.num_ranks
+    for layer in range(2):
+        core.report_layer(0, layer, np.ones((ranks, 8), int))
+    core.commit(core.plan(0).version)
+    skew = np.ones((ranks, 8), int)
+    skew[:, 0] = 5
+    core.report_layer(1, 0, skew)
+    core.report_layer(1, 1, np.ones((ranks, 8), int))
+    assert core.layer_stats(0).imbalance == 2.0
+    assert core.should_plan(1) is fires
+
+
+def test_refusals_name_the_version() -> None:
+    core, _ = _core(Trigger(mode="every_step"))
+    _report(core, 0)
+    old, new = core.plan(0), core.plan(0)
+    core.commit(new.version)
+    with pytest.raises(ValueError, match="unknown plan version 99"):
+        core.commit(99)
+    with pytest.raises(ValueError, match="unknown plan version 99"):
+        core.rollback(99)
+    assert old.state == RB  # retired when the newer one committed
+    # a prepared plan older than a committed one adopted from the store (a restart)
+    other, _ = _core(Trigger(mode="every_step"))
+    _report(other, 0)
+    for _ in range(3):
+        adopted = other.plan(0)
+    other.commit(adopted.version)
+    fresh, _ = _core(Trigger(mode="every_step"))
+    _report(fresh, 0)
+    stale = fresh.plan(0)
+    fresh.restore(adopted)
+    with pytest.raises(ValueError, match=f"plan {stale.version} is older than committed plan 3"):
+        fresh.commit(stale.version)
+    assert stale.state == P and fresh.committed is adopted

@@ -10,6 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from expertmesh.controller.api import create_app
+from expertmesh.controller.auth import bearer_token, token_matches
 from expertmesh.controller.core import ControllerCore, ControllerSettings
 from expertmesh.controller.settings import SurfaceSettings
 from expertmesh.controller.store import SqlitePlanStore
@@ -76,3 +77,56 @@ def test_the_exact_token_is_accepted_on_rest(env):
     core, c = env
     assert _writes(c, {"Authorization": f"Bearer {TOKEN}"}) == [200, 200, 200]
     assert core.reports_rejected == 0 and core.settings.window == 3
+
+
+@pytest.mark.parametrize(
+    ("header", "ok"),
+    [
+        (f"Bearer {TOKEN}", True),
+        (f"bearer {TOKEN}", True),  # the scheme is case-insensitive (RFC 7235)
+        (f"Bearer   {TOKEN}", True),  # one or more spaces after the scheme
+        (f"  Bearer {TOKEN}  ", True),
+        (f"Basic {TOKEN}", False),  # another scheme with the right token
+        (f"Bearer{TOKEN}", False),
+        (f"Bearer {TOKEN} {TOKEN}", False),  # more than one word
+        (f"Bearer {TOKEN} x", False),
+        ("Bearer", False),
+        (TOKEN, False),
+    ],
+)
+def test_the_bearer_rule_on_rest(env, header, ok):
+    """controller/auth.py's rule as REST applies it; a refusal is a 401 that names the
+    scheme (WWW-Authenticate: Bearer, RFC 6750) and says why in the JSON error."""
+    core, c = env
+    r = c.post(
+        "/api/v1/reports",
+        json={"step": 0, "layer": 0, "rank": 0, "load": [1] * E},
+        headers={"Authorization": header},
+    )
+    if ok:
+        assert r.status_code == 200, r.text
+    else:
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        assert r.json() == {"error": "missing or wrong bearer token"}
+        assert core.reports_rejected == 1 and not core._pending
+    r = c.put("/api/v1/policy", json={"policy": "static"}, headers={"Authorization": header})
+    assert r.status_code == (200 if ok else 401)
+    if not ok:
+        assert r.headers["www-authenticate"] == "Bearer"
+        assert r.json() == {"error": "missing or wrong bearer token"}
+
+
+def test_without_a_configured_token_no_header_matches():
+    assert not token_matches(f"Bearer {TOKEN}", None) and not token_matches("Bearer x", "")
+    assert bearer_token(f"Bearer {TOKEN}") == TOKEN and bearer_token(None) is None
+
+
+def test_writes_without_a_configured_token_name_the_setting():
+    topo = Topology.generate(dcs=2, ranks_per_dc=2, masters=2, spare=1)
+    core = ControllerCore(topo, ModelSpec(num_layers=1, num_experts=E))
+    c = TestClient(
+        create_app(core, Telemetry(core), SqlitePlanStore(":memory:"), SurfaceSettings())
+    )
+    r = c.put("/api/v1/policy", json={"policy": "static"}, headers={"Authorization": "Bearer x"})
+    assert r.status_code == 403
+    assert r.json() == {"error": "writes are disabled: no token is configured (EXPERTMESH_TOKEN)"}
