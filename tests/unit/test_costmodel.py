@@ -268,3 +268,50 @@ def test_top2_nic_bottleneck_counts_a_token_once_per_remote_dc():
     # one crossing per assignment: the NIC carries both copies of every token
     flat = step_cost(topo, model, traffic, settings=CS.model_copy(update={"hierarchical": False}))
     assert flat.phases["dispatch"] == pytest.approx(0.4)
+
+
+def test_migration_streams_use_the_fabric_each_pair_of_ranks_shares():
+    """One DC of two nodes x two ranks (0, 1 | 2, 3) and a second DC (ranks 4, 5). Moves:
+    0 -> 1 (same node: node fabric), 0 -> 2 (other node: NIC), 3 -> 4 (other DC: NIC and the
+    WAN), 100, 200 and 400 bytes, half of each streamed this step. Columns: node out, node in,
+    NIC out, NIC in; a rank's bytes add up over its moves."""
+    topo = Topology((DC("a", 2, 2), DC("b", 1, 2)), 1, 1, Link(8000, 0.0), Link(800, 0.0),
+                    Link(8, 10.0))  # fmt: skip
+    s = migration_streams([0, 0, 3], [1, 2, 4], [100, 200, 400], topo, scale=0.5)
+    want = np.zeros((6, 4))
+    want[0] = [50, 0, 100, 0]  # out to 1 over the node fabric, out to 2 over the NIC
+    want[1] = [0, 50, 0, 0]
+    want[2] = [0, 0, 0, 100]
+    want[3] = [0, 0, 200, 0]
+    want[4] = [0, 0, 0, 200]
+    assert s.port_background.tolist() == want.tolist() and not s.port_tail.any()
+    assert (s.pair_src.tolist(), s.pair_dst.tolist(), s.pair_background.tolist()) == (
+        [0],
+        [1],
+        [200],
+    )
+    none = migration_streams([], [], [], topo)
+    assert none.port_background.shape == (6, 4) and none.cross_dc_bytes == 0
+
+
+def test_expert_streams_add_every_column():
+    a = migration_streams(np.array([0]), np.array([1]), np.array([5.0]), TOPO)
+    rep = Placement(np.array([[0, 1], [1, -1]], np.int32), np.array([0, 2]))
+    b = replica_streams(rep, TOPO, TRAIN, CS)
+    c = a + b
+    assert np.array_equal(c.port_tail, a.port_tail + b.port_tail) and c.port_tail.any()
+    assert np.array_equal(c.port_background, a.port_background + b.port_background)
+    assert c.cross_dc_bytes == pytest.approx(a.cross_dc_bytes + b.cross_dc_bytes)
+
+
+def test_copy_bytes_by_hand():
+    """P = 192 params, 2-byte weights, 12 bytes of optimizer state per param (the model's)."""
+    m = ModelSpec(hidden=8, ffn_hidden=8)
+    enc = TransferEncoding()
+    assert enc.copy_bytes(m, master=False) == 192 * 2
+    assert enc.copy_bytes(m, master=True) == 192 * (2 + 12)
+    # the receiver held an older copy: the changed quarter plus a 1-bit mask per weight
+    assert enc.copy_bytes(m, master=False, changed=0.25) == 192 * (0.25 * 2 + 1 / 8)
+    one = TransferEncoding(weight_bytes=1)
+    assert one.copy_bytes(m, master=False) == 192
+    assert one.copy_bytes(m, master=True, changed=0.5) == 192 * (0.5 + 1 / 8 + 12)
