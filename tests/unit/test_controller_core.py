@@ -203,3 +203,25 @@ def test_dead_ranks_complete_steps_and_get_nothing_in_plans():
         core.set_dead_ranks([4])
     with pytest.raises(ValueError, match="every rank"):
         core.set_dead_ranks([0, 1, 2, 3])
+
+
+def test_unchanged_membership_keeps_the_placement():
+    """eplb (period 100) keeps its placement from step 2 on; telling the core the same dead
+    ranks again (none) is no membership change, so the next plan still keeps it (a change
+    would make it plan afresh, as test_dead_ranks_complete_steps_and_get_nothing_in_plans
+    checks)."""
+    core, _ = _core(policy="eplb", policy_settings={"period": 100}, trigger={"mode": "every_step"})
+    rng = np.random.default_rng(0)
+    plans = []
+    for step in range(4):
+        if step == 3:
+            core.set_dead_ranks([])
+        load = rng.integers(0, 5, (core.topology.num_ranks, 8))
+        load[:, step] += 200  # a different hot expert every step
+        for layer in range(2):
+            core.report_layer(step, layer, load)
+        plans.append(core.commit(core.plan(step).version))
+    for a, b in ((plans[1], plans[2]), (plans[2], plans[3])):
+        assert all(
+            np.array_equal(x.phy2log, y.phy2log) for x, y in zip(a.layers, b.layers, strict=True)
+        )
