@@ -347,3 +347,50 @@ def test_one_replica_per_expert_reaches_its_bound(imbalance):
         assert bound <= quota <= bound * 1.001, (imbalance, seed, quota, bound)
         assert quota <= _by_hand(demand, masters)
         assert (sol.placement.logcnt(256) <= 2).all()
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {"domain": "dc"},
+        {"domain": "node"},
+        {"domain": "global"},
+        {"domain": "dc", "max_replicas_per_expert": 1},
+        {"domain": "dc", "tolerance": 0.5},
+        {"domain": "dc", "min_replica_share": 0.5},
+    ],
+)
+def test_the_policy_is_quota_balance_with_its_settings(cfg):
+    """QuotaPolicy.place / route equal quota_balance on the static masters with the same
+    domain and settings (each one reaches the solver); a placement the policy did not solve
+    to is routed evenly inside the domain (route_even)."""
+    from expertmesh.planner.policy import PolicyContext
+    from expertmesh.planner.quota import quota_route
+    from expertmesh.planner.routing import route_even
+
+    topo = Topology.generate(dcs=2, ranks_per_dc=4, nodes_per_dc=2, masters=2, spare=2)
+    model = ModelSpec(num_layers=1, num_experts=16, top_k=2)
+    rng = np.random.default_rng(3)
+    load = rng.integers(0, 20, (8, 16))
+    load[:, :3] += rng.integers(100, 400, (8, 3))  # three hot experts
+    ctx = PolicyContext(topo, model, 0, 0, load, np.zeros((0, 8, 16), np.int64))
+    domain = {"dc": topo.rank_dc, "node": topo.rank_node, "global": None}[cfg["domain"]]
+    masters = static_placement(8, topo.slots_per_rank, 16, 2)
+    want = quota_balance(
+        load,
+        masters,
+        domain,
+        cfg.get("max_replicas_per_expert"),
+        tolerance=cfg.get("tolerance", 0.0),
+        min_replica_share=cfg.get("min_replica_share", 0.0),
+    )
+    policy = make_policy("quota", cfg)
+    got = policy.place(ctx)
+    assert np.array_equal(got.phy2log, want.placement.phy2log)
+    assert np.array_equal(policy.route(ctx, got), quota_route(load, want))
+    static = static_placement(8, topo.slots_per_rank, 16, 2)
+    phy2log = static.phy2log.copy()
+    phy2log[0, 2] = 15  # a copy of the cold expert 15 (master on rank 7, DC 1) on rank 0, DC 0
+    other = Placement(phy2log, static.master)
+    assert not np.array_equal(other.holds(), got.holds())
+    assert np.array_equal(policy.route(ctx, other), route_even(load, other, domain))
