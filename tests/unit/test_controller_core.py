@@ -225,3 +225,38 @@ def test_unchanged_membership_keeps_the_placement():
         assert all(
             np.array_equal(x.phy2log, y.phy2log) for x, y in zip(a.layers, b.layers, strict=True)
         )
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        (2**40, None),  # the largest count accepted
+        (2**40 + 1, r"implausibly large \(> 2\*\*40\)"),
+        (-1, "negative"),
+    ],
+)
+def test_load_counts_at_their_limits(value, error):
+    """The same limits for a rank's report and a what-if solve. (A whole layer's report,
+    core.report_layer, takes counts above 2**40: its callers bound them.)"""
+    core, _ = _core(trigger={"mode": "every_step"})
+    row = np.ones(8, np.int64)
+    row[3] = value
+    layer = np.ones((core.topology.num_ranks, 8), np.int64)
+    layer[2, 3] = value
+    calls = [
+        lambda: core.report_load(0, 0, 0, row),
+        lambda: core.what_if(layer, policy="static"),
+    ]
+    for call in calls:
+        if error is None:
+            call()
+        else:
+            with pytest.raises(ValueError, match=error):
+                call()
+
+
+def test_a_float_report_must_hold_integers():
+    core, _ = _core()
+    core.report_load(0, 0, 0, np.full(8, 2.0))
+    with pytest.raises(ValueError, match="finite integers"):
+        core.report_load(0, 0, 1, np.full(8, 1.5))
