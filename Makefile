@@ -9,7 +9,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 
 .DEFAULT_GOAL := help
 .PHONY: help setup demo demo-planner test test-unit test-integration lint fmt typecheck bench \
-	bench-planner bench-balance bench-migration bench-soak bench-runtime bench-checkpoint clean serve proto emulate-up emulate-down emulate-status emulate-rayup ci-deps results
+	bench-planner bench-balance bench-migration bench-soak bench-runtime bench-checkpoint clean serve proto emulate-up emulate-down emulate-status emulate-rayup ci-deps results mutate
 
 help: ## list the verbs
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -38,6 +38,10 @@ demo-planner: setup ## planner only: generate a skewed trace and plan it with ev
 
 test: setup lint ci-deps ## lint, type-check and run every test (unit + integration)
 	$(PY) -m pytest -q
+
+MUTATE_MINUTES ?= 60
+mutate: setup ## mutation testing (mutmut) of formats, auth, deps, core, costmodel, quota; bounded by MUTATE_MINUTES (60); docs/testing.md
+	@VENV=$(VENV) OUT=$(OUT) MUTATE_MINUTES=$(MUTATE_MINUTES) scripts/mutate.sh
 
 ci-deps: ## system tools some tests use: promtool (Debian prometheus), ip/tc (iproute2); root: apt-get
 	@scripts/ci-deps.sh
