@@ -25,9 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from expertmesh.planner.fastquota import DEFAULTS, BalanceSettings, balance_domain, route_rows
 from expertmesh.planner.plan import Placement
-from expertmesh.planner.quota import balance_demand
-from expertmesh.planner.routing import route_locality
 
 __all__ = ["DomainBase", "DomainStep", "solve"]
 
@@ -91,9 +90,17 @@ class DomainStep:
     quota: int
 
 
-def solve(counts: np.ndarray, base: DomainBase, *, replicate: bool = True) -> DomainStep:
+def solve(
+    counts: np.ndarray,
+    base: DomainBase,
+    *,
+    replicate: bool = True,
+    settings: BalanceSettings = DEFAULTS,
+) -> DomainStep:
     """Balance ``counts`` [Rd, E] (assignments each rank of the DC holds for each expert
     after the cross-DC dispatch) over ``base``. ``replicate=False``: homes only.
+    ``settings``: the replica economy (:mod:`expertmesh.planner.fastquota`: a quota within
+    ``tolerance`` of the smallest with fewer replicas, none below ``min_replica_share``).
     ``ValueError`` if a count names an expert the DC does not hold."""
     counts = np.asarray(counts, dtype=np.int64)
     rd, num_experts = base.resident.shape
@@ -105,11 +112,13 @@ def solve(counts: np.ndarray, base: DomainBase, *, replicate: bool = True) -> Do
         raise ValueError("tokens for an expert this DC does not hold")
     sub = counts[:, base.experts]  # [Rd, V]
     if replicate and base.experts.size:
-        sol = balance_demand(sub.sum(axis=0), base.masters)
-        rep_v, rep_rank, rep_tokens = sol.replicas
-    else:
-        rep_v = rep_rank = rep_tokens = np.zeros(0, np.int64)
-    rows = route_locality(sub, base.home, (rep_v, rep_rank, rep_tokens))
+        sol = balance_domain(sub, base.masters.phy2log, settings)
+        rows = route_rows(sol, sub)  # [M, 4] (src_local, v, dst_local, tokens)
+        rep_rank, rep_v = sol.replicas[:, 0].astype(np.int64), sol.replicas[:, 2].astype(np.int64)
+    else:  # every expert computes at its home
+        src, v = np.nonzero(sub)
+        rows = np.stack([src, v, base.home[v], sub[src, v]], axis=1).astype(np.int64)
+        rep_rank = rep_v = np.zeros(0, np.int64)
     rows = rows[rows[:, 3] > 0]
     rows[:, 1] = base.experts[rows[:, 1]]
     rep_e = base.experts[rep_v]
