@@ -253,6 +253,9 @@ def check_host() -> str | None:
     why = netemu.check_host()
     if why:
         return why
+    for what, path in (("checkout", REPO), ("python", Path(sys.executable))):
+        if Path(path).resolve().is_relative_to("/tmp"):  # every host gets its own /tmp
+            return f"the {what} lives under /tmp ({path}), which each emulated host replaces"
     for tool, pkg in ((SSHD, "openssh-server"), ("ssh", "openssh-client"), ("rsync", "rsync")):
         if shutil.which(tool) is None:
             return f"`{tool}` not found (apt-get install {pkg})"
