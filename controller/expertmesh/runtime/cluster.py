@@ -48,6 +48,7 @@ from expertmesh.runtime.settings import (
     initial_placements,
     make_actor,
     source_roots,
+    stop_ray,
 )
 from expertmesh.workers.engine import train_step
 from expertmesh.workers.rank import KINDS
@@ -311,22 +312,7 @@ class Runtime(Membership):
         return out
 
     def shutdown(self) -> None:
-        if ray.is_initialized():
-            if self.surfaces is not None:
-                try:
-                    ray.get(self.controller.stop_surfaces.remote(), timeout=30)
-                except Exception:
-                    log.exception("stopping the surfaces failed")
-                self.surfaces = None
-            if self.address is not None and getattr(self, "controller", None) is not None:
-                try:
-                    ray.get(self.controller.drop_store.remote(), timeout=30)
-                except Exception:
-                    log.exception("removing the controller's plan store failed")
-            ray.shutdown()
-        if self.cluster is not None:
-            self.cluster.shutdown()
-            self.cluster = None
+        stop_ray(self)
         if self.shaper is not None:
             self.shaper.close()
             self.shaper = None

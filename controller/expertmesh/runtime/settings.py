@@ -6,6 +6,7 @@ the drivers import it.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ __all__ = [
     "initial_placements",
     "make_actor",
     "source_roots",
+    "stop_ray",
 ]
 
 NAMESPACE = "expertmesh"
@@ -161,3 +163,26 @@ def initial_placements(topology: Topology, lm: LMConfig) -> list[Placement]:
         topology.num_ranks, topology.slots_per_rank, lm.num_experts, topology.masters_per_rank
     )
     return [p] * lm.num_layers
+
+
+def stop_ray(rt: Any) -> None:
+    """A driver's end (either plane): the controller's surfaces stopped, its plan store
+    dropped when it lives on a cluster we joined, Ray shut down, our local cluster gone
+    (``rt``: ``surfaces``, ``address``, ``controller``, ``cluster``)."""
+    log = logging.getLogger(__name__)
+    if ray.is_initialized():
+        if rt.surfaces is not None:
+            try:
+                ray.get(rt.controller.stop_surfaces.remote(), timeout=30)
+            except Exception:
+                log.exception("stopping the surfaces failed")
+            rt.surfaces = None
+        if rt.address is not None and getattr(rt, "controller", None) is not None:
+            try:
+                ray.get(rt.controller.drop_store.remote(), timeout=30)
+            except Exception:
+                log.exception("removing the controller's plan store failed")
+        ray.shutdown()
+    if rt.cluster is not None:
+        rt.cluster.shutdown()
+        rt.cluster = None

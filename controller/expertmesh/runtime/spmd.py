@@ -35,6 +35,7 @@ from expertmesh.runtime.settings import (
     initial_placements,
     make_actor,
     source_roots,
+    stop_ray,
 )
 from expertmesh.runtime.spmd_faults import SpmdFaults, WorkersFailed, new_run_id
 from expertmesh.runtime.worker import SpmdWorker
@@ -233,22 +234,7 @@ class SpmdRuntime(SpmdFaults):
         return ray.get(self.workers[rank].expert_weights.remote(layer, expert))
 
     def shutdown(self) -> None:
-        if ray.is_initialized():
-            if self.surfaces is not None:
-                try:
-                    ray.get(self.controller.stop_surfaces.remote(), timeout=30)
-                except Exception:
-                    log.exception("stopping the surfaces failed")
-                self.surfaces = None
-            if self.address is not None and getattr(self, "controller", None) is not None:
-                try:
-                    ray.get(self.controller.drop_store.remote(), timeout=30)
-                except Exception:
-                    log.exception("removing the controller's plan store failed")
-            ray.shutdown()
-        if self.cluster is not None:
-            self.cluster.shutdown()
-            self.cluster = None
+        stop_ray(self)
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None

@@ -278,26 +278,34 @@ class MoELayer(nn.Module):
         self.balance_seconds = time.perf_counter() - t0
         return dst
 
+    def _splits(self, fetch: np.ndarray) -> tuple[list[int], list[int], list[int], list[int]]:
+        """An all-to-all in the DC group over ``fetch`` [F, 3] rows ``(src_local, dst_local,
+        expert)`` moving one expert's three tensors each: per-member send and receive
+        counts, and the experts this rank sends and receives, in the order both sides use
+        (by destination, then expert, when sending; by source, then expert, on arrival)."""
+        i = self.comm.my_dc.index[self.comm.rank]
+        per = 3 * self.gate.in_features * self.ffn_hidden
+        size = self.comm.my_dc.size
+        send, recv = [0] * size, [0] * size
+        rows = fetch.tolist()
+        for s, t, _ in rows:
+            if s == i:
+                send[t] += per
+            if t == i:
+                recv[s] += per
+        out = [e for s, t, e in sorted(rows, key=lambda x: (x[1], x[2])) if s == i]
+        incoming = [e for s, t, e in sorted(rows, key=lambda x: (x[0], x[2])) if t == i]
+        return send, recv, out, incoming
+
     def _fetch(self, fetch: np.ndarray) -> None:
         """Replica weights inside the DC: ``fetch`` [F, 3] ``(src_local, dst_local,
         expert)``, the same on every rank; what arrives becomes this microbatch's copies."""
         self.fetched = fetch
         if fetch.size == 0:
             return
-        c, grp = self.comm, self.comm.my_dc
-        i = grp.index[c.rank]
-        d, f = self.gate.in_features, self.ffn_hidden
-        per = 3 * d * f
-        send, recv = [0] * grp.size, [0] * grp.size
-        parts = []
-        for s, t, e in sorted(fetch.tolist(), key=lambda x: (x[1], x[2])):
-            if s == i:
-                send[t] += per
-                parts += [p.detach().reshape(-1) for p in self.expert(e)]
-        incoming = [e for s, t, e in sorted(fetch.tolist(), key=lambda x: (x[0], x[2])) if t == i]
-        for s, t, _ in fetch.tolist():
-            if t == i:
-                recv[s] += per
+        c = self.comm
+        send, recv, out, incoming = self._splits(fetch)
+        parts = [p.detach().reshape(-1) for e in out for p in self.expert(e)]
         flat = torch.cat(parts) if parts else torch.zeros(0, device=c.device)
         self.fanout_bytes = int(flat.numel() * flat.element_size())
         # FEPLB's two phases: the weights travel on the DC's second group while the tokens
@@ -333,22 +341,12 @@ class MoELayer(nn.Module):
         if fetch.size == 0:
             return
         c, grp = self.comm, self.comm.my_dc
-        i = grp.index[c.rank]
-        d, f = self.gate.in_features, self.ffn_hidden
-        per = 3 * d * f
-        send, recv = [0] * grp.size, [0] * grp.size
-        parts = []
-        for s, t, e in sorted(fetch.tolist(), key=lambda x: (x[0], x[2])):
-            if t == i:
-                send[s] += per
-                parts += [
-                    (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                    for p in self.temp[e]
-                ]
-        incoming = [e for s, t, e in sorted(fetch.tolist(), key=lambda x: (x[1], x[2])) if s == i]
-        for s, t, _ in fetch.tolist():
-            if s == i:
-                recv[t] += per
+        send, recv, out, incoming = self._splits(fetch[:, [1, 0, 2]])  # replica -> home
+        parts = [
+            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+            for e in out
+            for p in self.temp[e]
+        ]
         flat = torch.cat(parts) if parts else torch.zeros(0, device=c.device)
         got = c.all_to_all(flat, send, recv, grp, "weights")
         at = 0
