@@ -175,14 +175,8 @@ class SpmdSteps:
             return {"error": f"plan: {last_line(err)}"}
         if pv is None:
             return {}
-        new = [lp.placement for lp in pv.layers]
-        rounds = migration_rounds(
-            self.placements, new, [lp.migration for lp in pv.layers], self.topology
-        )
-        layers = [(p.phy2log, p.master, lp.route) for p, lp in zip(new, pv.layers, strict=True)]
-        for w in self._spmd_workers:
-            w.offer_plan.remote(pv.version, layers, rounds, pv.encoding)
         self._offered = pv
+        self._send_offer(self._spmd_workers)
         return {
             "imbalance_before": max(pv.imbalance_before),
             "imbalance_after": max(pv.imbalance_after),
@@ -194,16 +188,21 @@ class SpmdSteps:
         with self._spmd_lock:
             self._spmd_workers = workers
             self.workers = workers
-            pv = self._offered
-            if pv is None:
-                return
-            new = [lp.placement for lp in pv.layers]
-            rounds = migration_rounds(
-                self.placements, new, [lp.migration for lp in pv.layers], self.topology
-            )
-            layers = [(p.phy2log, p.master, lp.route) for p, lp in zip(new, pv.layers, strict=True)]
-            for r in ranks:
-                workers[r].offer_plan.remote(pv.version, layers, rounds, pv.encoding)
+            if self._offered is not None:
+                self._send_offer([workers[r] for r in ranks])
+
+    def _send_offer(self, workers: list[Any]) -> None:
+        """The plan on offer, as every worker applies it: per layer ``(phy2log, master,
+        route)`` and the migration rounds from the committed placement."""
+        pv = self._offered
+        assert pv is not None
+        new = [lp.placement for lp in pv.layers]
+        rounds = migration_rounds(
+            self.placements, new, [lp.migration for lp in pv.layers], self.topology
+        )
+        layers = [(p.phy2log, p.master, lp.route) for p, lp in zip(new, pv.layers, strict=True)]
+        for w in workers:
+            w.offer_plan.remote(pv.version, layers, rounds, pv.encoding)
 
     def results_since(self, step: int) -> list[dict[str, Any]]:
         """Recorded steps from ``step`` on."""
