@@ -125,6 +125,7 @@ def row(run: SpmdRun, pred: list[float], static: SpmdRun | None) -> dict[str, An
         # the checkpoints between chunks, waiting for the last reports
         "driver_fraction": max(run.train_seconds - sum(s.seconds or 0.0 for s in run.steps), 0.0)
         / run.train_seconds,
+        "driver_cpu_fraction": run.driver_cpu_seconds / run.train_seconds,
         "tokens_per_second_per_worker": tokens_per_rank(run.settings) / med,
         "token_mb_per_step": statistics.median(s.cross_dc_token_bytes for s in steps) / 1e6,
         "weight_mb_per_step": statistics.median(s.cross_dc_weight_bytes for s in steps) / 1e6,
@@ -225,8 +226,11 @@ def _old(
     res["dcs"] = dcs
     print(
         f"  {dcs} DCs old plane (Ray rounds), static {fmt_gbps(link.inter_dc.gbps)}: median step "
-        f"{res['median_step_seconds']:.3f}s, {res['rounds_per_step']:g} rounds x "
-        f"{res['round_seconds'] * 1e3:.1f} ms = {res['ray_fraction']:.0%} of the step",
+        f"{res['median_seconds']:.3f}s end to end; modeled {res['rounds_per_step']:g} rounds x "
+        f"{res['round_seconds'] * 1e3:.1f} ms = {res['ray_fraction']:.0%} of the rounds; "
+        f"measured no-op round {res['noop_round_seconds'] * 1e3:.1f} ms x rounds + controller "
+        f"call {res['control_seconds'] * 1e3:.1f} ms = {res['measured_overhead_fraction']:.0%}; "
+        f"driver CPU {res['driver_cpu_fraction']:.0%} of the wall",
         flush=True,
     )
     return res
@@ -238,7 +242,7 @@ def _line(r: dict[str, Any]) -> str:
         f"x{r.get('speedup_vs_static', 1.0):.2f} vs static, predicted "
         f"{r['predicted_seconds']:.3f}s ({r['predicted_over_measured']:.2f}); Ray "
         f"{r['ray_fraction']:.1%}, outside training {r['outside_fraction']:.1%}, driver "
-        f"{r['driver_fraction']:.1%}; "
+        f"{r['driver_fraction']:.1%} (CPU {r['driver_cpu_fraction']:.1%}); "
         f"{r['tokens_per_second_per_worker']:.0f} tok/s/worker"
     )
 
@@ -264,20 +268,7 @@ def markdown(result: dict[str, Any]) -> str:
                 f"| {r['weight_mb_per_step']:.2f} | {r['migration_mb_per_run']:.2f} "
                 f"| {r.get('loss_rel_diff_vs_static', 0.0):.1e} |"
             )
-    old = [
-        f"| {o['dcs']} | {o['median_step_seconds']:.3f} | {o['rounds_per_step']:g} "
-        f"| {o['round_seconds'] * 1e3:.1f} | {100 * o['ray_fraction']:.0f} |"
-        for o in result["old_plane"]
-    ]
-    if old:
-        lines += [
-            "",
-            "Old plane (Ray rounds), static at 1 Gbit/s, same run:",
-            "",
-            "| DCs | median step s | Ray rounds/step | ms per round | Ray rounds % of step |",
-            "|---|---:|---:|---:|---:|",
-            *old,
-        ]
+    lines += _overhead_table(result)
     lines += ["", "Calibration (static, free links, same run):", ""]
     lines += [
         f"- {c['dcs']} DCs: median step {c['full_median']:.3f} s (full batch), "
@@ -287,6 +278,38 @@ def markdown(result: dict[str, Any]) -> str:
         for c in result["calibrations"]
     ]
     return "\n".join(lines) + "\n"
+
+
+def _overhead_table(result: dict[str, Any]) -> list[str]:
+    """Driver and Ray overhead per step, the SPMD plane beside the old one (static)."""
+    if not result["groups"]:
+        return []
+    first = result["groups"][0]["gbps"]
+    lines = [
+        "",
+        f"Driver and Ray overhead per step, static at {fmt_gbps(first)}, same run:",
+        "",
+        "| plane | DCs | median s/step (end to end) | Ray + driver % of step (measured) "
+        "| driver CPU % of wall | Ray rounds/step | modeled Ray rounds % |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for g in result["groups"]:
+        r = next((r for r in g["rows"] if r["policy"] == "static"), None)
+        if g["gbps"] != first or r is None:
+            continue
+        lines.append(
+            f"| SPMD | {g['dcs']} | {r['median_seconds']:.3f} "
+            f"| {100 * (r['ray_fraction'] + r['driver_fraction']):.1f} "
+            f"| {100 * r['driver_cpu_fraction']:.1f} | 0 | - |"
+        )
+    for o in result["old_plane"]:
+        lines.append(
+            f"| old (Ray rounds) | {o['dcs']} | {o['median_seconds']:.3f} "
+            f"| {100 * o['measured_overhead_fraction']:.1f} "
+            f"| {100 * o['driver_cpu_fraction']:.1f} | {o['rounds_per_step']:g} "
+            f"| {100 * o['ray_fraction']:.0f} |"
+        )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import time
 from typing import Any
 
 import numpy as np
+import ray
 
 from expertmesh.planner import Placement, Topology
 from expertmesh.planner.costmodel import CostSettings
@@ -31,6 +33,18 @@ class Run:
     stats: list[list[dict[str, Any]]]  # per step, per rank
     placements: list[list[Placement]]
     layouts: list[StepLayout]
+    wall: list[float] = dataclasses.field(default_factory=list)  # run_step's wall per step
+    cpu: list[float] = dataclasses.field(default_factory=list)  # driver CPU s per step
+
+
+def noop_round_seconds(rt: Runtime, rounds: int = 40) -> float:
+    """Median wall time of one round of do-nothing Ray calls on every worker."""
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        ray.get([w.ping.remote() for w in rt.workers])
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def _run(rt: Runtime, settings: RuntimeSettings, steps: int) -> Run:
@@ -43,7 +57,10 @@ def _run(rt: Runtime, settings: RuntimeSettings, steps: int) -> Run:
     for _ in range(steps):
         out.placements.append(current)
         out.layouts.append(rt.layout or StepLayout.full(lm.num_layers))
+        t0, c0 = time.perf_counter(), time.process_time()
         out.steps.append(rt.run_step())
+        out.wall.append(time.perf_counter() - t0)
+        out.cpu.append(time.process_time() - c0)
         out.stats.append(rt.last_stats)
         plan = rt.committed_plan()
         if plan is not None:
@@ -91,23 +108,35 @@ def overhead(
     free: RuntimeSettings, link: RuntimeSettings, *, calib_steps: int, steps: int
 ) -> dict[str, Any]:
     """One old-plane Runtime: a warm-up, the calibration on ``free`` (static on free links),
-    then ``link``'s run; the Ray rounds' share of ``link``'s median step."""
+    then ``link``'s run; the Ray rounds' share of ``link``'s median step, modeled and
+    measured (module docstring)."""
     topo_free = Topology.from_dict(free.topology)
     with Runtime(free) as rt:
         _run(rt, free, calib_steps)  # fresh workers are slower; not used
         calib = _run(rt, free, calib_steps)
         flops, o = round_cost(calib, topo_free, free.lm)
+        noop_before = noop_round_seconds(rt)
         run = _run(rt, link, steps)
+        noop = statistics.median([noop_before, noop_round_seconds(rt)])
     measured = [s.step_seconds for s in run.steps[1:]]
     rounds = statistics.median(layout.rounds for layout in run.layouts[1:])
     med = statistics.median(measured)
+    wall = statistics.median(run.wall[1:])
+    control = statistics.median(s.control_seconds for s in run.steps[1:])
     return {
         "policy": link.policy,
-        "median_step_seconds": med,
+        "median_step_seconds": med,  # the rounds only (train_step's wall)
+        "median_seconds": wall,  # end to end: rounds, controller call, checkpoint
         "rounds_per_step": rounds,
         "round_seconds": o,
         "flops_per_second": flops,
         "ray_seconds_per_step": o * rounds,
         "ray_fraction": o * rounds / med,
+        "noop_round_seconds": noop,
+        "control_seconds": control,
+        "measured_overhead_fraction": (rounds * noop + control) / wall,
+        "driver_cpu_fraction": sum(run.cpu[1:]) / sum(run.wall[1:]),
         "steps": measured,
+        "wall": run.wall,
+        "driver_cpu": run.cpu,
     }

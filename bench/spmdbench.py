@@ -111,6 +111,7 @@ class SpmdRun:
     plans: dict[int, PlanVersion]  # version -> plan (committed ones)
     start_seconds: float  # workers and controller up, process groups formed
     train_seconds: float  # the driver's wall time around train()
+    driver_cpu_seconds: float = 0.0  # the driver process's CPU time during train()
 
     def measured(self, skip: int = 1) -> list[StepResult]:
         """The steps a median uses: the first ``skip`` (fresh workers) left out."""
@@ -135,9 +136,9 @@ def run_spmd(settings: RuntimeSettings, steps: int, attempts: int = 3) -> SpmdRu
 def _run_once(settings: RuntimeSettings, steps: int) -> SpmdRun:
     t0 = time.perf_counter()
     with SpmdRuntime(settings) as rt:
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         rows = rt.train(steps)
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.process_time()
         plans: dict[int, PlanVersion] = {}
         tmp = rt._tmp  # the controller's plan store lives in the runtime's temp dir
         if tmp is not None:
@@ -146,7 +147,7 @@ def _run_once(settings: RuntimeSettings, steps: int) -> SpmdRun:
                     pv = store.get(v)
                     if pv is not None:
                         plans[v] = pv
-    return SpmdRun(settings, rows, plans, t1 - t0, t2 - t1)
+    return SpmdRun(settings, rows, plans, t1 - t0, t2 - t1, c2 - c1)
 
 
 # ---- the cost model of a run's steps (planner.stepmodel.spmd_step_cost) ----
