@@ -127,7 +127,7 @@ class SpmdRuntime(SpmdFaults):
     def _form_group(self) -> None:
         """Every worker joins one new process group (the store on rank 0's node)."""
         members = list(range(self.topology.num_ranks))
-        addr, port = ray.get(self.workers[0].address.remote())
+        addr, port = ray.get(self.workers[0].address.remote(GROUP_TIMEOUT_S))
         refs = [w.join.remote(members, addr, port, GROUP_TIMEOUT_S) for w in self.workers]
         self.backend = ray.get(refs)[0]
 

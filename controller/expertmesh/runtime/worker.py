@@ -35,16 +35,24 @@ from expertmesh.workers.shaper import LinkShaper
 from expertmesh.workers.spmd import RankSnapshot, SpmdRank
 from expertmesh.workers.wire import WireFormat
 
-__all__ = ["SpmdWorker", "free_port"]
+__all__ = ["SpmdWorker", "connect_store", "listen_store"]
 
 log = logging.getLogger(__name__)
 
 
-def free_port(host: str) -> int:
-    """A TCP port free on ``host`` right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+def listen_store(host: str, timeout_s: float) -> Any:
+    """A new process group's rendezvous store, listening on ``host`` at a port the kernel
+    picks and this store holds from then on (``.port``); no window in which another
+    process can take the port (as with picking a free port, closing it, and binding later)."""
+    return dist.TCPStore(
+        host, 0, is_master=True, wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )  # fmt: skip
+
+
+def connect_store(host: str, port: int, timeout_s: float) -> Any:
+    """A client of the store :func:`listen_store` opened on ``host:port`` (bounded)."""
+    return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def _leave_group(rank: int, timeout_s: float = 10.0) -> None:
@@ -101,10 +109,14 @@ class SpmdWorker:
         self._lock = threading.Lock()
         self.ip = ray.util.get_node_ip_address()
         self._exit_at: int | None = None
+        self._store: Any = None  # the store this worker listens on for the next group
+        self._group_store: Any = None  # the store of the group it is in (kept alive)
 
-    def address(self) -> tuple[str, int]:
-        """Where rank 0 of a new process group listens: this node's address, a free port."""
-        return self.ip, free_port(self.ip)
+    def address(self, timeout_s: float = 60.0) -> tuple[str, int]:
+        """Open the rendezvous store of a new process group here (the first member's
+        worker); returns where it listens: this node's address and the store's port."""
+        self._store = listen_store(self.ip, timeout_s)
+        return self.ip, int(self._store.port)
 
     def join(self, members: list[int], addr: str, port: int, timeout_s: float) -> str:
         """(Re-)form the process groups with ``members`` (expertmesh ranks); the store runs
@@ -115,9 +127,12 @@ class SpmdWorker:
             os.environ["GLOO_SOCKET_IFNAME"] = iface
         backend = pick_backend(self.device)
         members = sorted(members)
+        mine = self._store is not None and (addr, port) == (self.ip, int(self._store.port))
+        store = self._store if mine else connect_store(addr, port, timeout_s)
+        self._store, self._group_store = None, store
         dist.init_process_group(
             backend,
-            init_method=f"tcp://{addr}:{port}",
+            store=store,
             rank=members.index(self.rank),
             world_size=len(members),
             timeout=datetime.timedelta(seconds=timeout_s),
