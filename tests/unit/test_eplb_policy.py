@@ -12,14 +12,14 @@ from hypothesis import strategies as st
 from expertmesh.planner import (
     DC,
     ModelSpec,
-    Placement,
     PolicyContext,
     Topology,
     check_layer_plan,
     make_policy,
     plan_trace,
 )
-from expertmesh.planner.eplb import EplbPolicy, _assign, _relabel, rebalance
+from expertmesh.planner.eplb import EplbPolicy, rebalance
+from expertmesh.planner.relabel import relabel_ranks
 
 
 def _skewed_trace(rng: np.random.Generator, shape: tuple[int, ...], hot: float) -> np.ndarray:
@@ -139,15 +139,20 @@ def test_relabel_undoes_a_structure_preserving_permutation(hierarchical):
             perm[8 * dc : 8 * dc + 8] = np.concatenate(nodes)
         else:
             perm[8 * dc : 8 * dc + 8] = rng.permutation(8) + 8 * dc
-    placement = Placement(old, first_copy_masters(old))
-    assert np.array_equal(_relabel(placement, old[perm], topo, hierarchical, 6.0), old)
+    masters = first_copy_masters(old) // 3
+    got = relabel_ranks(old, masters, old[perm], topo, by_node=hierarchical, master_weight=6.0)
+    out = np.empty_like(old)
+    out[got] = old[perm]
+    assert np.array_equal(out, old)
 
 
 def test_relabel_never_mixes_dcs_or_splits_nodes():
     topo = Topology.generate(2, 4, nodes_per_dc=2, masters=2, spare=0)  # 4 nodes x 2 ranks
     new = np.arange(16).reshape(8, 2)
     old = new[::-1]  # the best global match would swap the DCs
-    out = _relabel(Placement(old, first_copy_masters(old)), new, topo, True, 6.0)
+    perm = relabel_ranks(old, first_copy_masters(old) // 2, new, topo, master_weight=6.0)
+    out = np.empty_like(new)
+    out[perm] = new
     for dc in range(2):
         assert sorted(out[4 * dc : 4 * dc + 4].ravel()) == list(range(8 * dc, 8 * dc + 8))
     for node in range(4):  # each node's two ranks are one of the new nodes
@@ -185,6 +190,31 @@ def first_copy_masters(phy2log: np.ndarray) -> np.ndarray:
     return out
 
 
+def assign(new_cnt, old_cnt, old_master=None, master_weight=0.0):
+    """Through :func:`relabel_ranks` on one flat DC: for bins ``new_cnt`` [n, E] and places
+    ``old_cnt`` [n, E] (copy counts), the bin each place gets."""
+
+    def p2l(cnt):
+        rows = [np.repeat(np.arange(cnt.shape[1]), c) for c in cnt]
+        out = np.full((len(rows), max(1, *(r.size for r in rows))), -1)
+        for i, r in enumerate(rows):
+            out[i, : r.size] = r
+        return out
+
+    n, num_experts = new_cnt.shape
+    masters = np.full(num_experts, -1)
+    if old_master is not None:
+        masters = np.where(old_master.any(axis=0), old_master.argmax(axis=0), -1)
+    weight = master_weight if old_master is not None else 0.0
+    topo = Topology.generate(1, n, masters=1, spare=0)
+    new, old = p2l(new_cnt), p2l(old_cnt)
+    width = max(new.shape[1], old.shape[1])
+    new = np.pad(new, ((0, 0), (0, width - new.shape[1])), constant_values=-1)
+    old = np.pad(old, ((0, 0), (0, width - old.shape[1])), constant_values=-1)
+    perm = relabel_ranks(old, masters, new, topo, by_node=False, master_weight=weight)
+    return np.argsort(perm)  # place perm[i] gets bin i
+
+
 def test_assignment_weighs_masters_that_stay():
     def onehot(*sets: set[int]) -> np.ndarray:
         out = np.zeros((len(sets), 6), dtype=np.int64)
@@ -196,16 +226,16 @@ def test_assignment_weighs_masters_that_stay():
     places = onehot({0, 1, 5}, {0, 1})
     masters = onehot({0, 5}, {1})  # masters of 0 and 5 on place 0, of 1 on place 1
     # copies alone: the swap keeps 3 copies (identity 2) but moves masters 0 and 1
-    assert _assign(bins, places).tolist() == [1, 0]
+    assert assign(bins, places).tolist() == [1, 0]
     # a master move costs 7x a replica: identity keeps masters 0 and 1, moves only 5's
-    assert _assign(bins, places, masters, 6.0).tolist() == [0, 1]
+    assert assign(bins, places, masters, 6.0).tolist() == [0, 1]
 
 
 def test_assignment_maximises_multiset_overlap():
     rng = np.random.default_rng(7)
     for _ in range(20):
         new, old = rng.integers(0, 3, (2, 4, 6))
-        src = _assign(new, old)  # place b gets bin src[b]
+        src = assign(new, old)  # place b gets bin src[b]
         kept = np.minimum(new[src], old).sum()
         best = max(np.minimum(new[list(p)], old).sum() for p in permutations(range(4)))
         assert kept == best

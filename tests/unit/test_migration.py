@@ -373,7 +373,7 @@ def test_static_policy_never_migrates():
 
 
 def test_dcs_with_many_nodes_relabel_ranks_inside_nodes_only():
-    from expertmesh.planner.migration import NODE_RELABEL_MAX_NODES
+    from expertmesh.planner.relabel import NODE_RELABEL_MAX_NODES
 
     nodes = NODE_RELABEL_MAX_NODES + 1
     topo = Topology.generate(1, 2 * nodes, nodes_per_dc=nodes, masters=1, spare=0)

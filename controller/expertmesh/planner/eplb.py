@@ -42,10 +42,10 @@ from typing import Literal, cast
 
 import numpy as np
 from pydantic import Field
-from scipy.optimize import linear_sum_assignment
 
 from expertmesh.planner.plan import Placement
 from expertmesh.planner.policy import Policy, PolicyContext, PolicySettings, register
+from expertmesh.planner.relabel import relabel_ranks
 from expertmesh.planner.routing import route_even
 from expertmesh.planner.topology import Topology
 
@@ -420,7 +420,13 @@ class EplbPolicy(Policy):
         if prev is not None:
             model = ctx.model
             extra = (model.master_bytes - model.expert_bytes) / model.expert_bytes
-            new = _relabel(prev.placement, new, topo, hier, extra)
+            perm = relabel_ranks(  # inside DCs only, keeping nodes whole if hierarchical
+                prev.placement.phy2log, prev.placement.master_rank(), new, topo,
+                by_node=hier, master_weight=extra,
+            )  # fmt: skip
+            moved = np.empty_like(new)
+            moved[perm] = new
+            new = moved
         old_master = prev.placement.master_rank() if prev is not None else None
         return Placement(phy2log=new.astype(np.int32), master=_masters(new, old_master))
 
@@ -438,70 +444,6 @@ def expected_imbalance(phy2log: np.ndarray, weight: np.ndarray) -> float:
     per_rank = per_slot.sum(axis=1)
     mean = per_rank.mean()
     return float(per_rank.max() / mean) if mean > 0 else 1.0
-
-
-def _relabel(
-    old: Placement, new: np.ndarray, topo: Topology, hierarchical: bool, master_weight: float
-) -> np.ndarray:
-    """Permute the rank bins of ``new`` [R, S] to keep copies where ``old`` has them.
-
-    Only moves that cannot change balance or locality: inside each DC, whole
-    nodes among nodes (hierarchical) and ranks inside a node, or any ranks
-    among ranks (global). Each level is an assignment maximising the kept
-    copies plus ``master_weight`` per master whose rank keeps a copy (so it need
-    not move with its optimizer state).
-    """
-    num_experts = old.master.shape[0]
-    new_cnt, old_cnt = _counts(new, num_experts), _counts(old.phy2log, num_experts)  # [R, E]
-    old_master = np.zeros_like(old_cnt)  # [R, E] 1 where the rank holds e's master
-    old_master[old.master_rank(), np.arange(num_experts)] = 1
-    out = np.empty_like(new)
-    for ranks in topo.dc_ranks:
-        if not hierarchical:
-            src = _assign(new_cnt[ranks], old_cnt[ranks], old_master[ranks], master_weight)
-            out[ranks] = new[ranks[src]]
-            continue
-        per_node = topo.dcs[int(topo.rank_dc[ranks[0]])].ranks_per_node
-        nodes = ranks.reshape(-1, per_node)  # [nodes in DC, ranks per node]
-        src_node = _assign(  # old node b receives new node src_node[b]
-            new_cnt[nodes].sum(1), old_cnt[nodes].sum(1), old_master[nodes].sum(1), master_weight
-        )
-        for b, a in enumerate(src_node):
-            pick = _assign(
-                new_cnt[nodes[a]], old_cnt[nodes[b]], old_master[nodes[b]], master_weight
-            )
-            out[nodes[b]] = new[nodes[a][pick]]
-    return out
-
-
-def _counts(phy2log: np.ndarray, num_experts: int) -> np.ndarray:
-    """[R, E] copies of each expert on each rank of ``phy2log`` [R, S]."""
-    num_ranks = phy2log.shape[0]
-    r, s = np.nonzero(phy2log >= 0)
-    return np.bincount(r * num_experts + phy2log[r, s], minlength=num_ranks * num_experts).reshape(
-        num_ranks, num_experts
-    )
-
-
-def _assign(
-    new_cnt: np.ndarray,
-    old_cnt: np.ndarray,
-    old_master: np.ndarray | None = None,
-    master_weight: float = 0.0,
-) -> np.ndarray:
-    """For bins ``new_cnt`` [n, E] and places ``old_cnt`` [n, E] (copy counts), the bin
-    each place gets, [n], maximising the copies that stay (multiset overlap) plus
-    ``master_weight`` for each master of ``old_master`` [n, E] whose place keeps a copy."""
-    # sum_e min(a_e, b_e) = sum_k sum_e [a_e >= k][b_e >= k]: a few [n, E] x [E, n] products
-    value = np.zeros((new_cnt.shape[0], old_cnt.shape[0]))  # [n_new, n_old]
-    for k in range(1, int(min(new_cnt.max(initial=0), old_cnt.max(initial=0))) + 1):
-        value += (new_cnt >= k).astype(np.float64) @ (old_cnt >= k).T.astype(np.float64)
-    if old_master is not None and master_weight:
-        value += master_weight * ((new_cnt >= 1).astype(np.float64) @ old_master.T)
-    rows, cols = linear_sum_assignment(value, maximize=True)
-    src = np.empty(len(cols), dtype=np.int64)
-    src[cols] = rows
-    return src
 
 
 def _masters(phy2log: np.ndarray, old_master_rank: np.ndarray | None) -> np.ndarray:

@@ -30,18 +30,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
-from scipy.sparse import csr_matrix
 
+from expertmesh.planner import relabel
 from expertmesh.planner.model import ModelSpec
 from expertmesh.planner.plan import Migration, Placement, Transfer, TransferKind
 from expertmesh.planner.topology import Topology
 
 __all__ = ["align_placement", "plan_migration"]
 
-# DCs with more nodes than this are relabeled rank-within-node only: the exact
-# whole-node relabel solves nodes^2 small assignment problems.
-NODE_RELABEL_MAX_NODES = 64
 # Upper bound on matching passes inside one round (each pass accepts >= 1 transfer;
 # what is left waits for the next round, which keeps every invariant).
 MAX_PASSES = 64
@@ -138,98 +134,6 @@ def _align_slots(
     return aligned.reshape(new_p2l.shape), (dest_flat % num_slots).reshape(new_p2l.shape)
 
 
-def _relabel_groups(topology: Topology) -> list[tuple[int, int, np.ndarray]]:
-    """Blocks of ranks inside which :func:`_relabel` may permute: ``(nodes, ranks_per_node,
-    first_ranks [B])`` for batches of ``B`` same-shaped contiguous blocks. A block is a DC
-    (whole nodes may swap, ranks inside a node may swap) or, in DCs with more than
-    :data:`NODE_RELABEL_MAX_NODES` nodes, a single node."""
-    shapes: dict[tuple[int, int], list[int]] = {}
-    start = 0
-    for dc in topology.dcs:
-        if dc.nodes <= NODE_RELABEL_MAX_NODES:
-            shapes.setdefault((dc.nodes, dc.ranks_per_node), []).append(start)
-        else:
-            shapes.setdefault((1, dc.ranks_per_node), []).extend(
-                range(start, start + dc.num_ranks, dc.ranks_per_node)
-            )
-        start += dc.num_ranks
-    return [(n, p, np.array(firsts)) for (n, p), firsts in shapes.items() if n * p > 1]
-
-
-def _relabel(
-    old_p2l: np.ndarray, old_first: np.ndarray, new_p2l: np.ndarray, topology: Topology,
-    num_experts: int,
-) -> np.ndarray:  # fmt: skip
-    """[R] ``perm``: the content of new rank ``i`` goes to rank ``perm[i]``.
-
-    Minimizes, inside each relabel block, ``cost[i, j] = W * (copies of new rank i not
-    on old rank j) - (old masters of rank j that new rank i holds)``: copies first,
-    master stays as the tie-break (``W`` exceeds any count of master stays). Whole
-    nodes are matched with an assignment whose costs are themselves the optimal
-    rank-inside-node assignments, so the two-level relabel is exact.
-    """
-    num_ranks, num_slots = new_p2l.shape
-    perm = np.arange(num_ranks)
-    groups = _relabel_groups(topology)
-    if not groups:
-        return perm
-    # block id of every rank, so keys only match inside a block
-    block = np.full(num_ranks, -1, dtype=np.int64)
-    bid = 0
-    for n, p, firsts in groups:
-        for f in firsts:
-            block[f : f + n * p] = bid
-            bid += 1
-    occ_old = _occurrence(old_p2l, old_first)
-    occ_new = _occurrence(new_p2l)
-    rows = np.repeat(np.arange(num_ranks), num_slots)
-
-    def keys(p2l: np.ndarray, occ: np.ndarray) -> np.ndarray:
-        b = block[rows]
-        k = (b * num_experts + p2l.ravel()) * num_slots + occ.ravel()
-        return np.where((p2l.ravel() >= 0) & (b >= 0), k, -1)
-
-    kold, knew = keys(old_p2l, occ_old), keys(new_p2l, occ_new)
-    uniq, inv = np.unique(np.concatenate([kold, knew]), return_inverse=True)
-    ko, kn = inv[: kold.size], inv[kold.size :]
-    valid_o, valid_n = kold >= 0, knew >= 0
-    ncols = uniq.size
-    shape = (num_ranks, ncols)
-    a_new = csr_matrix((np.ones(valid_n.sum()), (rows[valid_n], kn[valid_n])), shape=shape)
-    a_old = csr_matrix((np.ones(valid_o.sum()), (rows[valid_o], ko[valid_o])), shape=shape)
-    is_m = valid_o & old_first.ravel()
-    a_mst = csr_matrix((np.ones(is_m.sum()), (rows[is_m], ko[is_m])), shape=shape)
-    inter = (a_new @ a_old.T).tocoo()  # [R, R] copies of new rank i on old rank j
-    stays = (a_new @ a_mst.T).tocoo()  # [R, R] old masters of j that new rank i holds
-    weight = float(num_ranks * num_slots + 1)
-    nonempty = (new_p2l >= 0).sum(axis=1).astype(np.float64)  # [R]
-
-    for n, p, firsts in groups:
-        size = n * p
-        base = np.repeat(firsts, size) + np.tile(np.arange(size), firsts.size)  # [B*size]
-        local = np.full(num_ranks, -1, dtype=np.int64)
-        local[base] = np.arange(base.size)
-        cost = np.repeat(weight * nonempty[base].reshape(-1, size, 1), size, axis=2)  # [B,i,j]
-        for mat, w in ((inter, weight), (stays, 1.0)):
-            sel = (local[mat.row] >= 0) & (block[mat.row] == block[mat.col])
-            li, lj = local[mat.row[sel]], local[mat.col[sel]]
-            cost[li // size, li % size, lj % size] -= w * mat.data[sel]
-        cost = cost.reshape(-1, n, p, n, p).transpose(0, 1, 3, 2, 4)  # [B, a, c, i, j]
-        for b in range(firsts.size):
-            rank_perm = np.empty((n, n, p), dtype=np.int64)
-            node_cost = np.empty((n, n))
-            for a in range(n):
-                for c in range(n):
-                    ri, cj = linear_sum_assignment(cost[b, a, c])
-                    rank_perm[a, c, ri] = cj
-                    node_cost[a, c] = cost[b, a, c][ri, cj].sum()
-            na, nc = linear_sum_assignment(node_cost)
-            for a, c in zip(na, nc, strict=True):
-                src = firsts[b] + a * p + np.arange(p)
-                perm[src] = firsts[b] + c * p + rank_perm[a, c]
-    return perm
-
-
 def _choose_masters(
     aligned: np.ndarray, old: Placement, policy_master: np.ndarray, masters_per_rank: int
 ) -> np.ndarray:
@@ -300,7 +204,11 @@ def align_placement(
     old_first = _master_mask(old)
     new_p2l, master = new.phy2log, new.master.astype(np.int64)
     if relabel_ranks:
-        perm = _relabel(old.phy2log, old_first, new_p2l, topology, num_experts)
+        num_ranks = new_p2l.shape[0]
+        perm = relabel.relabel_ranks(  # copies that stay first, masters that stay break ties
+            old.phy2log, old.master // num_slots, new_p2l, topology,
+            copy_weight=float(num_ranks * num_slots + 1), master_weight=1.0,
+        )  # fmt: skip
         moved = np.empty_like(new_p2l)
         moved[perm] = new_p2l
         new_p2l = moved
