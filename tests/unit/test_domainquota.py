@@ -16,6 +16,7 @@ from expertmesh.planner.domainquota import (
     domain_route,
     domain_traffic,
     rehome,
+    remote_holder,
     remote_inflow,
 )
 from expertmesh.planner.hybrid import HybridSettings, plan_hybrid
@@ -53,23 +54,68 @@ def test_fast_equals_reference(seed, gbps):
 
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 10_000))
-def test_remote_inflow_equals_the_split_token_by_token(seed):
+def test_remote_inflow_equals_the_rotation_token_by_token(seed):
     topo, load, base = _case(seed, gbps=1.0)
     holds = dc_holds(base, topo)
     got = remote_inflow(load, holds, topo.rank_dc)
     held = sorted(zip(*np.nonzero(holds), strict=True), key=lambda de: (de[1], de[0]))
     want = {de: 0 for de in held}
-    for r in range(topo.num_ranks):
-        for e in range(load.shape[1]):
-            if holds[topo.rank_dc[r], e]:
-                continue
-            holders = [d for d, x in held if x == e]
-            for j, d in enumerate(holders):
-                want[(d, e)] += int(
-                    load[r, e] // len(holders)
-                    + ((j - r) % len(holders) < load[r, e] % len(holders))
-                )
+    for e in range(load.shape[1]):
+        holders = [d for d, x in held if x == e]
+        k = 0
+        for r in range(topo.num_ranks):
+            if not holds[topo.rank_dc[r], e]:
+                want[(holders[(k + e) % len(holders)], e)] += int(load[r, e])
+                k += 1
     assert got.tolist() == [want[de] for de in held]
+
+
+def _spread_case(seed: int):
+    """16 DCs of 2 ranks, 12 experts each held by 1-5 DCs: many sources per holder."""
+    topo = Topology.generate(16, 2, masters=1, spare=3)
+    rng = np.random.default_rng(seed)
+    num_experts = 12
+    p2l = np.full((topo.num_ranks, topo.slots_per_rank), -1, np.int64)
+    master = np.zeros(num_experts, np.int64)
+    for e in range(num_experts):  # master of e on rank e (slot 0), copies on other DCs
+        p2l[e, 0] = e
+        master[e] = e * topo.slots_per_rank
+        mdc = int(topo.rank_dc[e])
+        others = rng.choice([d for d in range(topo.num_dcs) if d != mdc], int(rng.integers(0, 5)),
+                            replace=False)  # fmt: skip
+        for d in others:
+            r = int(2 * d + rng.integers(0, 2))
+            free = np.flatnonzero(p2l[r] < 0)
+            if free.size:
+                p2l[r, free[0]] = e
+    load = rng.integers(0, 50, size=(topo.num_ranks, num_experts)).astype(np.int64)
+    return topo, load, Placement(p2l, master)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000))
+def test_the_rotation_routes_every_token_whole_to_one_holder_and_balances_sources(seed):
+    topo, load, base = _spread_case(seed)
+    holds = dc_holds(base, topo)
+    sol = domain_quota(load, base, topo, replicate=False)
+    route = domain_route(load, sol, topo)
+    routed = np.zeros_like(load)
+    np.add.at(routed, (route[:, 0], route[:, 1]), route[:, 3])
+    assert np.array_equal(routed, load)  # every token routed, once
+    assert holds[topo.rank_dc[route[:, 2]], route[:, 1]].all()  # only to holders
+    # each (source, expert) whole to one DC: one row, since no replicas
+    assert len({(s, e) for s, e, _, _ in route.tolist()}) == len(route)
+    target = remote_holder(holds, topo.rank_dc)  # [R, E]
+    for e in range(load.shape[1]):
+        away = ~holds[topo.rank_dc, e]
+        h = int(holds[:, e].sum())
+        first = int(holds[:, :e].sum())  # virtual experts are by expert, then DC
+        got = np.bincount(target[away, e] - first, minlength=h)
+        if away.any() and h > 1:
+            # every holder serves floor or ceil of the sources without e
+            assert got.size == h and got.max() - got.min() <= 1
+            assert got.sum() == away.sum()
+    assert (target[holds[topo.rank_dc]] == -1).all()
 
 
 @pytest.mark.parametrize("gbps", [0.2, 50.0])
@@ -170,3 +216,26 @@ def test_a_base_with_two_copies_in_a_dc_is_refused():
     p = Placement(np.array([[0, 1], [1, -1]]), np.array([0, 2]))
     with pytest.raises(ValueError, match="more than once"):
         domain_quota(np.ones((2, 2), np.int64), p, topo)
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10_000))
+def test_fast_equals_reference_with_many_holders(seed):
+    topo, load, base = _spread_case(seed)
+    sol = domain_quota(load, base, topo)
+    quotas, phy2log, route = domain_quota_ref(load, base, topo)
+    assert sol.quota.tolist() == quotas
+    assert np.array_equal(sol.placement.phy2log, phy2log)
+    assert sorted(domain_route(load, sol, topo).tolist()) == sorted(route.tolist())
+
+
+def test_routing_in_blocks_of_dcs_gives_the_same_rows(monkeypatch):
+    import expertmesh.planner.domainquota as dq
+
+    for seed in range(6):
+        topo, load, base = _case(seed, gbps=50.0)
+        sol = domain_quota(load, base, topo)
+        whole = sorted(domain_route(load, sol, topo).tolist())
+        monkeypatch.setattr(dq, "_ROUTE_CELLS", 1)  # one DC per block
+        assert sorted(domain_route(load, sol, topo).tolist()) == whole
+        monkeypatch.undo()

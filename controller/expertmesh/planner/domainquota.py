@@ -6,10 +6,12 @@ The slow loop (:mod:`expertmesh.planner.hybrid`) decides which experts each DC h
 Every microbatch, on the exact ``load`` [R, E]:
 
 1. **DC-level route, fixed by H.** A source rank's tokens for ``e`` stay in its DC when
-   the DC holds ``e``; else they split evenly over the DCs that hold ``e``, in DC order,
-   the remainder one token each to the holders ``j`` with ``(j - r) mod h < rem`` (the
-   rotation of :func:`~expertmesh.planner.routing.route_even`). Balancing never moves a
-   token across a DC.
+   the DC holds ``e``; else they go whole to one of the ``h`` DCs that hold ``e``, by
+   rotation (:func:`remote_holder`): the ``k``-th source rank without ``e`` in its DC (in
+   rank order) sends to holder ``(k + e) mod h`` in DC order, so every holder serves the
+   same number of source ranks, give or take one, and a route has one row per
+   ``(source, expert)`` at most (an even split over every holder would have ``h``: 2M x
+   hundreds of rows at 1,000 DCs). Balancing never moves a token across a DC.
 2. **Virtual experts.** Each held ``(d, e)`` is one expert of domain ``d``, mastered at
    its home, with demand = d's own tokens for ``e`` + the tokens sent in (step 1).
 3. **quota per DC** (:func:`~expertmesh.planner.quota.balance_demand`, domain = DC): the
@@ -48,6 +50,7 @@ __all__ = [
     "domain_traffic",
     "merge_dcs",
     "rehome",
+    "remote_holder",
     "remote_inflow",
 ]
 
@@ -114,33 +117,35 @@ def _sum_rows(x: np.ndarray, group: np.ndarray, num_groups: int) -> np.ndarray:
     return flat.reshape(num_groups, num_cols)
 
 
-def remote_inflow(load: np.ndarray, holds: np.ndarray, rank_dc: np.ndarray) -> np.ndarray:
-    """[V] int tokens each held ``(d, e)`` receives from sources whose DC lacks ``e``
-    (step 1 of the module doc), ``V`` in :func:`_virtual` order. ``load``: [R, E];
-    ``holds``: [D, E] bool, every expert with load held somewhere. ``O(R E)``: each
-    remainder is a cyclic run of holders, added with a difference array."""
+def remote_holder(holds: np.ndarray, rank_dc: np.ndarray) -> np.ndarray:
+    """[R, E] the virtual expert (:func:`_virtual` order) that receives source rank ``r``'s
+    tokens for ``e`` when ``r``'s DC lacks ``e`` (step 1 of the module doc), -1 where the DC
+    holds ``e`` or nobody does. ``holds``: [D, E] bool; ``rank_dc``: [R]. The ``k``-th rank
+    without ``e`` (rank order) gets holder ``(k + e) mod h``: ranks of a DC spread over
+    consecutive holders, every holder of ``e`` gets ``floor`` or ``ceil`` of (ranks without
+    ``e``) / ``h``, and the ``+ e`` turns which holders get the extra one from expert to
+    expert."""
     first = _virtual(holds)[3]
     h = np.diff(first)  # [E] holders of each expert
     away = ~holds[rank_dc]  # [R, E] the source's DC lacks e
-    r, e = np.nonzero(away & (load > 0))
-    if (h[e] == 0).any():
-        raise ValueError(f"experts with load but no copy: {np.unique(e[h[e] == 0])[:8].tolist()}")
-    tok = load[r, e]
-    base, rem = np.divmod(tok, h[e])
-    num_v = int(first[-1])
-    out = np.zeros(num_v, np.int64)
-    per_e = np.bincount(e, weights=base, minlength=h.size).astype(np.int64)  # [E]
-    out += np.repeat(per_e, h)
-    a = r % h[e]  # the run starts at holder a and wraps after the last holder
-    end = a + rem
-    wrap = end > h[e]
-    up = np.concatenate([first[e] + a, first[e[wrap]]])
-    down = np.concatenate(
-        [first[e] + np.minimum(end, h[e]), first[e[wrap]] + end[wrap] - h[e[wrap]]]
-    )
-    diff = np.bincount(up, minlength=num_v + 1) - np.bincount(down, minlength=num_v + 1)
-    out += np.cumsum(diff)[:num_v]
-    return out
+    k = np.cumsum(away, axis=0) - 1  # [R, E] ordinal among the ranks without e
+    e = np.arange(holds.shape[1])
+    j = (k + e[None, :]) % np.maximum(h, 1)[None, :]
+    return np.where(away & (h > 0)[None, :], first[:-1][None, :] + j, -1)
+
+
+def remote_inflow(load: np.ndarray, holds: np.ndarray, rank_dc: np.ndarray) -> np.ndarray:
+    """[V] int tokens each held ``(d, e)`` receives from sources whose DC lacks ``e``
+    (step 1 of the module doc, :func:`remote_holder`), ``V`` in :func:`_virtual` order.
+    ``load``: [R, E]; ``holds``: [D, E] bool, every expert with load held somewhere.
+    ``O(R E)``."""
+    num_v = int(holds.sum())
+    target = remote_holder(holds, rank_dc)
+    sent = ~holds[rank_dc] & (load > 0)
+    if (target[sent] < 0).any():
+        e = np.nonzero(sent & (target < 0))[1]
+        raise ValueError(f"experts with load but no copy: {np.unique(e)[:8].tolist()}")
+    return np.bincount(target[sent], weights=load[sent], minlength=num_v).astype(np.int64)
 
 
 def domain_quota(
@@ -225,57 +230,83 @@ def at_home(sol: DomainSolution, base: Placement, topology: Topology) -> DomainS
 def _virtual_load(
     load: np.ndarray, sol: DomainSolution, rank_dc: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Every nonzero ``(source rank, virtual expert, tokens)`` of step 1, each [M]."""
-    holds = sol.holds
-    _, _, vid, first = _virtual(holds)
-    h = np.diff(first)
+    """Every nonzero ``(source rank, virtual expert, tokens)`` of step 1, each [M]: at most
+    one row per nonzero ``load[r, e]``."""
+    vid = _virtual(sol.holds)[2]
     r, e = np.nonzero(load)
     tok = load[r, e]
-    here = holds[rank_dc[r], e]
-    rows = [(r[here], vid[rank_dc[r[here]], e[here]], tok[here])]
-    r, e, tok = r[~here], e[~here], tok[~here]
-    n = h[e]
-    i = np.repeat(np.arange(r.size), n)  # one row per (pair, holder)
-    j = np.arange(i.size) - np.repeat(np.cumsum(n) - n, n)
-    base, rem = np.divmod(tok[i], n[i])
-    share = base + (((j - r[i]) % n[i]) < rem)
-    rows.append((r[i], first[e[i]] + j, share))
-    src, v, t = (np.concatenate(x) for x in zip(*rows, strict=True))
-    keep = t > 0
-    return src[keep], v[keep], t[keep]
+    v = vid[rank_dc[r], e]  # the source's own DC's copy
+    away = v < 0
+    v[away] = remote_holder(sol.holds, rank_dc)[r[away], e[away]]
+    return r, v, tok
+
+
+#: cells of one ``route_locality`` block in :func:`domain_route` (sources x hot copies)
+_ROUTE_CELLS = 1 << 22
 
 
 def domain_route(load: np.ndarray, sol: DomainSolution, topology: Topology) -> np.ndarray:
     """Route [N, 4] ``(src_rank, expert, dst_rank, tokens)`` of ``load`` [R, E] under
     ``sol`` (step 4 of the module doc): every virtual expert without replicas whole to its
-    home, the others by :func:`~expertmesh.planner.routing.route_locality`."""
-    num_ranks = load.shape[0]
+    home, the others by :func:`~expertmesh.planner.routing.route_locality`, over blocks of
+    DCs and only the sources that send to them (no ``[R, V]`` array: at most
+    ``_ROUTE_CELLS`` cells at a time). At most one row per nonzero ``load[r, e]`` and copy."""
     src, v, tok = _virtual_load(load, sol, topology.rank_dc)
-    rep_v, rep_rank, rep_tokens = sol.replicas
-    hot = np.unique(rep_v)  # [K]
+    rep_v = sol.replicas[0]
     is_hot = np.zeros(sol.v_dc.size, bool)
-    is_hot[hot] = True
+    is_hot[rep_v] = True
     cold = ~is_hot[v]
     out = [np.stack([src[cold], sol.v_expert[v[cold]], sol.home[v[cold]], tok[cold]], axis=1)]
-    if hot.size:
-        col = np.full(sol.v_dc.size, -1, np.int64)
-        col[hot] = np.arange(hot.size)
-        sub = np.zeros((num_ranks, hot.size), np.int64)  # [R, K]
-        np.add.at(sub, (src[~cold], col[v[~cold]]), tok[~cold])
-        rows = route_locality(sub, sol.home[hot], (col[rep_v], rep_rank, rep_tokens))
-        rows[:, 1] = sol.v_expert[hot[rows[:, 1]]]
-        out.append(rows)
+    src, v, tok = src[~cold], v[~cold], tok[~cold]
+    hot = np.unique(rep_v)  # [K] by expert, then DC: sorted by DC for the blocks
+    hot = hot[np.argsort(sol.v_dc[hot], kind="stable")]
+    per_block = max(1, _ROUTE_CELLS // max(1, load.shape[0]))
+    bounds = np.append(np.flatnonzero(np.diff(sol.v_dc[hot])) + 1, hot.size)  # DC ends
+    start = 0
+    while start < hot.size:  # whole DCs, up to per_block hot copies (one DC at least)
+        ends = bounds[bounds > start]
+        fit = ends[ends - start <= per_block]
+        stop = int(fit[-1]) if fit.size else int(ends[0])
+        out.append(_route_block(hot[start:stop], (src, v, tok), sol))
+        start = stop
     return np.concatenate(out).astype(np.int64)
+
+
+def _route_block(
+    block: np.ndarray, pairs: tuple[np.ndarray, np.ndarray, np.ndarray], sol: DomainSolution
+) -> np.ndarray:
+    """Route rows of the hot virtual experts ``block`` [K] (every copy of each in its own
+    DC): ``route_locality`` over the sources that send to them, in rank order (its
+    tie-breaks go to the lower rank, so a subset of sources routes as all of them would)."""
+    src, v, tok = pairs
+    num_v = sol.v_dc.size
+    col = np.full(num_v, -1, np.int64)
+    col[block] = np.arange(block.size)
+    mine = col[v] >= 0
+    rep_v, rep_rank, rep_tokens = sol.replicas
+    rep = col[rep_v] >= 0
+    ranks = np.unique(np.concatenate([src[mine], rep_rank[rep], sol.home[block]]))  # [R']
+    sub = np.zeros((ranks.size, block.size), np.int64)  # [R', K]
+    np.add.at(sub, (np.searchsorted(ranks, src[mine]), col[v[mine]]), tok[mine])
+    rows = route_locality(
+        sub,
+        np.searchsorted(ranks, sol.home[block]),
+        (col[rep_v[rep]], np.searchsorted(ranks, rep_rank[rep]), rep_tokens[rep]),
+    )
+    rows[:, 0] = ranks[rows[:, 0]]
+    rows[:, 1] = sol.v_expert[block[rows[:, 1]]]
+    rows[:, 2] = ranks[rows[:, 2]]
+    return rows[rows[:, 3] > 0]
 
 
 def domain_traffic(
     load: np.ndarray, sol: DomainSolution, topology: Topology, top_k: int
 ) -> TokenTraffic:
     """The cost model's view of :func:`domain_route` without its rows, in fractions: tokens
-    sent in split evenly over the holding DCs, then inside a DC quota's rule (own rank
-    first, then every copy in proportion to what each source has left). Per-rank tokens
-    are exact; the rest equals ``traffic_from_route(domain_route(...))`` up to the rounding
-    of the two splits. ``O(R E + V + D^2 E)``, no ``[R, R]`` array."""
+    sent in to the holder of :func:`remote_holder` (exact), then inside a DC quota's rule
+    (own rank first, then every copy in proportion to what each source has left). Per-rank
+    tokens and DC pairs are exact; the rest equals ``traffic_from_route(domain_route(...))``
+    up to the rounding of the split inside DCs. ``O(R E + V)``, no ``[R, R]`` array."""
     num_ranks, num_experts = load.shape
     rank_dc, holds = topology.rank_dc, sol.holds
     num_dcs = holds.shape[0]
@@ -283,10 +314,8 @@ def domain_traffic(
     here = holds[rank_dc]  # [R, E]
     local = np.where(here, lf, 0.0)
     away = lf - local
-    h = holds.sum(axis=0).astype(np.float64)  # [E]
-    away_dc = _sum_rows(away, rank_dc, num_dcs)
-    per_holder = away_dc.sum(axis=0) / np.where(h > 0, h, 1.0)  # [E] sent to each holder
-    inflow = np.where(holds, per_holder[None, :], 0.0)  # [D, E]
+    inflow = np.zeros(holds.shape)  # [D, E] tokens sent in from DCs without e
+    inflow[sol.v_dc, sol.v_expert] = sol.inflow
     # copies: homes (they compute what the replicas leave) and replicas
     rep_v, rep_rank, rep_tokens = sol.replicas
     given = np.bincount(rep_v, weights=rep_tokens, minlength=sol.v_dc.size)
@@ -323,14 +352,16 @@ def domain_traffic(
     reach_node = np.einsum("re,re->r", left, g_node[topology.rank_node])
     reach_dc = np.einsum("re,re->r", left, g_dc[rank_dc])
     rank_out = np.stack([reach_node - reach_rank, reach_dc - reach_node, away.sum(axis=1)], axis=1)
-    dense = (away_dc / np.where(h > 0, h, 1.0)) @ holds.T.astype(np.float64)  # [D, D]
-    np.fill_diagonal(dense, 0.0)
-    ps, pd = np.nonzero(dense > 0)
+    r, e = np.nonzero(away)
+    to_dc = sol.v_dc[remote_holder(holds, rank_dc)[r, e]]
+    pair = np.bincount(rank_dc[r] * num_dcs + to_dc, weights=away[r, e])  # DC pairs, flat
+    flat = np.flatnonzero(pair)
+    ps, pd = np.divmod(flat, num_dcs)
     per_rank = lf.sum(axis=1)
     dc_tokens = np.bincount(rank_dc, weights=per_rank, minlength=num_dcs) / top_k
     return TokenTraffic(
         rank_tokens, rank_out, rank_in, ps.astype(np.int64), pd.astype(np.int64),
-        dense[ps, pd], dc_tokens,
+        pair[flat], dc_tokens,
     )  # fmt: skip
 
 

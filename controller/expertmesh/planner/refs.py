@@ -688,9 +688,9 @@ def domain_quota_ref(
 ) -> tuple[list[int], np.ndarray, np.ndarray]:
     """:func:`expertmesh.planner.domainquota.domain_quota` and its route the slow way:
     holders of each expert DC by DC; each source's tokens for ``e`` stay in its DC when it
-    holds ``e``, else split over the holding DCs in DC order (remainder to holders ``j``
-    with ``(j - r) mod h < rem``); one virtual expert per held ``(DC, expert)`` mastered
-    at the base's copy; :func:`quota_balance_ref` with the DC as domain.
+    holds ``e``, else go whole to holder ``(k + e) mod h`` in DC order, ``k`` counting the
+    sources without ``e`` in their DC before it; one virtual expert per held ``(DC,
+    expert)`` mastered at the base's copy; :func:`quota_balance_ref` with the DC as domain.
     Returns (quota per DC, phy2log [R, S] with real experts, route [N, 4])."""
     num_ranks, num_slots = base.phy2log.shape
     num_experts = load.shape[1]
@@ -704,16 +704,16 @@ def domain_quota_ref(
     held = sorted(home, key=lambda de: (de[1], de[0]))  # by expert, then DC
     vid = {de: v for v, de in enumerate(held)}
     vload = np.zeros((num_ranks, len(held)), dtype=np.int64)
-    for r in range(num_ranks):
-        for e in range(num_experts):
-            tokens = int(load[r, e])
+    for e in range(num_experts):
+        holders = [d for d, x in held if x == e]
+        k = 0  # sources so far whose DC lacks e
+        for r in range(num_ranks):
             if (rank_dc[r], e) in vid:
-                vload[r, vid[(rank_dc[r], e)]] += tokens
+                vload[r, vid[(rank_dc[r], e)]] += int(load[r, e])
                 continue
-            holders = [d for d, x in held if x == e]
-            h = len(holders)
-            for j, d in enumerate(holders):
-                vload[r, vid[(d, e)]] += tokens // h + (1 if (j - r) % h < tokens % h else 0)
+            if holders:
+                vload[r, vid[(holders[(k + e) % len(holders)], e)]] += int(load[r, e])
+            k += 1
     v_p2l = np.full((num_ranks, num_slots), -1, dtype=np.int64)
     v_master = np.zeros(len(held), dtype=np.int64)
     for (d, e), (r, s) in home.items():
