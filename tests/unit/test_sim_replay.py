@@ -1,84 +1,178 @@
-"""`expertmesh sim replay`: a runtime run's trace + plan + calibrated constants -> the
-runtime step model per step, compared with the measured median; bad input exits 2."""
+"""`expertmesh sim replay`: the trace.npz + plans.npz an SPMD run writes (runtime/trace.py)
+and the calibrated constants -> the SPMD step model per step, compared with the measured
+median; bad input exits 2. The step model's collectives are counted here by hand."""
 
+from __future__ import annotations
+
+import numpy as np
 import pytest
 import yaml
 
 from expertmesh.cli.main import main
-from expertmesh.formats import write_plan, write_trace
-from expertmesh.planner import ModelSpec, Topology, make_policy, plan_trace
-from expertmesh.planner.costmodel import CostSettings
-from expertmesh.planner.plan import Placement
-from expertmesh.planner.stepmodel import step_layout, training_step_cost
-from expertmesh.planner.trace import TraceSettings, generate_trace
-from expertmesh.planner.traffic import traffic_from_route
+from expertmesh.formats import read_plan, read_trace
+from expertmesh.planner import Topology
+from expertmesh.planner.static import static_placement
+from expertmesh.runtime.settings import RuntimeSettings, StepResult
+from expertmesh.runtime.trace import RunTrace, migration_collectives
 from expertmesh.sim.replay import Calibration, RuntimeMeta, replay
+from expertmesh.workers.model import LMConfig
 
-TOPO = Topology.generate(2, 2, masters=2, spare=2, inter_dc_gbps=1.0, inter_dc_latency_ms=5)
-SIZES = {"top_k": 2, "hidden": 64, "ffn_hidden": 32, "weight_bytes": 4, "grad_bytes": 4,
-         "act_bytes": 4}  # fmt: skip
-MODEL = ModelSpec(num_layers=2, num_experts=8, **SIZES)
-CAL = Calibration(flops_per_second=2e9, message_seconds=0.004)
-
-
-def _run(policy="hybrid", steps=3):
-    s = TraceSettings(num_ranks=4, num_experts=8, num_layers=2, num_steps=steps, top_k=2,
-                      tokens_per_rank=64, imbalance=1.5, seed=2)  # fmt: skip
-    load = generate_trace(s).load
-    plan = plan_trace(load, TOPO, MODEL, make_policy(policy)).to_arrays()
-    meta = RuntimeMeta(topology=TOPO.to_dict(), dense_params=1000, policy=policy,
-                       step_seconds=[0.5, 0.4, 0.6][:steps], **SIZES)  # fmt: skip
-    return load, plan, meta
+TOPO = Topology.generate(2, 2, masters=1, spare=1).with_inter_dc(1.0, 10.0)  # 4 ranks, 2 slots
+LM = LMConfig(num_layers=2, num_experts=4, top_k=2, hidden=8, ffn_hidden=8, batch=2,
+              seq_len=16, microbatches=2)  # fmt: skip
+CAL = Calibration(seconds_per_token=1e-4, collective_seconds=2e-3, ranks=4)
+BW = 1e9 / 8  # bytes per second at 1 Gbit/s
 
 
-def test_each_step_is_the_runtime_step_model_of_its_plan():
-    load, plan, meta = _run()
-    res = replay(load, meta, plan["phy2log"], plan["master"], plan["route"], calibration=CAL)
-    cost = CostSettings(flops_per_second=2e9, message_seconds=0.004)
-    for t in range(3):
-        pl, routes, tr = [], [], []
-        for layer in range(2):
-            rows = plan["route"][(plan["route"][:, 0] == t) & (plan["route"][:, 1] == layer)]
-            pl.append(Placement(plan["phy2log"][t, layer], plan["master"][t, layer]))
-            routes.append(rows[:, 2:])
-            tr.append(traffic_from_route(rows[:, 2:], load[t, layer], TOPO, 2))
-        want = training_step_cost(TOPO, MODEL, tr, pl, dense_params=1000, settings=cost,
-                                  layout=step_layout(pl, routes, TOPO)).seconds  # fmt: skip
-        assert res.predicted[t] == pytest.approx(want)
-    assert res.measured_median == 0.5
-    assert res.error == pytest.approx(res.predicted_median / 0.5 - 1)
-    # the calibrated round time is in every step: more of it, a longer step
-    slow = Calibration(flops_per_second=2e9, message_seconds=0.008)
-    more = replay(load, meta, plan["phy2log"], plan["master"], plan["route"], calibration=slow)
-    assert (more.predicted > res.predicted).all()
+def _home_plan() -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Each DC holds every expert once, masters stay, every token is routed inside its DC."""
+    phy2log = np.array([[0, 2], [1, 3], [2, 0], [3, 1]])
+    master = np.array([0, 2, 4, 6])  # static's: slot 0 of rank e
+    holder = {(d, int(e)): r for r in range(4) for e in phy2log[r] for d in [TOPO.rank_dc[r]]}
+    route = np.array([(s, e, holder[(TOPO.rank_dc[s], e)], 5) for s in range(4) for e in range(4)])
+    return [(phy2log, master, route)] * LM.num_layers
 
 
-def test_shapes_must_agree():
-    load, plan, meta = _run()
+def _trace(steps=3, switch_at=2, balance=False) -> RunTrace:
+    """A run of ``steps`` steps, static until ``switch_at``, then the home plan (version 1);
+    with ``balance`` the fast loop fetches replica weights in the last step."""
+    s = RuntimeSettings(topology=TOPO.to_dict(), lm=LM, policy="hybrid", balance=balance)
+    tr = RunTrace(s)
+    tr.plans[1] = (_home_plan(), (3, 1))
+    rng = np.random.default_rng(0)
+    for t in range(steps):
+        v = 0 if t < switch_at else 1
+        by = np.zeros((3, 2, 2), np.int64)
+        by[0] = [[0, 1_000_000 * (v == 0)], [2_000_000 * (v == 0), 0]]  # tokens
+        by[1] = [[0, 50_000], [60_000, 0]]  # weights
+        by[2] = [[0, 4_000_000 * (t == switch_at)], [0, 0]]  # the switch's migration
+        tr.steps[t] = StepResult(
+            step=t, loss=1.0, step_seconds=0.3, control_seconds=0.0, seconds=0.4 + 0.1 * t,
+            imbalance=1.0, plan_version=v, cross_dc_token_bytes=0, cross_dc_weight_bytes=0,
+            cross_dc_migration_bytes=0, bytes_by_pair=by.tolist(), tokens_per_rank=[0] * 4,
+            tokens_per_layer_rank=[[0] * 4] * 2, fanout_bytes=1000 * (balance and t == steps - 1),
+        )  # fmt: skip
+        tr.load[t] = rng.integers(0, 20, (LM.num_layers, 4, LM.num_experts))
+    return tr
+
+
+def _replay(tr: RunTrace, cal: Calibration = CAL):
+    load, meta, plans, pmeta = tr.arrays()
+    mig = {int(v): c for v, c in pmeta["migration_collectives"].items()}
+    return replay(load, RuntimeMeta(**meta), plans["phy2log"], plans["master"], plans["route"],
+                  migration=mig, calibration=cal)  # fmt: skip
+
+
+def test_each_step_is_the_spmd_step_model_of_the_plan_it_ran():
+    res = _replay(_trace())
+    tokens = 2 * 16 * 2  # batch x seq_len x microbatches
+    # static: per microbatch and layer 5 in-DC + 5 crossing collectives; per step the dense
+    # sum and broadcast in the DC and 1 across the DC leaders; no replica, no expert sync
+    static_total, static_cross = 2 * 2 * 10 + 3, 2 * 2 * 5 + 1
+    # home plan: no token crosses; the expert sync's WAN hops (gradients to the master's DC,
+    # weights back) run, the in-DC ones do not (one copy per DC)
+    home_total, home_cross = 2 * 2 * 5 + 3 + 2, 1 + 2
+    lat = 0.010
+    want = [
+        # step 0: static, 2 MB from DC 1 to DC 0 the busiest pair
+        1e-4 * tokens + 2e-3 * static_total + lat * static_cross + 2_060_000 / BW,
+        # step 1: static, then the switch to plan 1: its 3 collectives (1 crossing) and
+        # its 4 MB of migration, counted in step 2's report, are this step's
+        1e-4 * tokens + 2e-3 * (static_total + 3) + lat * (static_cross + 1)
+        + (1_050_000 + 4_000_000) / BW,
+        # step 2: the home plan
+        1e-4 * tokens + 2e-3 * home_total + lat * home_cross + 60_000 / BW,
+    ]  # fmt: skip
+    np.testing.assert_allclose(res.predicted, want, rtol=1e-12)
+    assert res.counts["collectives"].tolist() == [static_total, static_total + 3, home_total]
+    assert res.counts["crossing"].tolist() == [static_cross, static_cross + 1, home_cross]
+    assert res.counts["migration"].tolist() == [0, 3, 0]
+    np.testing.assert_allclose(
+        res.parts["compute"] + res.parts["software"] + res.parts["latency"]
+        + res.parts["transfer"], res.predicted, rtol=1e-12,
+    )  # fmt: skip
+    # the fast loop: per microbatch and layer its counts all-gather, and when it fetches
+    # replicas their weights and their gradients home (in the DC)
+    fast = _replay(_trace(balance=True))
+    extra = np.array([4, 4, 4 + 8]) * 2e-3
+    np.testing.assert_allclose(fast.predicted - res.predicted, extra, rtol=1e-9)
+    assert res.measured.tolist() == pytest.approx([0.4, 0.5, 0.6])
+    assert res.measured_median == pytest.approx(0.55)  # the first step is left out
+    assert res.predicted_median == pytest.approx(np.median(want[1:]))
+    assert res.error == pytest.approx(res.predicted_median / 0.55 - 1)
+
+
+def test_migration_collectives_count_rounds_and_kinds():
+    rounds = [
+        [(0, 1, 0, 1, "w"), (1, 1, 0, 1, "w")],  # in DC 0
+        [(0, 2, 0, 2, "w"), (0, 3, 2, 3, "opt")],  # crossing copy; in-DC state
+        [(0, 0, 3, 0, "opt")],  # crossing state
+    ]
+    assert migration_collectives(rounds, TOPO) == (4, 2)
+    assert migration_collectives([], TOPO) == (0, 0)
+
+
+def test_the_trace_files_hold_what_the_run_trained_on(tmp_path):
+    tr = _trace(steps=4, switch_at=2)
+    del tr.load[3]  # the controller has not recorded step 3 yet: not written
+    trace_path, plan_path = tr.write(tmp_path)
+    trace, plan = read_trace(trace_path), read_plan(plan_path)
+    assert trace.load.shape == (3, 2, 4, 4)
+    np.testing.assert_array_equal(trace.load[1], tr.load[1])
+    meta = RuntimeMeta(**trace.meta)
+    assert meta.plan_versions == [0, 0, 1] and meta.step_seconds == pytest.approx([0.4, 0.5, 0.6])
+    assert meta.microbatches == 2 and meta.tokens_per_rank == 32 and meta.policy == "hybrid"
+    assert meta.topology == TOPO.to_dict()
+    static = static_placement(4, 2, 4, 1)
+    np.testing.assert_array_equal(plan.phy2log[0, 1], static.phy2log)
+    np.testing.assert_array_equal(plan.phy2log[2, 0], _home_plan()[0][0])
+    np.testing.assert_array_equal(plan.master[2, 1], _home_plan()[1][1])
+    rows = plan.route[(plan.route[:, 0] == 2) & (plan.route[:, 1] == 1)]
+    np.testing.assert_array_equal(rows[:, 2:], _home_plan()[1][2])
+    assert not (plan.route[:, 0] < 2).any()  # static's plan has no route rows
+    assert plan.meta["migration_collectives"] == {"1": [3, 1]}
+
+
+def test_shapes_and_constants_must_agree():
+    tr = _trace()
+    load, meta, plans, _ = tr.arrays()
+    m = RuntimeMeta(**meta)
     with pytest.raises(ValueError, match="master"):
-        replay(load, meta, plan["phy2log"], plan["master"][:, :1], plan["route"], calibration=CAL)
-    short = meta.model_copy(update={"step_seconds": [1.0]})
+        replay(load, m, plans["phy2log"], plans["master"][:, :1], plans["route"],
+               migration={1: (3, 1)}, calibration=CAL)  # fmt: skip
+    with pytest.raises(ValueError, match="6 ranks, the trace has 4"):
+        replay(load, m, plans["phy2log"], plans["master"], plans["route"],
+               migration={1: (3, 1)}, calibration=CAL.model_copy(update={"ranks": 6}))  # fmt: skip
+    with pytest.raises(ValueError, match=r"versions \[1\]"):
+        replay(load, m, plans["phy2log"], plans["master"], plans["route"],
+               migration={}, calibration=CAL)  # fmt: skip
+    short = m.model_copy(update={"step_seconds": [1.0]})
     with pytest.raises(ValueError, match="step times"):
-        replay(load, short, plan["phy2log"], plan["master"], plan["route"], calibration=CAL)
+        replay(load, short, plans["phy2log"], plans["master"], plans["route"],
+               migration={1: (3, 1)}, calibration=CAL)  # fmt: skip
 
 
 def test_cli_replay_and_bad_input(tmp_path, capsys):
-    load, plan, meta = _run("static")
-    write_trace(tmp_path / "t.npz", load, meta.model_dump(mode="json"))
-    write_plan(tmp_path / "p.npz", plan, {"policy": "static"})
+    trace, plan = _trace().write(tmp_path)
     (tmp_path / "cal.yaml").write_text(yaml.safe_dump(CAL.model_dump()))
-    args = ["sim", "replay", "--trace", str(tmp_path / "t.npz"), "--plan",
-            str(tmp_path / "p.npz"), "--calibration", str(tmp_path / "cal.yaml")]  # fmt: skip
+    args = ["sim", "replay", "--trace", str(trace), "--plan", str(plan),
+            "--calibration", str(tmp_path / "cal.yaml")]  # fmt: skip
     assert main([*args, "--out", str(tmp_path / "o")]) == 0
     out = capsys.readouterr().out
-    assert "predicted median step" in out and "measured 0.5 s" in out
+    want = _replay(_trace())
+    assert f"predicted median step {want.predicted_median:.4g} s" in out
+    assert "measured 0.55 s" in out
     rows = (tmp_path / "o" / "replay.csv").read_text().splitlines()
-    assert rows[0] == "step,predicted_seconds,measured_seconds" and len(rows) == 4
-    (tmp_path / "bad.yaml").write_text("flops_per_second: -1\nmessage_seconds: 0\n")
-    bad = [*args[:-1], str(tmp_path / "bad.yaml")]
-    assert main(bad) == 2
+    assert rows[0].startswith("step,predicted_seconds,measured_seconds,compute") and len(rows) == 4
+    (tmp_path / "bad.yaml").write_text("seconds_per_token: -1\ncollective_seconds: 0\n")
+    assert main([*args[:-1], str(tmp_path / "bad.yaml")]) == 2
     err = capsys.readouterr().err
-    assert "flops-per-second" in err and len(err.strip().splitlines()) == 1
-    write_trace(tmp_path / "nometa.npz", load)
+    assert "seconds-per-token" in err and len(err.strip().splitlines()) == 1
+    (tmp_path / "six.yaml").write_text(yaml.safe_dump({**CAL.model_dump(), "ranks": 6}))
+    assert main([*args[:-1], str(tmp_path / "six.yaml")]) == 2
+    assert "calibrate on the run's shape" in capsys.readouterr().err
+    from expertmesh.formats import write_trace
+
+    write_trace(tmp_path / "nometa.npz", read_trace(trace).load)
     assert main([*args[:2], "--trace", str(tmp_path / "nometa.npz"), *args[4:]]) == 2
     assert "topology" in capsys.readouterr().err

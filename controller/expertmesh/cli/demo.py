@@ -92,7 +92,12 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--seq-len", type=int, default=64, help="bytes per sequence")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, help="write per-step results here")
+    p.add_argument(
+        "--json",
+        type=Path,
+        help="write per-step results here; trace.npz and plans.npz (what the run trained on, "
+        "for `expertmesh sim replay`) go beside it",
+    )
     p.add_argument(
         "--checkpoint-dir",
         type=Path,
@@ -222,6 +227,7 @@ def _runtime_settings(args: argparse.Namespace, topo: Topology, lm: Any) -> Any:
         checkpoint_every=args.checkpoint_every,
         checkpoint_dir=str(args.checkpoint_dir) if args.checkpoint_dir else None,
         checkpoint_keep=args.checkpoint_keep,
+        trace_dir=str(args.json.parent) if args.json else None,
         replace_dead_workers=not args.no_replace,
         step_deadline_s=args.step_deadline,
     )

@@ -75,13 +75,13 @@ def add_parser(sub: Any) -> None:
     r = sp.add_parser(
         "replay",
         help="predict a runtime run's step times from the trace and plan it wrote",
-        description="Model every step of a training run from the trace (meta: topology, "
-        "model sizes, dense parameters, encoding, measured step seconds) and the plan file the "
-        "runtime wrote, with calibrated constants (YAML: flops_per_second, message_seconds); "
-        "print the predicted and measured medians (expertmesh.sim.replay).",
+        description="Model every step of an SPMD training run from the trace.npz and "
+        "plans.npz the runtime wrote (expertmesh.runtime.trace) with the calibrated constants "
+        "`make bench-runtime` writes (YAML: seconds_per_token, collective_seconds, ranks); "
+        "print the predicted and measured median step (expertmesh.sim.replay).",
     )
     r.add_argument("--trace", type=Path, required=True, help="trace .npz the runtime wrote")
-    r.add_argument("--plan", type=Path, required=True, help="plan .npz of the steps it ran")
+    r.add_argument("--plan", type=Path, required=True, help="plans.npz of the steps it ran")
     r.add_argument("--calibration", type=Path, required=True, help="YAML of the constants")
     r.add_argument("--out", type=Path, help="write replay.csv (step, predicted, measured) here")
     r.set_defaults(func=run_replay_cmd)
@@ -395,22 +395,36 @@ def run_replay_cmd(args: argparse.Namespace) -> int:
     meta: RuntimeMeta = _validated(RuntimeMeta, trace.meta)
     if plan.master is None:
         raise UsageError(f"{args.plan}: the plan has no 'master' array (write it with the plan)")
+    mig = plan.meta.get("migration_collectives", {})
     try:
-        res = replay(trace.load, meta, plan.phy2log, plan.master, plan.route, calibration=cal)
+        migration = {int(v): (int(n), int(c)) for v, (n, c) in dict(mig).items()}
+    except (TypeError, ValueError):
+        raise UsageError(
+            f"{args.plan}: meta 'migration_collectives' must map versions to [collectives, "
+            "crossing]"
+        ) from None
+    try:
+        res = replay(
+            trace.load, meta, plan.phy2log, plan.master, plan.route,
+            migration=migration, calibration=cal,
+        )  # fmt: skip
     except ValueError as err:
         raise UsageError(str(err)) from None
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         with (args.out / "replay.csv").open("w", newline="") as f:
             w = csv.writer(f)
-            w.writerow(("step", "predicted_seconds", "measured_seconds"))
+            w.writerow(("step", "predicted_seconds", "measured_seconds", *res.parts))
             for t, p in enumerate(res.predicted):
                 m = res.measured[t] if res.measured.size else ""
-                w.writerow((t, f"{p:.6g}", m if m == "" else f"{m:.6g}"))
+                w.writerow(
+                    (t, f"{p:.6g}", m if m == "" else f"{m:.6g}",
+                     *(f"{v[t]:.6g}" for v in res.parts.values()))
+                )  # fmt: skip
     line = f"{meta.policy}: predicted median step {res.predicted_median:.4g} s"
     if res.measured.size:
         line += f", measured {res.measured_median:.4g} s, error {res.error:+.1%}"
-    print(line)
+    print(line + f" (medians without the first {res.skip} step)")
     return 0
 
 

@@ -27,6 +27,7 @@ from expertmesh.planner import Placement, Topology, imbalance
 from expertmesh.planner.stepmodel import StepLayout, step_layout
 from expertmesh.runtime.actors import RayExecutor
 from expertmesh.runtime.settings import NAMESPACE, RuntimeSettings, initial_placements
+from expertmesh.runtime.trace import migration_collectives
 from expertmesh.workers.engine import apply_plan, migration_rounds, recovery_rounds
 
 __all__ = ["ControllerActor", "SpmdSteps", "last_line", "weights_digest"]
@@ -67,6 +68,8 @@ class SpmdSteps:
         self._rank_bytes: dict[int, np.ndarray] = {}
         self._spmd_lock = threading.Lock()
         self._static_owner = initial_placements(self.topology, self.settings.lm)[0].master_rank()
+        if not hasattr(self, "_trace"):  # kept across a re-formed group (recovery)
+            self._trace: dict[str, dict[int, Any]] = {"load": {}, "plans": {}, "counters": {}}
         for r in range(self.topology.num_ranks):
             self.telemetry.set_worker_state(r, r in self._members)
 
@@ -110,10 +113,18 @@ class SpmdSteps:
         self._bytes += delta
         migration = delta[2]
         computed = np.zeros((self.topology.num_ranks, num_layers), np.int64)
-        load = np.zeros((num_layers, self.settings.lm.num_experts), np.int64)
+        per_rank = np.zeros(
+            (num_layers, self.topology.num_ranks, self.settings.lm.num_experts), np.int64
+        )
         for r in ranks:
             computed[r] = reports[r]["computed"]
-            load += np.asarray(reports[r]["load"])
+            per_rank[:, r] = np.asarray(reports[r]["load"])
+        load = per_rank.sum(axis=1)
+        self._trace["load"][step] = per_rank  # runtime/trace.py takes it
+        self._trace["counters"][step] = {  # cumulative per rank: collectives, shaper waits
+            r: (int(reports[r].get("collectives", 0)), float(reports[r].get("shaped_seconds", 0)))
+            for r in ranks
+        }
         static = np.zeros((num_layers, self.topology.num_ranks), np.int64)
         for layer in range(num_layers):
             np.add.at(static[layer], self._static_owner, load[layer])
@@ -201,8 +212,18 @@ class SpmdSteps:
             self.placements, new, [lp.migration for lp in pv.layers], self.topology
         )
         layers = [(p.phy2log, p.master, lp.route) for p, lp in zip(new, pv.layers, strict=True)]
+        self._trace["plans"][pv.version] = (layers, migration_collectives(rounds, self.topology))
         for w in workers:
             w.offer_plan.remote(pv.version, layers, rounds, pv.encoding)
+
+    def take_trace(self) -> dict[str, dict[int, Any]]:
+        """What the run trained on since the last call (runtime/trace.py): per step the load
+        ``[L, R, E]`` the ranks reported and their cumulative counters (collectives issued,
+        seconds waiting in the link shaper), per plan offered its layers and migration
+        collectives."""
+        with self._spmd_lock:
+            out, self._trace = self._trace, {"load": {}, "plans": {}, "counters": {}}
+            return out
 
     def results_since(self, step: int) -> list[dict[str, Any]]:
         """Recorded steps from ``step`` on."""

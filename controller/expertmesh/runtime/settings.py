@@ -77,6 +77,11 @@ class RuntimeSettings(BaseModel):
         default=None, description="expert checkpoints go here (None: the run's temp dir)"
     )
     checkpoint_keep: int = Field(default=3, ge=1, description="newest checkpoints kept on disk")
+    trace_dir: str | None = Field(
+        default=None,
+        description="the SPMD runtime writes trace.npz and plans.npz (what it trained on, "
+        "runtime/trace.py) here at every checkpoint and at the end (None: not written)",
+    )
     replace_dead_workers: bool = Field(
         default=True, description="start a new worker for a dead rank in its DC; it rejoins"
     )

@@ -38,6 +38,7 @@ from expertmesh.runtime.settings import (
     stop_ray,
 )
 from expertmesh.runtime.spmd_faults import SpmdFaults, WorkersFailed, new_run_id
+from expertmesh.runtime.trace import RunTrace
 from expertmesh.runtime.worker import SpmdWorker
 
 __all__ = ["GROUP_TIMEOUT_S", "SpmdRuntime"]
@@ -64,6 +65,7 @@ class SpmdRuntime(SpmdFaults):
         self.recoveries: list[dict[str, Any]] = []
         self.retried_steps: list[int] = []
         self.run_id = new_run_id()
+        self.trace = RunTrace(settings)  # what it trained on (trace.npz, plans.npz)
 
     def __enter__(self) -> SpmdRuntime:
         self.start()
@@ -163,6 +165,7 @@ class SpmdRuntime(SpmdFaults):
                 self.recover(failed)
                 continue
             self.take_checkpoint()
+            self.trace.record(self.controller, out, self.settings.trace_dir)
         return out
 
     def _chunk(self, steps: int, on_step: Callable[[StepResult], None] | None) -> list[StepResult]:

@@ -1,48 +1,65 @@
-"""Replay what the runtime trained on: predict each step's time from its trace and plans.
+"""Replay what the SPMD runtime trained on: predict each step's time from its trace and plans.
 
-The runtime writes, for a training run, the two interchange files the planner already
-reads (README: Interchange formats):
+The runtime writes, for a training run (``expertmesh.runtime.trace``; ``make demo``: into
+``out/``):
 
-- a **trace** ``.npz``: ``load`` int64 ``[T, L, R, E]`` (the gate's exact counts of each
-  step), with ``meta`` holding :class:`RuntimeMeta` (the topology it ran on, the model's
-  sizes, the dense parameter count, the encoding, and the measured step seconds);
-- a **plan** ``.npz``: the ``phy2log``/``master``/``route`` of every step and layer it ran.
+- ``trace.npz``: ``load`` int64 ``[T, L, R, E]`` (the gate's exact counts of each step as
+  the controller saw them), ``meta`` a :class:`RuntimeMeta` (topology, model sizes,
+  policy, microbatches, tokens per rank, and per step its plan version, measured
+  end-to-end seconds, bytes between DCs as the workers counted them, replica weights the
+  fast loop fetched);
+- ``plans.npz``: per step the plan it ran on (``phy2log``, ``master``, ``route`` rows
+  ``(step, layer, src, expert, dst, tokens)``: the plan's route, whose shares split the
+  step's tokens) and, in its meta, each version's migration collectives.
 
-:func:`replay` models each step with :func:`~expertmesh.planner.stepmodel.training_step_cost`
-(the runtime's own order of rounds, the layout of the plan, the calibrated ``F`` and ``o``
-of :class:`Calibration`) and compares the median with the measured one. Pure: the CLI
-(``expertmesh sim replay``) reads the files.
+:func:`replay` models every step with :func:`~expertmesh.planner.stepmodel.spmd_step_cost`
+(docs/cost-model.md, "A training step of the SPMD data plane"): the collectives the
+step's plan issues (which layers let tokens cross DCs, the expert sync's hops, the
+migration of a plan switch at the step's end, the fast loop's exchanges), the step's
+bytes between DCs, and the machine constants of :class:`Calibration` (``make
+bench-runtime`` writes them: ``out/cal-<D>dc.yaml``). What it takes as given, not
+predicted: the bytes (the trace's counts; the load alone does not say how many distinct
+tokens a rank sends to a DC) and whether the fast loop fetched replicas in a step. Pure:
+the CLI (``expertmesh sim replay``) reads the files.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from expertmesh.planner.costmodel import CostSettings, TransferEncoding
-from expertmesh.planner.model import ModelSpec
+from expertmesh.planner.costmodel import TransferEncoding
 from expertmesh.planner.plan import Placement
-from expertmesh.planner.stepmodel import step_layout, training_step_cost
+from expertmesh.planner.stepmodel import SpmdCollectives, spmd_step_cost, sync_hops
 from expertmesh.planner.topology import Topology
-from expertmesh.planner.traffic import traffic_from_route
 
 __all__ = ["Calibration", "Replay", "RuntimeMeta", "replay"]
 
 
 class Calibration(BaseModel):
-    """The constants ``make bench-runtime`` measures on a machine (docs/cost-model.md)."""
+    """The machine constants of the SPMD step model, measured by ``make bench-runtime``
+    (static EP on free links at two batch sizes) for one shape of run."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(frozen=True, extra="allow", allow_inf_nan=False)
 
-    flops_per_second: float = Field(gt=0, description="expert FLOP/s of one rank, measured")
-    message_seconds: float = Field(ge=0, le=60, description="fixed seconds of one round")
+    seconds_per_token: float = Field(
+        ge=0, le=1, description="a: compute and intra-DC copies per token a rank trains"
+    )
+    collective_seconds: float = Field(
+        ge=0, le=60, description="c: the software cost of one collective"
+    )
+    ranks: int | None = Field(
+        default=None, ge=1, description="ranks of the runs it was measured on (checked)"
+    )
 
 
 class RuntimeMeta(BaseModel):
-    """The ``meta`` of a trace the runtime writes (JSON object; extra keys are kept)."""
+    """The ``meta`` of a trace the SPMD runtime writes (JSON object; extra keys are kept)."""
 
     model_config = ConfigDict(frozen=True, extra="allow")
 
@@ -50,32 +67,51 @@ class RuntimeMeta(BaseModel):
     top_k: int = Field(ge=1, le=64)
     hidden: int = Field(ge=1)
     ffn_hidden: int = Field(ge=1)
-    dense_params: int = Field(default=0, ge=0, description="parameters outside the experts")
     weight_bytes: int = Field(default=4, ge=1, le=8, description="bytes per weight (fp32: 4)")
     grad_bytes: int = Field(default=4, ge=1, le=8)
     act_bytes: int = Field(default=4, ge=1, le=8)
     encoding: TransferEncoding = Field(default_factory=TransferEncoding)
     policy: str = "?"
+    balance: bool = Field(default=False, description="the fast loop was on")
+    microbatches: int = Field(default=1, ge=1, le=1 << 16)
+    tokens_per_rank: int = Field(
+        ge=1, le=1 << 40, description="tokens a rank trains per microbatch"
+    )
+    plan_versions: list[int] = Field(description="the plan version every step ran on")
     step_seconds: list[float] = Field(
-        default_factory=list, description="measured seconds of every step, in order"
+        default_factory=list, description="measured end-to-end seconds of every step"
+    )
+    bytes_by_pair: list[list[list[list[int]]]] = Field(
+        description="[T, 3, D, D] tokens, weights and migration bytes between DCs per step"
+    )
+    fanout_bytes: list[int] = Field(
+        default_factory=list, description="replica weights the fast loop fetched per step"
     )
 
 
 @dataclass(frozen=True)
 class Replay:
-    """Per-step predicted seconds ``[T]``; measured ones ``[T]`` (empty if not in the meta);
-    the medians and the relative error of the predicted median."""
+    """Per-step predicted seconds ``[T]`` and their parts; measured ones ``[T]`` (empty if
+    not in the meta); the medians and the relative error of the predicted median.
+    ``skip``: the first steps the medians leave out (fresh workers)."""
 
     predicted: np.ndarray
     measured: np.ndarray
+    parts: dict[str, np.ndarray]  # compute, software, latency, transfer [T] seconds
+    counts: dict[str, np.ndarray]  # collectives, crossing, migration [T] (of the model)
+    skip: int = 1
+
+    def _median(self, a: np.ndarray) -> float:
+        a = a[self.skip :] if a.size > self.skip else a
+        return float(np.median(a)) if a.size else float("nan")
 
     @property
     def predicted_median(self) -> float:
-        return float(np.median(self.predicted)) if self.predicted.size else float("nan")
+        return self._median(self.predicted)
 
     @property
     def measured_median(self) -> float:
-        return float(np.median(self.measured)) if self.measured.size else float("nan")
+        return self._median(self.measured)
 
     @property
     def error(self) -> float:
@@ -91,14 +127,21 @@ def replay(
     master: np.ndarray,
     route: np.ndarray,
     *,
+    migration: Mapping[int, Sequence[int]],
     calibration: Calibration,
+    skip: int = 1,
 ) -> Replay:
-    """Model every step of a runtime run.
+    """Model every step of an SPMD run.
 
-    - ``load``: [T, L, R, E] the trace; ``phy2log``: [T, L, R, S]; ``master``: [T, L, E]
-      flat slots; ``route``: [N, 6] ``(step, layer, src, expert, dst, tokens)`` rows.
-    - Returns one predicted step time per ``t`` (``ValueError`` when the shapes disagree).
+    - ``load``: [T, L, R, E] the trace (its shape checks the plans'; the step's tokens
+      per rank are ``meta.tokens_per_rank x microbatches``); ``phy2log``: [T, L, R, S];
+      ``master``: [T, L, E] flat slots; ``route``: [N, 6] ``(step, layer, src, expert,
+      dst, tokens)`` rows; ``migration``: plan version -> ``(collectives, crossing)`` of
+      switching to it.
+    - Returns one predicted step time per ``t`` (``ValueError`` when the inputs disagree).
     """
+    from expertmesh.workers.layer import LayerPlan  # which layers let tokens cross DCs
+
     topology = Topology.from_dict(meta.topology)
     num_steps, num_layers, num_ranks, num_experts = load.shape
     if phy2log.shape[:3] != (num_steps, num_layers, num_ranks):
@@ -107,34 +150,69 @@ def replay(
         raise ValueError(f"plan master {master.shape} is not [T, L, E] of the trace")
     if num_ranks != topology.num_ranks:
         raise ValueError(f"trace has {num_ranks} ranks, its topology {topology.num_ranks}")
-    if meta.step_seconds and len(meta.step_seconds) != num_steps:
-        raise ValueError(f"meta has {len(meta.step_seconds)} step times for {num_steps} steps")
-    model = ModelSpec(
-        num_layers=num_layers, num_experts=num_experts, top_k=meta.top_k, hidden=meta.hidden,
-        ffn_hidden=meta.ffn_hidden, weight_bytes=meta.weight_bytes, grad_bytes=meta.grad_bytes,
-        act_bytes=meta.act_bytes,
-    )  # fmt: skip
-    cost = CostSettings(
-        flops_per_second=calibration.flops_per_second,
-        message_seconds=calibration.message_seconds,
-    )
+    if calibration.ranks is not None and calibration.ranks != num_ranks:
+        raise ValueError(
+            f"the calibration was measured on {calibration.ranks} ranks, the trace has "
+            f"{num_ranks}: calibrate on the run's shape"
+        )
+    d = topology.num_dcs
+    for name, n in (
+        ("step times", len(meta.step_seconds)),
+        ("plan versions", len(meta.plan_versions)),
+        ("byte counts", len(meta.bytes_by_pair)),
+        ("fan-out counts", len(meta.fanout_bytes)),
+    ):
+        if n and n != num_steps:
+            raise ValueError(f"meta has {n} {name} for {num_steps} steps")
+    by = np.asarray(meta.bytes_by_pair, dtype=np.float64)
+    if by.shape != (num_steps, 3, d, d) or (by < 0).any():
+        raise ValueError(f"meta bytes_by_pair must be [{num_steps}, 3, {d}, {d}] and >= 0")
+    versions = meta.plan_versions
+    switched = {b for a, b in itertools.pairwise(versions) if a != b}
+    missing = sorted(switched - set(migration))
+    if missing:
+        raise ValueError(f"the plans' meta has no migration collectives for versions {missing}")
     route = np.asarray(route, np.int64).reshape(-1, 6)
-    order = np.lexsort((route[:, 1], route[:, 0]))
-    route = route[order]
-    key = route[:, 0] * num_layers + route[:, 1]
-    bounds = np.searchsorted(key, np.arange(num_steps * num_layers + 1))
+    route = route[np.lexsort((route[:, 1], route[:, 0]))]
+    bounds = np.searchsorted(
+        route[:, 0] * num_layers + route[:, 1], np.arange(num_steps * num_layers + 1)
+    )
+    tokens = meta.tokens_per_rank * meta.microbatches
+    rank_dc = np.asarray(topology.rank_dc)
+    parts = {k: np.zeros(num_steps) for k in ("compute", "software", "latency", "transfer")}
+    counts = {k: np.zeros(num_steps, np.int64) for k in ("collectives", "crossing", "migration")}
     out = np.zeros(num_steps)
     for t in range(num_steps):
-        placements, routes, traffic = [], [], []
-        for layer in range(num_layers):
-            i = t * num_layers + layer
-            rows = route[bounds[i] : bounds[i + 1], 2:]
-            placements.append(Placement(phy2log[t, layer], master[t, layer]))
-            routes.append(rows)
-            traffic.append(traffic_from_route(rows, load[t, layer], topology, model.top_k))
-        layout = step_layout(placements, routes, topology)
-        out[t] = training_step_cost(
-            topology, model, traffic, placements, dense_params=meta.dense_params,
-            settings=cost, encoding=meta.encoding, layout=layout,
-        ).seconds  # fmt: skip
-    return Replay(out, np.asarray(meta.step_seconds, dtype=np.float64))
+        placements = [Placement(phy2log[t, layer], master[t, layer]) for layer in range(num_layers)]
+        cross = [
+            LayerPlan(placements[layer], route[bounds[i] : bounds[i + 1], 2:]).crosses(rank_dc)
+            for layer, i in ((layer, t * num_layers + layer) for layer in range(num_layers))
+        ]
+        mig = (0, 0)  # the plan switch at the step's end: its migration's collectives
+        if t + 1 < num_steps and versions[t + 1] != versions[t]:
+            mig = tuple(migration[versions[t + 1]])  # type: ignore[assignment]
+        fetch = bool(meta.fanout_bytes and meta.fanout_bytes[t] > 0)
+        coll = SpmdCollectives.of(
+            cross,
+            microbatches=meta.microbatches,
+            num_dcs=d,
+            balance=meta.balance,
+            fetch=[fetch] * num_layers,  # per step, not per layer: an upper bound
+            hops=sync_hops(placements, topology),
+            migration=int(mig[0]),
+            migration_cross=int(mig[1]),
+        )
+        # the step's tokens and weights, and the migration after it (which the workers
+        # count in the next step's report)
+        nbytes = by[t, 0] + by[t, 1] + (by[t + 1, 2] if t + 1 < num_steps else 0.0)
+        st = spmd_step_cost(
+            topology, coll, nbytes, tokens_per_rank=tokens,
+            seconds_per_token=calibration.seconds_per_token,
+            collective_seconds=calibration.collective_seconds,
+        )  # fmt: skip
+        out[t] = st.seconds
+        for k, v in parts.items():
+            v[t] = getattr(st, k)
+        counts["collectives"][t], counts["crossing"][t] = coll.total, coll.crossing
+        counts["migration"][t] = int(mig[0])
+    return Replay(out, np.asarray(meta.step_seconds, dtype=np.float64), parts, counts, skip)

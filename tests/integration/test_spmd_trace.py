@@ -1,0 +1,93 @@
+"""The SPMD runtime writes what it trained on (runtime/trace.py): at every checkpoint and
+at the end, trace.npz (the load every rank reported, per step) and plans.npz (the plan
+every step ran on), which `expertmesh sim replay` reads. Real local Ray, real gloo."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from expertmesh.cli.main import main
+from expertmesh.controller.core import Trigger
+from expertmesh.formats import read_plan, read_trace
+from expertmesh.planner import Topology
+from expertmesh.runtime.settings import RuntimeSettings, StepResult
+from expertmesh.runtime.spmd import SpmdRuntime
+from expertmesh.sim.replay import Calibration, RuntimeMeta, replay
+from expertmesh.workers.model import LMConfig
+
+pytestmark = pytest.mark.integration
+
+LM = LMConfig(num_layers=2, num_experts=8, top_k=2, hidden=16, ffn_hidden=16, batch=4, seq_len=32)
+STEPS = 6
+
+
+def test_the_runtime_writes_its_trace_and_plans_and_replay_reads_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    topo = Topology.generate(2, 2, masters=2, spare=2).with_inter_dc(0.5, 2.0)
+    settings = RuntimeSettings(
+        topology=topo.to_dict(), lm=LM, policy="hybrid", trigger=Trigger(mode="every_n", every=2),
+        balance=False, corpus_bytes=200_000, checkpoint_every=3, trace_dir=str(tmp_path),
+    )  # fmt: skip
+    at_checkpoint: list[int] = []
+
+    def seen(r: StepResult) -> None:
+        if r.step == 3:  # the second chunk's first step: the first checkpoint wrote 3 steps
+            at_checkpoint.append(read_trace(tmp_path / "trace.npz").load.shape[0])
+
+    with SpmdRuntime(settings) as rt:
+        steps = rt.train(STEPS, on_step=seen)
+        final = rt.committed_plan()
+    assert at_checkpoint == [3]
+    trace, plan = read_trace(tmp_path / "trace.npz"), read_plan(tmp_path / "plans.npz")
+    meta = RuntimeMeta(**trace.meta)
+    assert trace.load.shape == (STEPS, 2, 4, 8)
+    # every rank's gate counts: each of its tokens goes to top_k experts
+    np.testing.assert_array_equal(trace.load.sum(axis=3), LM.tokens_per_rank * LM.top_k)
+    assert meta.step_seconds == [s.seconds for s in steps]
+    assert meta.plan_versions == [s.plan_version for s in steps]
+    assert meta.bytes_by_pair == [s.bytes_by_pair for s in steps]
+    assert meta.topology == topo.to_dict() and meta.policy == "hybrid" and not meta.balance
+    versions = meta.plan_versions
+    assert versions[0] == 0 and versions[-1] > 0  # static first, a plan of hybrid's later
+    # under static every rank computes what the gate sent to its masters (rank r holds
+    # experts 2r and 2r + 1): the load as the controller saw it, rank by rank
+    for t in (i for i, v in enumerate(versions) if v == 0):
+        for layer in range(2):
+            by_master = trace.load[t, layer].sum(axis=0).reshape(4, 2).sum(axis=1)
+            assert by_master.tolist() == steps[t].tokens_per_layer_rank[layer]
+    assert final is not None
+    last = versions[-1]
+    for layer, (phy2log, master, route) in enumerate(final):
+        np.testing.assert_array_equal(plan.phy2log[-1, layer], phy2log)
+        np.testing.assert_array_equal(plan.master[-1, layer], master)
+        rows = plan.route[(plan.route[:, 0] == STEPS - 1) & (plan.route[:, 1] == layer)]
+        np.testing.assert_array_equal(rows[:, 2:], np.asarray(route).reshape(-1, 4))
+    switched = {b for a, b in itertools.pairwise(versions) if a != b}
+    assert switched and switched <= {int(v) for v in plan.meta["migration_collectives"]}
+    assert str(last) in plan.meta["migration_collectives"]
+
+    cal = tmp_path / "cal.yaml"
+    cal.write_text(
+        yaml.safe_dump({"seconds_per_token": 1e-5, "collective_seconds": 1e-3, "ranks": 4})
+    )
+    args = ["sim", "replay", "--trace", str(tmp_path / "trace.npz"), "--plan",
+            str(tmp_path / "plans.npz"), "--calibration", str(cal)]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "hybrid: predicted median step" in out and "measured" in out
+    # the step model's collectives are the ones the workers issued, step by step (a plan
+    # switch's migration runs after the step's report: the workers count it in the next)
+    mig = {int(v): c for v, c in plan.meta["migration_collectives"].items()}
+    res = replay(trace.load, meta, plan.phy2log, plan.master, plan.route, migration=mig,
+                 calibration=Calibration(seconds_per_token=0, collective_seconds=0))  # fmt: skip
+    model = res.counts["collectives"] - res.counts["migration"]
+    model[1:] += res.counts["migration"][:-1]
+    assert res.counts["migration"].sum() > 0
+    assert meta.model_extra is not None
+    assert model[1:].tolist() == meta.model_extra["collectives"][1:]
