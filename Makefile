@@ -92,7 +92,7 @@ bench-balance: setup ## balancing: quota solve ms at 8/16/64 ranks, replica econ
 results: setup ## docs/results.md: simulator sweeps (bandwidth, DC count), 1,000-DC run, growth with DCs (~20 min)
 	$(PY) bench/results.py
 
-bench-runtime: setup ## runtime (SPMD plane over gloo): Ray overhead vs the old plane, every policy vs static at 2-3 DCs x 1 Gbit/s-20 Mbit/s vs the step model, tokens/s
+bench-runtime: setup ## runtime (SPMD plane over gloo): Ray overhead (old plane: recorded), every policy vs static at 2-3 DCs x 1 Gbit/s-20 Mbit/s vs sim replay of each row's trace, tokens/s
 	@mkdir -p $(OUT)
 	$(PY) bench/bench_runtime.py --json $(OUT)/bench-runtime.json
 

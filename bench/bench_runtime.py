@@ -1,7 +1,8 @@
 """Runtime benchmark (issues 4 and 11): the demo model training on the SPMD data plane
 (``SpmdRuntime``: one worker actor per rank runs its own loop over gloo; the driver
 submits one call per worker per ``train``) across 2 and 3 shaped DCs, beside the old
-Ray-rounds plane's driver overhead measured in the same run.
+Ray-rounds plane's driver overhead as last measured (``oldplane_record.json``: the old
+plane is gone; the record names the commit and command that measured it).
 
 Setting: the demo's model and batch (``LMConfig()``: 2 MoE layers of 12 experts, top-2,
 hidden 32, 16 x 64 tokens per rank per step) on ``D`` DCs x 2 ranks, each DC able to hold
@@ -14,22 +15,27 @@ every row is a fresh runtime on it (new workers, initial weights, same seed).
 1. **Overhead**: per step, the workers' time submitting their fire-and-forget report
    (``ray_seconds``, the only Ray call on the data path) and all time outside forward,
    backward and gradient sync (``seconds - step_seconds``: plan switch with migration,
-   report), as fractions of the end-to-end step (``seconds``); beside them the old
-   plane's Ray-round share (``oldplane.py``: rounds x calibrated cost per round over its
-   median step), static at 1 Gbit/s, same cluster, same run.
+   report), as fractions of the end-to-end step (``seconds``), and the driver's wall and
+   CPU around ``train()`` beyond the steps'; beside them the old plane's figures, static
+   at 1 Gbit/s, from ``oldplane_record.json`` (not re-run).
 2. **Policies**: ``--steps`` steps per row, plans after step 0 and every ``--every``
    steps; medians of ``seconds`` (end to end: everything included) over the steps after
    the first (fresh workers); "vs static" is static's median of the same group over the
    row's. ``hybrid-bf16``: replica weights and gradients travel in bfloat16.
-3. **Prediction**: ``planner.stepmodel.spmd_step_cost`` per step: ``a * tokens + c *
-   collectives + crossing collectives * latency + busiest pair's bytes / bandwidth``,
-   from the collectives the step's plan issues, its bytes between DCs as the workers
-   counted them, and ``a``, ``c`` calibrated per DC count on static over free links
-   (1e4 Gbit/s, 0 ms) at the full batch and a quarter of it. Median predicted vs median
-   measured.
+3. **Prediction**: ``expertmesh sim replay`` of the trace.npz and plans.npz every row's
+   runtime wrote (``--trace-dir``/``<D>dc-<speed>-<policy>/``) with the constants of
+   ``--trace-dir``/``cal-<D>dc.yaml``: ``planner.stepmodel.spmd_step_cost`` per step,
+   ``a * tokens + c * collectives + crossing collectives * latency + busiest pair's
+   bytes / bandwidth``, the collectives from the plan each step ran on, its bytes between
+   DCs as the workers counted them, ``a`` and ``c`` calibrated per DC count on static
+   over free links (1e4 Gbit/s, 0 ms) at the full batch and a quarter of it. Median
+   predicted vs median measured; beside it the workers' own counts (collectives, seconds
+   waiting in the link shaper) against the model's.
 4. Tokens per second per worker: tokens a rank trains per step over the median step.
 
     make bench-runtime      # or: python bench/bench_runtime.py [--quick] [--json out.json]
+    expertmesh sim replay --trace out/bench-runtime/2dc-1gbps-hybrid/trace.npz \
+        --plan out/bench-runtime/2dc-1gbps-hybrid/plans.npz --calibration out/bench-runtime/cal-2dc.yaml
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ from spmdbench import (  # noqa: E402
     SharedCluster,
     SpmdRun,
     calibrate,
-    predict,
+    replay_run,
     run_spmd,
     tokens_per_rank,
 )
@@ -67,6 +73,7 @@ from expertmesh.workers.model import LMConfig  # noqa: E402
 POLICIES = ("static", "eplb", "quota", "hybrid", "hybrid-bf16")
 BF16 = {"weight_bytes": 2, "grad_bytes": 2}
 FREE_GBPS, LATENCY_MS = 1e4, 20.0
+OLD_PLANE = Path(__file__).with_name("oldplane_record.json")  # the removed plane's last figures
 
 
 def topology(dcs: int, gbps: float, latency_ms: float, experts: int) -> Topology:
@@ -104,18 +111,25 @@ def fmt_gbps(g: float) -> str:
     return f"{g:g} Gbit/s" if g >= 1 else f"{g * 1000:g} Mbit/s"
 
 
-def row(run: SpmdRun, pred: list[float], static: SpmdRun | None) -> dict[str, Any]:
-    """Medians over the measured steps (the first left out), prediction beside them."""
+def row(run: SpmdRun, cal: Calibration, static: SpmdRun | None) -> dict[str, Any]:
+    """Medians over the measured steps (the first left out), the replay's prediction and
+    the workers' own counts beside them."""
     steps = run.measured()
     med = run.median("seconds")
-    p = statistics.median(pred[1:])
+    rep = replay_run(run, cal.constants())
+    extra = rep_meta(run)
     out: dict[str, Any] = {
         "policy": run.settings.policy
         + ("-bf16" if "encoding" in run.settings.policy_settings else ""),
         "median_seconds": med,
         "median_step_seconds": run.median("step_seconds"),
-        "predicted_seconds": p,
-        "predicted_over_measured": p / med,
+        "predicted_seconds": rep.predicted_median,
+        "predicted_over_measured": rep.predicted_median / med,
+        "predicted_parts": {k: statistics.median(v[1:].tolist()) for k, v in rep.parts.items()},
+        "model_collectives": statistics.median(rep.counts["collectives"][1:].tolist()),
+        "model_crossing": statistics.median(rep.counts["crossing"][1:].tolist()),
+        "measured_collectives": statistics.median(extra["collectives"][1:]),
+        "measured_shaped_seconds": statistics.median(extra["shaped_seconds"][1:]),
         "ray_fraction": statistics.median((s.ray_seconds or 0.0) / s.seconds for s in steps),  # type: ignore[operator]
         "outside_fraction": statistics.median(
             (s.seconds - s.step_seconds) / s.seconds  # type: ignore[operator]
@@ -133,10 +147,11 @@ def row(run: SpmdRun, pred: list[float], static: SpmdRun | None) -> dict[str, An
         "plan_versions": sorted({s.plan_version for s in run.steps}),
         "backend": run.steps[-1].backend,
         "start_seconds": run.start_seconds,
+        "trace_dir": str(run.trace_dir),
         "seconds": [s.seconds for s in run.steps],
         "step_seconds": [s.step_seconds for s in run.steps],
         "ray_seconds": [s.ray_seconds for s in run.steps],
-        "predicted": pred,
+        "predicted": rep.predicted.tolist(),
         "losses": [s.loss for s in run.steps],
         "errors": [s.error for s in run.steps if s.error],
     }
@@ -148,12 +163,23 @@ def row(run: SpmdRun, pred: list[float], static: SpmdRun | None) -> dict[str, An
     return out
 
 
+def rep_meta(run: SpmdRun) -> dict[str, Any]:
+    """The trace's meta: what the workers counted per step."""
+    from expertmesh.formats import read_trace
+
+    return dict(read_trace(run.trace_dir / "trace.npz").meta)
+
+
+def _speed(gbps: float) -> str:
+    return f"{gbps:g}gbps" if gbps >= 1 else f"{gbps * 1000:g}mbps"
+
+
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     lm = LMConfig(batch=args.batch)
     small = LMConfig(batch=max(args.batch // 4, 1))
     have = set(available_policies())
-    labels = [p for p in args.policies if p.removesuffix("-bf16") in have]
-    out: dict[str, Any] = {"groups": [], "calibrations": [], "old_plane": []}
+    out: dict[str, Any] = {"groups": [], "calibrations": [], "old_plane": old_plane()}
+    root: Path = args.trace_dir
     with SharedCluster(max(args.dcs)) as cluster:
         print(f"cluster up in {cluster.start_seconds:.1f}s", flush=True)
         for dcs in args.dcs:
@@ -163,24 +189,34 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             full_run = run_spmd(settings(free, lm, "static", args), args.calib_steps)
             small_run = run_spmd(settings(free, small, "static", args), args.calib_steps)
             cal = calibrate(full_run, small_run)
+            cal.write(root / f"cal-{dcs}dc.yaml")
             out["calibrations"].append({"dcs": dcs, **cal.__dict__, "load": os.getloadavg()[0]})
             print(
                 f"{dcs} DCs calibration (static, free links): median step {cal.full_median:.3f}s "
                 f"at batch {lm.batch}, {cal.small_median:.3f}s at {small.batch} -> a = "
                 f"{cal.seconds_per_token * 1e6:.1f} us/token, c = "
                 f"{cal.collective_seconds * 1e3:.2f} ms x {cal.collectives} collectives "
-                f"(load {os.getloadavg()[0]:.1f})",
+                f"(load {os.getloadavg()[0]:.1f}); {root / f'cal-{dcs}dc.yaml'}",
                 flush=True,
             )
+            policies = args.policies_3dc if dcs >= 3 and args.policies_3dc else args.policies
+            labels = [p for p in policies if p.removesuffix("-bf16") in have]
             for gbps in args.gbps:
-                group = _group(dcs, gbps, lm, labels, args, cal)
-                out["groups"].append(group)
+                out["groups"].append(_group(dcs, gbps, lm, labels, args, cal))
                 _save(out, args)  # what is measured so far, should the run be cut short
-                if gbps == args.gbps[0] and not args.no_old:
-                    link = topology(dcs, gbps, args.latency_ms, lm.num_experts)
-                    out["old_plane"].append(_old(dcs, free, link, lm, args))
-                    _save(out, args)
     return out
+
+
+def old_plane() -> list[dict[str, Any]]:
+    """The removed Ray-rounds plane's last measured overhead (not re-run)."""
+    rec = json.loads(OLD_PLANE.read_text())
+    print(
+        f"old plane (Ray rounds): removed from the code; its rows come from {OLD_PLANE.name} "
+        f"(measured at {rec['commit'][:7]}, {rec['started_utc']} UTC), not re-run; reproduce: "
+        f"{rec['command']}",
+        flush=True,
+    )
+    return [{**o, "commit": rec["commit"]} for o in rec["old_plane"]]
 
 
 def _save(out: dict[str, Any], args: argparse.Namespace) -> None:
@@ -200,40 +236,16 @@ def _group(
     topo = topology(dcs, gbps, args.latency_ms, lm.num_experts)
     runs: dict[str, SpmdRun] = {}
     for label in labels:
-        runs[label] = run_spmd(settings(topo, lm, label, args), args.steps)
+        where = args.trace_dir / f"{dcs}dc-{_speed(gbps)}-{label}"
+        runs[label] = run_spmd(settings(topo, lm, label, args), args.steps, where)
     static = runs.get("static")
     rows = []
     for label, run in runs.items():
-        r = row(run, predict(run, cal), static)
+        r = row(run, cal, static)
         r["policy"] = label
         rows.append(r)
         print(f"  {dcs} DCs {fmt_gbps(gbps):>11} {_line(r)}", flush=True)
     return {"dcs": dcs, "gbps": gbps, "rows": rows, "load": os.getloadavg()[0]}
-
-
-def _old(
-    dcs: int, free: Topology, link: Topology, lm: LMConfig, args: argparse.Namespace
-) -> dict[str, Any]:
-    from oldplane import overhead
-
-    base = settings(free, lm, "static", args)
-    res = overhead(
-        base,
-        base.model_copy(update={"topology": link.to_dict()}),
-        calib_steps=args.calib_steps,
-        steps=args.steps,
-    )
-    res["dcs"] = dcs
-    print(
-        f"  {dcs} DCs old plane (Ray rounds), static {fmt_gbps(link.inter_dc.gbps)}: median step "
-        f"{res['median_seconds']:.3f}s end to end; modeled {res['rounds_per_step']:g} rounds x "
-        f"{res['round_seconds'] * 1e3:.1f} ms = {res['ray_fraction']:.0%} of the rounds; "
-        f"measured no-op round {res['noop_round_seconds'] * 1e3:.1f} ms x rounds + controller "
-        f"call {res['control_seconds'] * 1e3:.1f} ms = {res['measured_overhead_fraction']:.0%}; "
-        f"driver CPU {res['driver_cpu_fraction']:.0%} of the wall",
-        flush=True,
-    )
-    return res
 
 
 def _line(r: dict[str, Any]) -> str:
@@ -243,7 +255,10 @@ def _line(r: dict[str, Any]) -> str:
         f"{r['predicted_seconds']:.3f}s ({r['predicted_over_measured']:.2f}); Ray "
         f"{r['ray_fraction']:.1%}, outside training {r['outside_fraction']:.1%}, driver "
         f"{r['driver_fraction']:.1%} (CPU {r['driver_cpu_fraction']:.1%}); "
-        f"{r['tokens_per_second_per_worker']:.0f} tok/s/worker"
+        f"{r['tokens_per_second_per_worker']:.0f} tok/s/worker; collectives "
+        f"{r['measured_collectives']:g} (model {r['model_collectives']:g}), shaper waits "
+        f"{r['measured_shaped_seconds']:.3f}s (model latency + transfer "
+        f"{r['predicted_parts']['latency'] + r['predicted_parts']['transfer']:.3f}s)"
     )
 
 
@@ -268,6 +283,7 @@ def markdown(result: dict[str, Any]) -> str:
                 f"| {r['weight_mb_per_step']:.2f} | {r['migration_mb_per_run']:.2f} "
                 f"| {r.get('loss_rel_diff_vs_static', 0.0):.1e} |"
             )
+    lines += _replay_table(result)
     lines += _overhead_table(result)
     lines += ["", "Calibration (static, free links, same run):", ""]
     lines += [
@@ -280,6 +296,31 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _replay_table(result: dict[str, Any]) -> list[str]:
+    """Each row's replay: the model's parts and counts beside what the workers counted."""
+    lines = [
+        "",
+        "Replay (`expertmesh sim replay` of each row's trace; medians over the measured steps):",
+        "",
+        "| DCs | inter-DC | policy | measured s | predicted s | pred / meas | compute s "
+        "| collectives s | latency s | transfer s | collectives (model / workers) "
+        "| crossing (model) | shaper waits s (workers) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for g in result["groups"]:
+        for r in g["rows"]:
+            q = r["predicted_parts"]
+            lines.append(
+                f"| {g['dcs']} | {fmt_gbps(g['gbps'])} | {r['policy']} | {r['median_seconds']:.3f} "
+                f"| {r['predicted_seconds']:.3f} | {r['predicted_over_measured']:.2f} "
+                f"| {q['compute']:.3f} | {q['software']:.3f} | {q['latency']:.3f} "
+                f"| {q['transfer']:.3f} | {r['model_collectives']:g} / "
+                f"{r['measured_collectives']:g} | {r['model_crossing']:g} "
+                f"| {r['measured_shaped_seconds']:.3f} |"
+            )
+    return lines
+
+
 def _overhead_table(result: dict[str, Any]) -> list[str]:
     """Driver and Ray overhead per step, the SPMD plane beside the old one (static)."""
     if not result["groups"]:
@@ -287,7 +328,8 @@ def _overhead_table(result: dict[str, Any]) -> list[str]:
     first = result["groups"][0]["gbps"]
     lines = [
         "",
-        f"Driver and Ray overhead per step, static at {fmt_gbps(first)}, same run:",
+        f"Driver and Ray overhead per step, static at {fmt_gbps(first)} (the old plane: "
+        "recorded, not re-run; oldplane_record.json names its commit and command):",
         "",
         "| plane | DCs | median s/step (end to end) | Ray + driver % of step (measured) "
         "| driver CPU % of wall | Ray rounds/step | modeled Ray rounds % |",
@@ -304,7 +346,7 @@ def _overhead_table(result: dict[str, Any]) -> list[str]:
         )
     for o in result["old_plane"]:
         lines.append(
-            f"| old (Ray rounds) | {o['dcs']} | {o['median_seconds']:.3f} "
+            f"| old (Ray rounds, at {o['commit'][:7]}) | {o['dcs']} | {o['median_seconds']:.3f} "
             f"| {100 * o['measured_overhead_fraction']:.1f} "
             f"| {100 * o['driver_cpu_fraction']:.1f} | {o['rounds_per_step']:g} "
             f"| {100 * o['ray_fraction']:.0f} |"
@@ -328,7 +370,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calib-steps", type=int, default=5, help="steps of each calibration run")
     p.add_argument("--batch", type=int, default=LMConfig().batch, help="sequences per rank")
     p.add_argument("--corpus-bytes", type=int, default=300_000)
-    p.add_argument("--no-old", action="store_true", help="skip the old plane's overhead")
+    p.add_argument(
+        "--policies-3dc", default="", help="policies at 3 DCs and more (default: --policies)"
+    )
+    p.add_argument(
+        "--trace-dir",
+        type=Path,
+        default=REPO / "out" / "bench-runtime",
+        help="each row's trace.npz and plans.npz (<D>dc-<speed>-<policy>/) and cal-<D>dc.yaml",
+    )
     p.add_argument(
         "--quick", action="store_true", help="smoke run: 2 DCs, 20 Mbit/s, static + hybrid"
     )
@@ -337,9 +387,10 @@ def main(argv: list[str] | None = None) -> int:
     args.dcs = [int(x) for x in args.dcs.split(",")]
     args.gbps = [float(x) for x in args.gbps.split(",")]
     args.policies = [x for x in args.policies.split(",") if x]
+    args.policies_3dc = [x for x in args.policies_3dc.split(",") if x]
     if args.quick:
         args.dcs, args.gbps, args.policies = [2], [0.02], ["static", "hybrid"]
-        args.steps, args.calib_steps, args.batch, args.no_old = 4, 3, 4, True
+        args.steps, args.calib_steps, args.batch = 4, 3, 4
     if args.steps < 3 or args.calib_steps < 3:
         p.error("--steps and --calib-steps must be >= 3 (the first step is not measured)")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")

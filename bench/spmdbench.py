@@ -3,43 +3,38 @@
 - :class:`SharedCluster`: one local Ray cluster (a node labeled ``dc=<name>`` per DC of ``Topology.generate``) that
   every runtime of a benchmark joins in turn, so a row costs its workers' start, not a
   whole cluster's (~45 s here). The runtimes still start it themselves as far as they
-  know: the cluster class their modules use is swapped for a handle whose ``shutdown``
+  know: the cluster class their module uses is swapped for a handle whose ``shutdown``
   leaves it up, so the link shaper stays on (it is off when a runtime joins an address).
-- :func:`run_spmd`: one ``SpmdRuntime`` run: its :class:`StepResult` rows, and every plan
-  version it committed (read from the controller's plan store, for the cost model).
-- :func:`calibrate` and :func:`predict`: the SPMD step model
-  (``planner.stepmodel.spmd_step_cost``) on a run's steps: the collectives each step
-  issued (from the plan it ran on), its bytes between DCs as the workers counted them,
-  and two machine constants from static EP on free links at two batch sizes.
+- :func:`run_spmd`: one ``SpmdRuntime`` run: its :class:`StepResult` rows, and the
+  ``trace.npz`` and ``plans.npz`` it wrote (``expertmesh.runtime.trace``).
+- :func:`calibrate` and :func:`predict`: the SPMD step model on a run, as ``expertmesh sim
+  replay`` computes it from the run's trace and plans (``expertmesh.sim.replay``), with
+  two machine constants from static EP on free links at two batch sizes.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import ray
+import yaml
 from ray.cluster_utils import Cluster
 
-from expertmesh.controller.core import PlanVersion
-from expertmesh.controller.store import SqlitePlanStore
-from expertmesh.planner import Placement, Topology
-from expertmesh.planner.static import static_placement
-from expertmesh.planner.stepmodel import SpmdCollectives, spmd_step_cost, sync_hops
-from expertmesh.runtime import cluster as old_cluster_module
+from expertmesh.formats import read_plan, read_trace
+from expertmesh.planner import Topology
 from expertmesh.runtime import spmd as spmd_module
 from expertmesh.runtime.settings import RuntimeSettings, StepResult, source_roots
 from expertmesh.runtime.spmd import SpmdRuntime
-from expertmesh.workers.engine import migration_rounds
-from expertmesh.workers.layer import LayerPlan
+from expertmesh.sim.replay import Calibration as Constants
+from expertmesh.sim.replay import Replay, RuntimeMeta, replay
 
-INLINE_BYTES = 4 << 20  # the old plane's packets travel inline up to this (its default)
+INLINE_BYTES = 4 << 20  # objects travel inline up to this (Ray's setting, as the runtime's)
 
 
 class _Handle:
@@ -86,9 +81,8 @@ class SharedCluster:
         self.cluster.wait_for_nodes()
         self.start_seconds = time.perf_counter() - t0
         handle = _Handle(self.cluster)
-        for mod in (spmd_module, old_cluster_module):
-            self._saved.append((mod, mod.Cluster))
-            mod.Cluster = lambda *_, **__: handle  # type: ignore[attr-defined]
+        self._saved.append((spmd_module, spmd_module.Cluster))
+        spmd_module.Cluster = lambda *_, **__: handle  # type: ignore[assignment,misc]
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -104,11 +98,11 @@ class SharedCluster:
 
 @dataclasses.dataclass
 class SpmdRun:
-    """One runtime's training: its steps and the plans they ran on."""
+    """One runtime's training: its steps and where it wrote what it trained on."""
 
     settings: RuntimeSettings
     steps: list[StepResult]
-    plans: dict[int, PlanVersion]  # version -> plan (committed ones)
+    trace_dir: Path  # trace.npz, plans.npz
     start_seconds: float  # workers and controller up, process groups formed
     train_seconds: float  # the driver's wall time around train()
     driver_cpu_seconds: float = 0.0  # the driver process's CPU time during train()
@@ -121,11 +115,16 @@ class SpmdRun:
         return statistics.median(float(getattr(s, field) or 0.0) for s in self.measured(skip))
 
 
-def run_spmd(settings: RuntimeSettings, steps: int, attempts: int = 3) -> SpmdRun:
-    """Train ``steps`` steps on a fresh :class:`SpmdRuntime` (on the shared cluster)."""
+def run_spmd(
+    settings: RuntimeSettings, steps: int, trace_dir: Path | None = None, attempts: int = 3
+) -> SpmdRun:
+    """Train ``steps`` steps on a fresh :class:`SpmdRuntime` (on the shared cluster); its
+    trace goes to ``trace_dir`` (None: a new temporary directory)."""
+    where = trace_dir or Path(tempfile.mkdtemp(prefix="expertmesh-trace-"))
+    settings = settings.model_copy(update={"trace_dir": str(where)})
     for attempt in range(attempts):
         try:
-            return _run_once(settings, steps)
+            return _run_once(settings, steps, where)
         except ValueError as err:  # the last runtime's named actors are still going away
             if "already" not in str(err) or attempt == attempts - 1:
                 raise
@@ -133,24 +132,16 @@ def run_spmd(settings: RuntimeSettings, steps: int, attempts: int = 3) -> SpmdRu
     raise AssertionError("unreachable")
 
 
-def _run_once(settings: RuntimeSettings, steps: int) -> SpmdRun:
+def _run_once(settings: RuntimeSettings, steps: int, where: Path) -> SpmdRun:
     t0 = time.perf_counter()
     with SpmdRuntime(settings) as rt:
         t1, c1 = time.perf_counter(), time.process_time()
         rows = rt.train(steps)
         t2, c2 = time.perf_counter(), time.process_time()
-        plans: dict[int, PlanVersion] = {}
-        tmp = rt._tmp  # the controller's plan store lives in the runtime's temp dir
-        if tmp is not None:
-            with contextlib.closing(SqlitePlanStore(Path(tmp) / "plans.sqlite")) as store:
-                for v in sorted({r.plan_version for r in rows} - {0}):
-                    pv = store.get(v)
-                    if pv is not None:
-                        plans[v] = pv
-    return SpmdRun(settings, rows, plans, t1 - t0, t2 - t1, c2 - c1)
+    return SpmdRun(settings, rows, where, t1 - t0, t2 - t1, c2 - c1)
 
 
-# ---- the cost model of a run's steps (planner.stepmodel.spmd_step_cost) ----
+# ---- the cost model of a run's steps (expertmesh.sim.replay) ----
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,64 +153,33 @@ class Calibration:
     full_median: float  # measured median step, full batch
     small_median: float  # measured median step, the smaller batch
     collectives: int  # collectives of one static step
+    ranks: int  # of the runs it was measured on
 
-
-def _placements(run: SpmdRun, version: int) -> tuple[list[Placement], list[np.ndarray]]:
-    topo, lm = Topology.from_dict(run.settings.topology), run.settings.lm
-    if version == 0 or version not in run.plans:
-        p = static_placement(
-            topo.num_ranks, topo.slots_per_rank, lm.num_experts, topo.masters_per_rank
+    def constants(self) -> Constants:
+        return Constants(
+            seconds_per_token=self.seconds_per_token,
+            collective_seconds=self.collective_seconds,
+            ranks=self.ranks,
         )
-        return [p] * lm.num_layers, [np.zeros((0, 4), np.int64)] * lm.num_layers
-    layers = run.plans[version].layers
-    return [lp.placement for lp in layers], [np.asarray(lp.route) for lp in layers]
+
+    def write(self, path: Path) -> None:
+        """The constants as ``expertmesh sim replay --calibration`` reads them."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(self.constants().model_dump()))
 
 
-def step_collectives(run: SpmdRun, i: int) -> SpmdCollectives:
-    """The collectives step ``i`` of ``run`` issued (from its plan, the next step's plan
-    for a switch, and whether the fast loop fetched replicas)."""
-    topo, s = Topology.from_dict(run.settings.topology), run.settings
-    step = run.steps[i]
-    placements, routes = _placements(run, step.plan_version)
-    rank_dc = np.asarray(topo.rank_dc)
-    cross = [LayerPlan(p, r).crosses(rank_dc) for p, r in zip(placements, routes, strict=True)]
-    fetch = [step.fanout_bytes > 0] * len(cross)  # per step, not per layer: an upper bound
-    migration = migration_cross = 0
-    nxt = run.steps[i + 1].plan_version if i + 1 < len(run.steps) else step.plan_version
-    if nxt != step.plan_version and nxt in run.plans:
-        new = run.plans[nxt].layers
-        rounds = migration_rounds(
-            placements, [lp.placement for lp in new], [lp.migration for lp in new], topo
-        )
-        for rnd in rounds:
-            for kind in ("w", "opt"):
-                part = [t for t in rnd if t[4] == kind]
-                if part:
-                    migration += 1
-                    migration_cross += any(rank_dc[t[2]] != rank_dc[t[3]] for t in part)
-    return SpmdCollectives.of(
-        cross,
-        microbatches=s.lm.microbatches,
-        num_dcs=topo.num_dcs,
-        balance=s.balance,
-        fetch=fetch,
-        hops=sync_hops(placements, topo),
-        migration=migration,
-        migration_cross=migration_cross,
-    )
-
-
-def step_bytes(run: SpmdRun, i: int) -> np.ndarray:
-    """[D, D] bytes step ``i`` sent between DCs: its tokens and weights, and the migration
-    of the plan switch at its end (which the workers count in the next step's report)."""
-    by = np.asarray(run.steps[i].bytes_by_pair, dtype=np.float64)  # [3, D, D]
-    mig = (
-        np.asarray(run.steps[i + 1].bytes_by_pair, dtype=np.float64)[2]
-        if i + 1 < len(run.steps)
-        else np.zeros_like(by[2])
-    )
-    out: np.ndarray = by[0] + by[1] + mig
-    return out
+def replay_run(run: SpmdRun, constants: Constants, skip: int = 1) -> Replay:
+    """``expertmesh sim replay`` of ``run``'s trace.npz and plans.npz."""
+    trace = read_trace(run.trace_dir / "trace.npz")
+    plan = read_plan(run.trace_dir / "plans.npz")
+    if trace.load.shape[0] != len(run.steps):
+        raise ValueError(f"{run.trace_dir}: {trace.load.shape[0]} steps, the run {len(run.steps)}")
+    assert plan.master is not None
+    mig = {int(v): c for v, c in plan.meta["migration_collectives"].items()}
+    return replay(
+        trace.load, RuntimeMeta(**trace.meta), plan.phy2log, plan.master, plan.route,
+        migration=mig, calibration=constants, skip=skip,
+    )  # fmt: skip
 
 
 def tokens_per_rank(settings: RuntimeSettings) -> int:
@@ -228,39 +188,24 @@ def tokens_per_rank(settings: RuntimeSettings) -> int:
 
 def predict(run: SpmdRun, cal: Calibration) -> list[float]:
     """Modeled seconds of every step of ``run``."""
-    topo = Topology.from_dict(run.settings.topology)
-    return [
-        spmd_step_cost(
-            topo,
-            step_collectives(run, i),
-            step_bytes(run, i),
-            tokens_per_rank=tokens_per_rank(run.settings),
-            seconds_per_token=cal.seconds_per_token,
-            collective_seconds=cal.collective_seconds,
-        ).seconds
-        for i in range(len(run.steps))
-    ]
+    return [float(x) for x in replay_run(run, cal.constants()).predicted]
 
 
 def calibrate(full: SpmdRun, small: SpmdRun, skip: int = 1) -> Calibration:
     """``a`` and ``c`` from two static runs on free links that differ only in batch size:
     ``T = a * tokens + c * collectives + links`` at both sizes (same collectives)."""
-    topo = Topology.from_dict(full.settings.topology)
+    ranks = Topology.from_dict(full.settings.topology).num_ranks
+    zero = Constants(seconds_per_token=0.0, collective_seconds=0.0, ranks=ranks)
 
     def residual(run: SpmdRun) -> tuple[float, int]:
-        links = [
-            spmd_step_cost(
-                topo, step_collectives(run, i), step_bytes(run, i), tokens_per_rank=0,
-                seconds_per_token=0.0, collective_seconds=0.0,
-            ).seconds
-            for i in range(skip, len(run.steps))
-        ]  # fmt: skip
-        n = statistics.median(step_collectives(run, i).total for i in range(skip, len(run.steps)))
-        return run.median("seconds", skip) - statistics.median(links), int(n)
+        res = replay_run(run, zero, skip)  # latency and transfer only
+        links = statistics.median(res.predicted[skip:])
+        n = statistics.median(res.counts["collectives"][skip:].tolist())
+        return run.median("seconds", skip) - links, int(n)
 
     tf, n = residual(full)
     ts, _ = residual(small)
     dt = tokens_per_rank(full.settings) - tokens_per_rank(small.settings)
     a = max((tf - ts) / dt, 0.0)
     c = max((tf - a * tokens_per_rank(full.settings)) / n, 0.0)
-    return Calibration(a, c, full.median("seconds", skip), small.median("seconds", skip), n)
+    return Calibration(a, c, full.median("seconds", skip), small.median("seconds", skip), n, ranks)

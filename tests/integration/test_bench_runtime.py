@@ -13,9 +13,9 @@ import pytest
 pytestmark = pytest.mark.integration
 
 
-def _run(repo, tmp_path, script: str) -> dict:
+def _run(repo, tmp_path, script: str, *extra: str) -> dict:
     out = tmp_path / f"{script}.json"
-    cmd = [sys.executable, str(repo / "bench" / script), "--quick", "--json", str(out)]
+    cmd = [sys.executable, str(repo / "bench" / script), "--quick", "--json", str(out), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result: dict = json.loads(out.read_text())
@@ -24,8 +24,9 @@ def _run(repo, tmp_path, script: str) -> dict:
     return result
 
 
-def test_bench_runtime_quick(repo, tmp_path):
-    result = _run(repo, tmp_path, "bench_runtime.py")
+def test_bench_runtime_quick(repo, tmp_path, capsys):
+    traces = tmp_path / "traces"
+    result = _run(repo, tmp_path, "bench_runtime.py", "--trace-dir", str(traces))
     (group,) = result["groups"]
     rows = {r["policy"]: r for r in group["rows"]}
     assert set(rows) == {"static", "hybrid"} and group["gbps"] == 0.02
@@ -45,6 +46,22 @@ def test_bench_runtime_quick(repo, tmp_path):
         assert all(p > 0 for p in r["predicted"])
     (cal,) = result["calibrations"]
     assert cal["collectives"] > 0 and cal["full_median"] > 0 and cal["small_median"] > 0
+    # each row's prediction is `expertmesh sim replay` of the trace its runtime wrote
+    from expertmesh.cli.main import main
+
+    row = traces / "2dc-20mbps-hybrid"
+    assert rows["hybrid"]["trace_dir"] == str(row)
+    args = ["sim", "replay", "--trace", str(row / "trace.npz"), "--plan", str(row / "plans.npz"),
+            "--calibration", str(traces / "cal-2dc.yaml")]  # fmt: skip
+    capsys.readouterr()
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert f"predicted median step {rows['hybrid']['predicted_seconds']:.4g} s" in out
+    assert f"measured {rows['hybrid']['median_seconds']:.4g} s" in out
+    # the removed old plane: its recorded rows, named as such, not a re-run
+    assert {o["dcs"] for o in result["old_plane"]} == {2, 3}
+    assert all(len(o["commit"]) == 40 for o in result["old_plane"])
+    assert "not re-run" in result["markdown"]
 
 
 def test_bench_balance_train_quick(repo, tmp_path):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from expertmesh.cli.main import main
@@ -18,12 +19,31 @@ from expertmesh.planner import Topology
 from expertmesh.runtime.settings import RuntimeSettings, StepResult
 from expertmesh.runtime.spmd import SpmdRuntime
 from expertmesh.sim.replay import Calibration, RuntimeMeta, replay
-from expertmesh.workers.model import LMConfig
+from expertmesh.workers.model import Corpus, LMConfig
+from expertmesh.workers.reference import ReferenceLM
 
 pytestmark = pytest.mark.integration
 
 LM = LMConfig(num_layers=2, num_experts=8, top_k=2, hidden=16, ffn_hidden=16, batch=4, seq_len=32)
 STEPS = 6
+
+
+def _reference_counts(ranks: int) -> np.ndarray:
+    """[L, R, E] the gate's counts of step 0 (initial weights) on every rank's batch, from
+    the single-process reference model (which the SPMD plane equals)."""
+    ref, corpus = ReferenceLM(LM), Corpus.load(None, 200_000)
+    out = np.zeros((LM.num_layers, ranks, LM.num_experts), np.int64)
+    with torch.no_grad():
+        for r in range(ranks):
+            x, _ = corpus.batch(LM, 0, r)
+            h = ref.dense.embed(x)
+            for layer in range(LM.num_layers):
+                a, u = ref.dense.mix(layer, h)
+                u = u.reshape(-1, u.shape[-1])
+                idx = (u @ ref.dense.gates[layer].weight.T).topk(LM.top_k, dim=-1).indices
+                out[layer, r] = np.bincount(idx.reshape(-1).numpy(), minlength=LM.num_experts)
+                h = a + ref.moe(layer, u).reshape(a.shape)
+    return out
 
 
 def test_the_runtime_writes_its_trace_and_plans_and_replay_reads_them(
@@ -55,6 +75,7 @@ def test_the_runtime_writes_its_trace_and_plans_and_replay_reads_them(
     assert meta.topology == topo.to_dict() and meta.policy == "hybrid" and not meta.balance
     versions = meta.plan_versions
     assert versions[0] == 0 and versions[-1] > 0  # static first, a plan of hybrid's later
+    np.testing.assert_array_equal(trace.load[0], _reference_counts(topo.num_ranks))
     # under static every rank computes what the gate sent to its masters (rank r holds
     # experts 2r and 2r + 1): the load as the controller saw it, rank by rank
     for t in (i for i, v in enumerate(versions) if v == 0):

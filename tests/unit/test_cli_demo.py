@@ -56,3 +56,9 @@ def test_step_deadline_flag() -> None:
     assert _settings("--step-deadline", "12.5").step_deadline_s == 12.5
     with pytest.raises(ValueError, match="step-deadline"):
         _settings("--step-deadline", "-1")
+
+
+def test_the_trace_goes_beside_the_json(tmp_path) -> None:
+    assert _settings().trace_dir is None
+    s = _settings("--json", str(tmp_path / "run" / "demo.json"))
+    assert s.trace_dir == str(tmp_path / "run")
