@@ -1,16 +1,20 @@
-"""The demo's runtime serves the control plane from its controller actor, fed every step."""
+"""The demo's runtime (the SPMD plane) serves the control plane from its controller actor,
+fed every step."""
 
 from __future__ import annotations
 
 import httpx
 import numpy as np
+import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from expertmesh.controller.core import Trigger
 from expertmesh.controller.settings import SurfaceSettings
 from expertmesh.planner import Topology
-from expertmesh.runtime.cluster import Runtime, RuntimeSettings
+from expertmesh.runtime.cluster import Runtime  # the restart test: until the SPMD port lands
+from expertmesh.runtime.settings import RuntimeSettings
+from expertmesh.runtime.spmd import SpmdRuntime
 from expertmesh.workers.model import LMConfig
 
 LM = LMConfig(num_layers=2, num_experts=8, top_k=2, hidden=16, ffn_hidden=16, batch=4, seq_len=32)
@@ -41,10 +45,10 @@ def _settings() -> RuntimeSettings:
 def test_rest_and_metrics_serve_the_runtimes_data() -> None:
     settings = _settings()
     topo = Topology.from_dict(settings.topology)
-    with Runtime(settings) as rt:
+    with SpmdRuntime(settings) as rt:
         assert rt.surfaces is not None
         url = rt.surfaces["rest_url"]
-        steps = [rt.run_step() for _ in range(STEPS)]
+        steps = rt.train(STEPS)
         status = rt.status()
         with httpx.Client(base_url=url, timeout=10) as http:
             latest = http.get("/api/v1/plans/latest")
@@ -54,12 +58,12 @@ def test_rest_and_metrics_serve_the_runtimes_data() -> None:
     assert health.status_code == 200
     assert latest.status_code == 200, latest.text
     plan = latest.json()
-    assert plan["version"] == status["version"] == steps[-1].plan_version + 1
+    assert plan["version"] == status["version"] >= steps[-1].plan_version
     assert plan["policy"] == "static" and len(plan["layers"]) == LM.num_layers
 
     m = _samples(metrics.text)
     assert m[("expertmesh_step_seconds_count", ())] == STEPS
-    assert m[("expertmesh_step_seconds_sum", ())] == sum(s.step_seconds for s in steps)
+    assert m[("expertmesh_step_seconds_sum", ())] == pytest.approx(sum(s.seconds for s in steps))
     assert m[("expertmesh_step_loss", ())] == steps[-1].loss
     assert m[("expertmesh_plan_version", ())] == status["version"]
     for r, tokens in enumerate(steps[-1].tokens_per_rank):
@@ -80,7 +84,6 @@ def test_rest_and_metrics_serve_the_runtimes_data() -> None:
                 )
                 assert m[key] == sent[a, b]
     assert sum(np.asarray(s.bytes_by_pair)[0].sum() for s in steps) > 0
-    assert m[("expertmesh_load_reports_received_total", ())] == STEPS * LM.num_layers * 4
 
 
 def test_the_surfaces_come_back_after_a_controller_restart() -> None:
@@ -109,21 +112,21 @@ def test_the_plan_list_and_the_first_plans_migrations() -> None:
     the commits go to (the demo's listed nothing), and the first plan's migrations from the
     static placement the workers start from are in its summary and in /metrics (they were 0
     and absent while the workers moved the copies)."""
-    settings = _settings().model_copy(update={"policy": "eplb"})
-    with Runtime(settings) as rt:
+    settings = _settings().model_copy(update={"policy": "eplb", "policy_settings": {"period": 2}})
+    with SpmdRuntime(settings) as rt:
         assert rt.surfaces is not None
-        steps = [rt.run_step() for _ in range(2)]
+        steps = rt.train(6)
         status = rt.status()
         with httpx.Client(base_url=rt.surfaces["rest_url"], timeout=10) as http:
             page = http.get("/api/v1/plans").json()
             board = http.get("/api/v1/dashboard").json()
             metrics = http.get("/metrics").text
     versions = list(range(status["version"], 0, -1))
-    assert status["version"] >= 2
+    assert status["version"] >= 2, [s.plan_version for s in steps]
     assert page["total"] == len(versions) and [p["version"] for p in page["items"]] == versions
     assert [p["version"] for p in board["plans"]] == versions
     first = page["items"][-1]
-    assert steps[0].cross_dc_migration_bytes > 0 and first["migrations"] > 0
+    assert sum(s.cross_dc_migration_bytes for s in steps) > 0 and first["migrations"] > 0
     m = _samples(metrics)
     counted = sum(v for (name, _), v in m.items() if name == "expertmesh_migrations_total")
     assert counted == sum(p["migrations"] for p in page["items"])
