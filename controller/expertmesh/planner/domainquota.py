@@ -68,6 +68,8 @@ class DomainSolution:
     - ``quota``: [D] the smallest ``T`` of each DC (max tokens on one of its ranks);
       ``lower_bound``: [D] the DC's ceiling mean (or an expert split over every rank).
     - ``replicas``: ``(v, rank, tokens)`` each [N], in quota's line order.
+    - ``to_v``: [R, E] the virtual expert source rank ``r``'s tokens for ``e`` go to: its
+      own DC's copy, else :func:`remote_holder`'s (-1 where nobody holds ``e``).
     """
 
     placement: Placement
@@ -80,6 +82,7 @@ class DomainSolution:
     quota: np.ndarray
     lower_bound: np.ndarray
     replicas: tuple[np.ndarray, np.ndarray, np.ndarray]
+    to_v: np.ndarray
 
 
 def dc_holds(placement: Placement, topology: Topology) -> np.ndarray:
@@ -134,13 +137,15 @@ def remote_holder(holds: np.ndarray, rank_dc: np.ndarray) -> np.ndarray:
     return np.where(away & (h > 0)[None, :], first[:-1][None, :] + j, -1)
 
 
-def remote_inflow(load: np.ndarray, holds: np.ndarray, rank_dc: np.ndarray) -> np.ndarray:
+def remote_inflow(
+    load: np.ndarray, holds: np.ndarray, rank_dc: np.ndarray, target: np.ndarray | None = None
+) -> np.ndarray:
     """[V] int tokens each held ``(d, e)`` receives from sources whose DC lacks ``e``
     (step 1 of the module doc, :func:`remote_holder`), ``V`` in :func:`_virtual` order.
-    ``load``: [R, E]; ``holds``: [D, E] bool, every expert with load held somewhere.
-    ``O(R E)``."""
+    ``load``: [R, E]; ``holds``: [D, E] bool, every expert with load held somewhere;
+    ``target``: ``remote_holder(holds, rank_dc)`` when the caller has it. ``O(R E)``."""
     num_v = int(holds.sum())
-    target = remote_holder(holds, rank_dc)
+    target = remote_holder(holds, rank_dc) if target is None else target
     sent = ~holds[rank_dc] & (load > 0)
     if (target[sent] < 0).any():
         e = np.nonzero(sent & (target < 0))[1]
@@ -174,7 +179,10 @@ def domain_quota(
     home = np.zeros(v_dc.size, np.int64)
     home[v] = r
     local = _sum_rows(load, rank_dc, topology.num_dcs).astype(np.int64)  # [D, E] d's tokens
-    inflow = remote_inflow(load, holds, rank_dc)
+    to_v = remote_holder(holds, rank_dc)  # [R, E] away: the holder; else -1, set below
+    inflow = remote_inflow(load, holds, rank_dc, to_v)
+    own = vid[rank_dc]  # [R, E] the source's own DC's copy
+    to_v = np.where(own >= 0, own, to_v)
     demand = local[v_dc, v_expert] + inflow
     v_p2l = np.full(base.phy2log.shape, -1, np.int64)
     v_p2l[r, s] = v
@@ -201,6 +209,7 @@ def domain_quota(
         quota=quota,
         lower_bound=lower,
         replicas=rep,
+        to_v=to_v,
     )
 
 
@@ -228,17 +237,12 @@ def at_home(sol: DomainSolution, base: Placement, topology: Topology) -> DomainS
 
 
 def _virtual_load(
-    load: np.ndarray, sol: DomainSolution, rank_dc: np.ndarray
+    load: np.ndarray, sol: DomainSolution
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Every nonzero ``(source rank, virtual expert, tokens)`` of step 1, each [M]: at most
-    one row per nonzero ``load[r, e]``."""
-    vid = _virtual(sol.holds)[2]
+    """Every nonzero ``(source rank, virtual expert, tokens)`` of step 1, each [M]: one row
+    per nonzero ``load[r, e]``."""
     r, e = np.nonzero(load)
-    tok = load[r, e]
-    v = vid[rank_dc[r], e]  # the source's own DC's copy
-    away = v < 0
-    v[away] = remote_holder(sol.holds, rank_dc)[r[away], e[away]]
-    return r, v, tok
+    return r, sol.to_v[r, e], load[r, e]
 
 
 #: cells of one ``route_locality`` block in :func:`domain_route` (sources x hot copies)
@@ -251,7 +255,7 @@ def domain_route(load: np.ndarray, sol: DomainSolution, topology: Topology) -> n
     home, the others by :func:`~expertmesh.planner.routing.route_locality`, over blocks of
     DCs and only the sources that send to them (no ``[R, V]`` array: at most
     ``_ROUTE_CELLS`` cells at a time). At most one row per nonzero ``load[r, e]`` and copy."""
-    src, v, tok = _virtual_load(load, sol, topology.rank_dc)
+    src, v, tok = _virtual_load(load, sol)
     rep_v = sol.replicas[0]
     is_hot = np.zeros(sol.v_dc.size, bool)
     is_hot[rep_v] = True
@@ -353,7 +357,7 @@ def domain_traffic(
     reach_dc = np.einsum("re,re->r", left, g_dc[rank_dc])
     rank_out = np.stack([reach_node - reach_rank, reach_dc - reach_node, away.sum(axis=1)], axis=1)
     r, e = np.nonzero(away)
-    to_dc = sol.v_dc[remote_holder(holds, rank_dc)[r, e]]
+    to_dc = sol.v_dc[sol.to_v[r, e]]
     pair = np.bincount(rank_dc[r] * num_dcs + to_dc, weights=away[r, e])  # DC pairs, flat
     flat = np.flatnonzero(pair)
     ps, pd = np.divmod(flat, num_dcs)

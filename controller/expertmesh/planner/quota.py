@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 from dataclasses import dataclass
 from typing import ClassVar, Literal, NamedTuple
 
@@ -155,6 +156,7 @@ class _Fit(NamedTuple):
     piece_amount: np.ndarray  # [P]
     receivers: tuple[list[int], list[int], list[int]]  # rank, start, end; in line order
     replicas: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    shortfall: list[int] | None = None  # [D] tokens left unplaced (uncapped rule)
 
 
 def _problem(
@@ -285,8 +287,8 @@ def _fit(pb: _Problem, quota: np.ndarray) -> _Fit:
     p_exp, p_amt, p_dom = p_exp[line], p_amt[line], p_dom[line]
     p_end = np.cumsum(p_amt)
     need = np.bincount(p_dom, weights=p_amt, minlength=quota.size).astype(np.int64)
-    feasible, receivers = _walk(p_end, np.cumsum(need), quota, pb.recv_lists)
-    return _Fit(feasible, p_exp, p_end, p_amt, receivers)
+    short, receivers = _walk(p_end, np.cumsum(need), quota, pb.recv_lists)
+    return _Fit(np.array(short) == 0, p_exp, p_end, p_amt, receivers, shortfall=short)
 
 
 def _walk(
@@ -294,9 +296,10 @@ def _walk(
     dom_end: np.ndarray,
     quota: np.ndarray,
     receivers: tuple[list[int], list[int], list[int], list[int]],
-) -> tuple[np.ndarray, tuple[list[int], list[int], list[int]]]:
-    """Step 4 of the rule for every domain: whether each domain's pieces are all placed
-    ([D] bool), and rank, start and end on the line of each receiver that takes some.
+) -> tuple[list[int], tuple[list[int], list[int], list[int]]]:
+    """Step 4 of the rule for every domain: the tokens of each domain's pieces left
+    unplaced ([D]; 0: all placed), and rank, start and end on the line of each receiver
+    that takes some.
 
     ``p_end``: [P] piece ends on the line, domain after domain; ``dom_end``: [D] where
     each domain's pieces end; ``quota``: [D]. Sequential by nature: a plain loop over
@@ -306,7 +309,7 @@ def _walk(
     last = len(ends) - 1
     stop, limit = dom_end.tolist(), quota.tolist()
     ranks, bases, slots, first = receivers
-    reached = [False] * len(stop)
+    short = [0] * len(stop)
     rank: list[int] = []
     start: list[int] = []
     end: list[int] = []
@@ -314,8 +317,8 @@ def _walk(
     for d, (t, top) in enumerate(zip(limit, stop, strict=True)):
         u = stop[d - 1] if d else 0
         if u == top:
-            reached[d] = True
             continue
+        short[d] = top - u
         lo, hi = first[d], first[d + 1]  # receivers by M ascending
         for r, m, f in zip(ranks[lo:hi], bases[lo:hi], slots[lo:hi], strict=True):
             if m >= t:  # full already, and so are the rest
@@ -330,38 +333,70 @@ def _walk(
             start.append(u)
             if close >= top:
                 end.append(top)
-                reached[d] = True
+                short[d] = 0
                 break
             end.append(close)
             u = close
-    return np.array(reached), (rank, start, end)
+            short[d] = top - u
+    return short, (rank, start, end)
 
 
-def _search(pb: _Problem) -> tuple[np.ndarray, _Fit]:
+def _search(pb: _Problem, sizes: np.ndarray) -> tuple[np.ndarray, _Fit]:
     """[D] smallest feasible quota per domain, and its fit, searching all domains together.
+    ``sizes``: [D] ranks of each domain.
 
     Invariant: ``lo`` fails (``lower - 1`` at first), ``hi`` succeeds (the static max
-    at first). Probes gallop up from the lower bound (``lo + 1, 2, 4, ...``, never past
-    the midpoint) until one succeeds, then bisect: the answer is usually a few tokens
-    above the bound.
+    at first). Until a domain's probe succeeds, each failure steps up to where its
+    shortfall (tokens left unplaced) would reach 0 if it kept falling as it did between
+    its last two failures (at first: one token per rank of the domain per unit of ``T``,
+    an underestimate of the step), at most to the midpoint; after its first success,
+    ``T - 1``, then bisection (fastquota's search, per domain). The rule is monotone in
+    ``T`` without ``max_replicas_per_expert``, so any probes inside ``(lo, hi)`` end at the
+    same smallest ``T``; with it, the probes gallop up from the lower bound (``lo + 1, 2,
+    4, ...``, never past the midpoint) until one succeeds, then bisect.
     """
     lo, hi = (pb.lower - 1).tolist(), pb.upper.tolist()  # per domain, plain ints
-    gap, galloping = [1] * len(lo), [True] * len(lo)
-    fit, probe = None, hi
+    num = len(lo)
+    gap, galloping = [1] * num, [True] * num
+    last: list[tuple[int, int] | None] = [None] * num  # the last failure's (T, shortfall)
+    secant = pb.max_replicas is None
+    width = sizes.tolist()
+    probe = [min(lo[d] + 1, hi[d]) for d in range(num)]
+    fit, used = None, hi
     while any(b - a > 1 for a, b in zip(lo, hi, strict=True)):
-        probe = [
-            b if b - a <= 1 else min(a + g, (a + b) // 2) if gal else (a + b) // 2
-            for a, b, g, gal in zip(lo, hi, gap, galloping, strict=True)
-        ]
-        fit = _fit(pb, np.array(probe, dtype=np.int64))
+        used = list(probe)
+        fit = _fit(pb, np.array(used, dtype=np.int64))
+        short = fit.shortfall
         for d, ok in enumerate(fit.feasible.tolist()):
-            if hi[d] - lo[d] <= 1:
+            a, b = lo[d], hi[d]
+            if b - a <= 1:
                 continue
             if ok:
-                hi[d], galloping[d] = probe[d], False
+                hi[d] = probe[d]
             else:
-                lo[d], gap[d] = probe[d], 2 * gap[d]
-    if fit is None or probe != hi:  # the last probe is the answer unless it failed somewhere
+                lo[d] = probe[d]
+            a, b = lo[d], hi[d]
+            if b - a <= 1:
+                probe[d] = b
+            elif not secant:
+                if not ok:
+                    gap[d] *= 2
+                else:
+                    galloping[d] = False
+                probe[d] = min(a + gap[d], (a + b) // 2) if galloping[d] else (a + b) // 2
+            elif not galloping[d]:
+                probe[d] = (a + b) // 2
+            elif ok:  # the first success, reached from below: T - 1, then bisection
+                galloping[d] = False
+                probe[d] = b - 1
+            else:  # the shortfall falls about linearly in T: step to where it is 0
+                s = short[d] if short is not None else 0
+                prev = last[d]
+                drop = 0 if prev is None else prev[1] - s
+                slope = drop / (a - prev[0]) if prev is not None and drop > 0 else width[d]
+                last[d] = (a, s)
+                probe[d] = min(a + max(1, math.ceil(s / max(slope, 1e-9))), (a + b) // 2)
+    if fit is None or used != hi:  # the last probe is the answer unless it failed somewhere
         fit = _fit(pb, np.array(hi, dtype=np.int64))
     return np.array(hi, dtype=np.int64), fit
 
@@ -500,7 +535,7 @@ def balance_demand(
     pb = _problem(
         demand.astype(np.int64), master // num_slots, num_slots, dom, max_replicas_per_expert
     )
-    quota, fit = _search(pb)
+    quota, fit = _search(pb, np.bincount(dom, minlength=pb.lower.size))
     if tolerance > 0:
         quota, fit = _loosen(pb, quota, fit, dom, tolerance)
     rep_expert, rep_rank, rep_tokens = _replicas(fit)

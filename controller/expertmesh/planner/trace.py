@@ -219,22 +219,32 @@ def systematic_arcs(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def counts_from_segments(
-    start: np.ndarray, end: np.ndarray, q: np.ndarray, seg_counts: np.ndarray, n: int
+    start: np.ndarray,
+    end: np.ndarray,
+    q: np.ndarray,
+    seg_counts: np.ndarray,
+    n: int,
+    order: np.ndarray | None = None,
 ) -> np.ndarray:
     """[R, K] tokens choosing each item, given how many tokens fall in each circle segment.
 
     ``start``, ``end``, ``q``: [R, K] from :func:`systematic_arcs`; ``seg_counts``: [R, K]
     tokens whose ``u`` lies in ``[b_j, b_{j+1})`` where ``b`` is ``start`` sorted per row
-    (stable) and ``b_K = 1``; ``n``: tokens per row.
+    (stable) and ``b_K = 1``; ``n``: tokens per row; ``order``: ``argsort(start, axis=1,
+    kind="stable")`` when the caller has it.
     """
     num_rows, num_items = start.shape
-    order = np.argsort(start, axis=1, kind="stable")  # [R, K] sorted position -> item
-    pos = np.empty_like(order)
-    np.put_along_axis(pos, order, np.broadcast_to(np.arange(num_items), order.shape), axis=1)
-    pos_end = np.roll(pos, -1, axis=1)  # the item after i starts where i ends
+    if order is None:
+        order = np.argsort(start, axis=1, kind="stable")  # [R, K] sorted position -> item
+    pos = np.empty_like(order)  # [R, K] item -> sorted position
+    rows = np.arange(num_rows)[:, None]
+    pos[rows, order] = np.arange(num_items)
     cum = np.zeros((num_rows, num_items + 1), dtype=np.int64)
     np.cumsum(seg_counts, axis=1, out=cum[:, 1:])
-    inside = np.take_along_axis(cum, pos_end, 1) - np.take_along_axis(cum, pos, 1)  # [R, K]
+    flat = cum.ravel()
+    base = rows * (num_items + 1)
+    # the item after i starts where i ends
+    inside = flat[base + np.roll(pos, -1, axis=1)] - flat[base + pos]  # [R, K]
     return np.where(
         end > start,
         inside,
@@ -254,12 +264,13 @@ def _sample(rng: np.random.Generator, pi: np.ndarray, n: int, num_src: int) -> n
     order = rng.permuted(np.tile(idx, (num_src, 1)), axis=1)  # [R, K] fresh order per rank
     q = pi[order]
     start, end = systematic_arcs(q)
-    seg = np.diff(np.sort(start, axis=1), axis=1, append=1.0)  # [R, K] segment lengths
+    by_start = np.argsort(start, axis=1, kind="stable")
+    rows = np.arange(num_src)[:, None]
+    seg = np.diff(start[rows, by_start], axis=1, append=1.0)  # [R, K] segment lengths
     seg = np.maximum(seg, 0.0)
     seg /= seg.sum(axis=1, keepdims=True)
     seg_counts = rng.multinomial(n, seg)  # [R, K]
-    counts = counts_from_segments(start, end, q, seg_counts, n)
-    np.put_along_axis(out, order, counts, axis=1)
+    out[rows, order] = counts_from_segments(start, end, q, seg_counts, n, by_start)
     return out
 
 
