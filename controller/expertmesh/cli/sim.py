@@ -295,14 +295,22 @@ def _run_groups(
     model = _model(args, args.layers, args.experts or 256, {})
     spec = _trace_spec(args)
 
-    def trace(g: int) -> LoadSource:
+    def make(g: int) -> LoadSource:
         s = spec.model_copy(update={"seed": spec.seed + g}).settings(group.num_ranks, model)
         return dense_source(generate_trace(s).load)
 
     try:
-        trace(0)  # bad trace settings fail before anything runs
+        first: LoadSource | None = make(0)  # bad trace settings fail before anything runs
     except ValidationError as err:
         raise UsageError(f"trace: {err.errors()[0]['msg']}") from None
+
+    def trace(g: int) -> LoadSource:
+        nonlocal first
+        if g == 0 and first is not None:
+            out, first = first, None  # generated once, held only until group 0 runs
+            return out
+        return make(g)
+
     cost = _cost(args)
     args.out.mkdir(parents=True, exist_ok=True)
     bar = _progress(args.steps * len(policies) * groups, args.no_progress, "sim")
