@@ -119,7 +119,9 @@ def regime_claims(info: dict, label: str) -> list[tuple[str, bool, str]]:
 # ---- hierarchical vs flat dispatch ----
 
 
-def dispatch_table(config: SweepConfig) -> tuple[list[str], list[tuple[str, bool, str]]]:
+def dispatch_table(
+    config: SweepConfig, workers: int = 1
+) -> tuple[list[str], list[tuple[str, bool, str]]]:
     """Every policy on the dispatch study's topology at each bandwidth, hierarchical and
     flat: cross-DC token bytes and mean step time. Returns markdown and the claim row."""
     study = config.dispatch
@@ -136,7 +138,7 @@ def dispatch_table(config: SweepConfig) -> tuple[list[str], list[tuple[str, bool
                 "dcs": None, "regime": [], "dispatch": None, "feplb": None,
             }
         )  # fmt: skip
-        for p in run_sweep(cfg):
+        for p in run_sweep(cfg, workers=workers):
             results[(p.x, flat)] = p.result
     lines = [
         "| Gbit/s | policy | cross-DC tokens, hierarchical (GB/step) | flat (GB/step) | "

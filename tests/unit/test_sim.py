@@ -111,6 +111,21 @@ def test_sweep_runs_both_kinds():
         "topology": {"ranks_per_dc": 2, "ep_dcs": 4}, "counts": [4]}})  # fmt: skip
     (p,) = run_sweep(one)
     assert p.groups == 1 and p.topology.num_dcs == 4
+    # points side by side in two processes: the same points, in order, the same rows
+    # (solve seconds are CPU time, measured anew)
+    two = run_sweep(cfg, workers=2)
+    assert [(q.kind, q.x, q.groups) for q in two] == [(q.kind, q.x, q.groups) for q in pts]
+    for a, b in zip(pts, two, strict=True):
+        for name in ("static", "hybrid"):
+            ra, rb = a.result.run(name), b.result.run(name)
+            assert ra is not None and rb is not None
+            assert [(r.cross_dc_token_bytes, r.replicas) for r in ra.rows] == [
+                (r.cross_dc_token_bytes, r.replicas) for r in rb.rows
+            ]
+            modeled = [r.seconds - r.exposed_seconds for r in rb.rows]  # without CPU time
+            assert [r.seconds - r.exposed_seconds for r in ra.rows] == pytest.approx(
+                modeled, rel=1e-5
+            )
 
 
 def test_sweep_config_rejects_unknown_keys():

@@ -252,32 +252,59 @@ def run_sweep(
     config: SweepConfig,
     progress: Callable[[int], None] | None = None,
     on_point: Callable[[SweepPoint], None] | None = None,
+    workers: int = 1,
 ) -> list[SweepPoint]:
-    """Run every point of ``config``; ``progress(n)`` after each step of a point."""
+    """Run every point of ``config``; ``progress(n)`` after each step of a point (one
+    worker only). ``workers`` > 1: that many processes run points side by side (each point
+    is independent and deterministic, so the numbers are those of one worker; the solve
+    times a policy charges are CPU seconds, as long as every worker has a core); the
+    points come back in order, ``on_point`` as each finishes."""
+    pts = points(config)
+    if workers <= 1:
+        out: list[SweepPoint] = []
+        for p in pts:
+            out.append(_run_point(config, p, progress))
+            if on_point is not None:
+                on_point(out[-1])
+        return out
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    done: dict[int, SweepPoint] = {}
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        # the largest points first, so the last ones to finish are small
+        order = sorted(range(len(pts)), key=lambda i: -_size(pts[i]))
+        futures = {pool.submit(_run_point, config, pts[i]): i for i in order}
+        for fut in as_completed(futures):
+            done[futures[fut]] = fut.result()
+            if on_point is not None:
+                on_point(done[futures[fut]])
+    return [done[i] for i in range(len(pts))]
+
+
+def _size(p: _Point) -> int:
+    """Rank-steps of a point: how long it runs, roughly."""
+    return p.groups * p.topology.num_ranks * p.steps
+
+
+def _run_point(
+    config: SweepConfig, p: _Point, progress: Callable[[int], None] | None = None
+) -> SweepPoint:
     model = config.model
-    out: list[SweepPoint] = []
-    for p in points(config):
-        cost, spec = config.cost, config.trace
-        if p.microbatches is not None:
-            cost = cost.model_copy(update={"microbatches_per_update": p.microbatches})
-        if p.tokens_per_rank is not None:
-            spec = spec.model_copy(update={"tokens_per_rank": p.tokens_per_rank})
+    cost, spec = config.cost, config.trace
+    if p.microbatches is not None:
+        cost = cost.model_copy(update={"microbatches_per_update": p.microbatches})
+    if p.tokens_per_rank is not None:
+        spec = spec.model_copy(update={"tokens_per_rank": p.tokens_per_rank})
 
-        def trace(g: int, spec: TraceSpec = spec, p: _Point = p) -> LoadSource:
-            s = spec.model_copy(update={"seed": spec.seed + g})
-            return dense_source(
-                generate_trace(s.settings(p.topology.num_ranks, model, p.steps)).load
-            )
+    def trace(g: int) -> LoadSource:
+        s = spec.model_copy(update={"seed": spec.seed + g})
+        return dense_source(generate_trace(s.settings(p.topology.num_ranks, model, p.steps)).load)
 
-        result = simulate_groups(
-            p.topology, p.groups, trace, model, list(config.policies),
-            policy_settings=config.policy_settings, cost=cost, progress=progress,
-        )  # fmt: skip
-        point = SweepPoint(
-            p.kind, p.x, p.topology, result, p.groups,
-            cost.microbatches_per_update, spec.tokens_per_rank, p.label,
-        )  # fmt: skip
-        out.append(point)
-        if on_point is not None:
-            on_point(point)
-    return out
+    result = simulate_groups(
+        p.topology, p.groups, trace, model, list(config.policies),
+        policy_settings=config.policy_settings, cost=cost, progress=progress,
+    )  # fmt: skip
+    return SweepPoint(
+        p.kind, p.x, p.topology, result, p.groups,
+        cost.microbatches_per_update, spec.tokens_per_rank, p.label,
+    )  # fmt: skip
