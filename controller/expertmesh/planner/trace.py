@@ -224,6 +224,7 @@ def counts_from_segments(
     q: np.ndarray,
     seg_counts: np.ndarray,
     n: int,
+    *,
     order: np.ndarray | None = None,
 ) -> np.ndarray:
     """[R, K] tokens choosing each item, given how many tokens fall in each circle segment.
@@ -270,7 +271,7 @@ def _sample(rng: np.random.Generator, pi: np.ndarray, n: int, num_src: int) -> n
     seg = np.maximum(seg, 0.0)
     seg /= seg.sum(axis=1, keepdims=True)
     seg_counts = rng.multinomial(n, seg)  # [R, K]
-    out[rows, order] = counts_from_segments(start, end, q, seg_counts, n, by_start)
+    out[rows, order] = counts_from_segments(start, end, q, seg_counts, n, order=by_start)
     return out
 
 
