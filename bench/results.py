@@ -422,7 +422,11 @@ def write_doc(
             "process just",
             f"before it runs: the CPU is {scale['dcs'] // 8} x (trace + five policies x "
             f"{scale['steps']} steps planned",
-            "and costed on 64 ranks); the solve column below is each policy's share.",
+            "and costed on 64 ranks). The policies' solve seconds (the solve column below: "
+            "placing,",
+            f"and routing where rows are built) sum to {_solves(scale):.0f} s of the "
+            f"{scale['cpu']:.0f} s; the rest is",
+            "trace generation, the cost model of every step and the simulator's bookkeeping.",
             "",
             scale["summary"].split("\n", 2)[-1].strip(),
             "",
@@ -458,6 +462,11 @@ def write_doc(
         ]
     lines += ["## The configuration", "", "```yaml", cfg_text.strip(), "```", ""]
     path.write_text("\n".join(lines))
+
+
+def _solves(run: dict[str, Any]) -> float:
+    """CPU seconds every policy spent solving in a scale run (its steps.csv rows)."""
+    return sum(float(r["solve_seconds"]) for r in run["rows"])
 
 
 def _loadavg() -> str:
