@@ -190,6 +190,13 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             small_run = run_spmd(settings(free, small, "static", args), args.calib_steps)
             cal = calibrate(full_run, small_run)
             cal.write(root / f"cal-{dcs}dc.yaml")
+            if cal.small_median >= cal.full_median:
+                print(
+                    f"WARNING: {dcs} DCs calibration failed its check: the quarter batch's "
+                    f"median step ({cal.small_median:.3f}s) is not below the full batch's "
+                    f"({cal.full_median:.3f}s), so a = 0; the machine was busy",
+                    flush=True,
+                )
             out["calibrations"].append({"dcs": dcs, **cal.__dict__, "load": os.getloadavg()[0]})
             print(
                 f"{dcs} DCs calibration (static, free links): median step {cal.full_median:.3f}s "
@@ -364,10 +371,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--latency-ms", type=float, default=LATENCY_MS, help="inter-DC latency")
     p.add_argument("--policies", default=",".join(POLICIES))
-    p.add_argument("--steps", type=int, default=6, help="steps per row (the first not measured)")
+    p.add_argument("--steps", type=int, default=10, help="steps per row (the first not measured)")
     p.add_argument("--warmup", action="store_true", help="one unused run before calibrating")
     p.add_argument("--every", type=int, default=3, help="steps between plans")
-    p.add_argument("--calib-steps", type=int, default=5, help="steps of each calibration run")
+    p.add_argument("--calib-steps", type=int, default=8, help="steps of each calibration run")
     p.add_argument("--batch", type=int, default=LMConfig().batch, help="sequences per rank")
     p.add_argument("--corpus-bytes", type=int, default=300_000)
     p.add_argument(
