@@ -26,6 +26,7 @@ from expertmesh.controller.telemetry import Telemetry
 from expertmesh.planner import Placement, Topology, imbalance
 from expertmesh.planner.stepmodel import StepLayout, step_layout
 from expertmesh.runtime.actors import RayExecutor
+from expertmesh.runtime.membership import MembershipSteps
 from expertmesh.runtime.settings import NAMESPACE, RuntimeSettings, initial_placements
 from expertmesh.runtime.trace import migration_collectives
 from expertmesh.workers.engine import apply_plan, migration_rounds, recovery_rounds
@@ -79,15 +80,23 @@ class SpmdSteps:
             step = int(stats["step"])
             if self._next_step is None:
                 self._next_step = step
+            if step < self._next_step or rank not in self._members:
+                return  # a step already recorded (a failed attempt's), or not a member
             self._reports.setdefault(step, {})[rank] = stats
-            while len(self._reports.get(self._next_step, {})) == len(self._members):
-                done = self._reports.pop(self._next_step)
-                try:
-                    self._finish_step(self._next_step, done)
-                except Exception:
-                    self.errors += 1
-                    log.exception("recording step %d failed", self._next_step)
-                self._next_step += 1
+            self._drain()
+
+    def _drain(self) -> None:
+        """Record every step, in order, whose members have all reported (lock held)."""
+        assert self._next_step is not None
+        while set(self._members) <= set(self._reports.get(self._next_step, {})):
+            got = self._reports.pop(self._next_step)
+            done = {r: got[r] for r in self._members}
+            try:
+                self._finish_step(self._next_step, done)
+            except Exception:
+                self.errors += 1
+                log.exception("recording step %d failed", self._next_step)
+            self._next_step += 1
 
     def _finish_step(self, step: int, reports: dict[int, dict[str, Any]]) -> None:
         t0 = time.perf_counter()
@@ -187,7 +196,7 @@ class SpmdSteps:
         if pv is None:
             return {}
         self._offered = pv
-        self._send_offer(self._spmd_workers)
+        self._send_offer([self._spmd_workers[r] for r in self._members])
         return {
             "imbalance_before": max(pv.imbalance_before),
             "imbalance_after": max(pv.imbalance_after),
@@ -231,7 +240,7 @@ class SpmdSteps:
             return [r for r in self._results if r["step"] >= step]
 
 
-class ControllerActor(SpmdSteps):
+class ControllerActor(SpmdSteps, MembershipSteps):
     """Thin actor over :class:`ControllerCore`: gather, call the core, apply the result."""
 
     def __init__(self, settings: RuntimeSettings, store_path: str | None = None) -> None:

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import ray
 from ray.cluster_utils import Cluster
 
@@ -39,6 +40,7 @@ from expertmesh.runtime.settings import (
 )
 from expertmesh.runtime.spmd_faults import SpmdFaults, WorkersFailed, new_run_id
 from expertmesh.runtime.trace import RunTrace
+from expertmesh.runtime.spmd_members import SpmdMembership
 from expertmesh.runtime.worker import SpmdWorker
 
 __all__ = ["GROUP_TIMEOUT_S", "SpmdRuntime"]
@@ -48,7 +50,7 @@ GROUP_TIMEOUT_S = 60.0  # a collective that waits this long for a peer fails (a 
 RESULT_WAIT_S = 30.0  # after the workers return, the driver waits this long for the reports
 
 
-class SpmdRuntime(SpmdFaults):
+class SpmdRuntime(SpmdMembership, SpmdFaults):
     """A multi-DC Ray cluster training the demo model on the SPMD data plane."""
 
     def __init__(self, settings: RuntimeSettings, *, address: str | None = None) -> None:
@@ -66,6 +68,8 @@ class SpmdRuntime(SpmdFaults):
         self.retried_steps: list[int] = []
         self.run_id = new_run_id()
         self.trace = RunTrace(settings)  # what it trained on (trace.npz, plans.npz)
+        # a collective that waits this long for a peer fails (a dead peer, a real cut)
+        self.group_timeout_s = settings.step_deadline_s or GROUP_TIMEOUT_S
 
     def __enter__(self) -> SpmdRuntime:
         self.start()
@@ -107,6 +111,7 @@ class SpmdRuntime(SpmdFaults):
         self._worker_cls = make_actor(SpmdWorker, num_cpus=0, max_concurrency=4)
         self.workers = [self._spawn(r) for r in range(self.topology.num_ranks)]
         self.nodes = ray.get([w.ping.remote() for w in self.workers])
+        self._init_members()
         self._form_group()
         members = list(range(self.topology.num_ranks))
         ray.get(self.controller.attach.remote(self.workers))
@@ -126,12 +131,14 @@ class SpmdRuntime(SpmdFaults):
             label_selector={"dc": dcs[int(self.topology.rank_dc[rank])].name},
         ).remote(rank, s, placements, self._shaper, self.controller)
 
-    def _form_group(self) -> None:
-        """Every worker joins one new process group (the store on rank 0's node)."""
-        members = list(range(self.topology.num_ranks))
-        addr, port = ray.get(self.workers[0].address.remote(GROUP_TIMEOUT_S))
-        refs = [w.join.remote(members, addr, port, GROUP_TIMEOUT_S) for w in self.workers]
-        self.backend = ray.get(refs)[0]
+    def _form_group(self, members: list[int] | None = None) -> None:
+        """Every member (default: the ranks taking part) joins one new process group (the
+        store on the first member's node)."""
+        members = self.members() if members is None else members
+        t = self.group_timeout_s
+        addr, port = ray.get(self.workers[members[0]].address.remote(t), timeout=t)
+        refs = [self.workers[r].join.remote(members, addr, port, t) for r in members]
+        self.backend = ray.get(refs, timeout=2 * t)[0]
 
     def node_dcs(self) -> list[str]:
         """DC label of the node each worker runs on."""
@@ -149,6 +156,7 @@ class SpmdRuntime(SpmdFaults):
         out: list[StepResult] = []
         every = self.settings.checkpoint_every or steps
         while self.step < target:
+            self.probe_before_chunk()  # while a probed cut lasts: healed yet?
             n = min(every, target - self.step)
             try:
                 out += self._chunk(n, on_step)
@@ -170,7 +178,7 @@ class SpmdRuntime(SpmdFaults):
 
     def _chunk(self, steps: int, on_step: Callable[[StepResult], None] | None) -> list[StepResult]:
         start = self.step + 1
-        refs = [w.run.remote(start, steps) for w in self.workers]
+        refs = [w.run.remote(start, steps) for w in self.live_workers()]
         seen: list[StepResult] = []
         pending = refs
         deadline: float | None = None
@@ -224,6 +232,8 @@ class SpmdRuntime(SpmdFaults):
         out["retried_steps"] = list(self.retried_steps)
         out["recoveries"] = list(self.recoveries)
         out["checkpoints"] = list(self.checkpoint_log)
+        out["dead_ranks"] = np.flatnonzero(self.dead).tolist()
+        out["paused_ranks"] = np.flatnonzero(self.paused).tolist()
         return out
 
     def metrics(self) -> str:

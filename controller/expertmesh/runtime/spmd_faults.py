@@ -63,6 +63,10 @@ class SpmdFaults:
     def _form_group(self) -> None:
         raise NotImplementedError
 
+    def live_workers(self) -> list[Any]:
+        """The workers of the ranks taking part (a paused one's masters are stale)."""
+        return self.workers
+
     def take_checkpoint(self) -> None:
         """Every master's weights and Adam state to the checkpoint directory (a failed
         gather or write keeps the previous one)."""
@@ -70,7 +74,7 @@ class SpmdFaults:
             return
         t0 = time.perf_counter()
         try:
-            parts = ray.get([w.masters.remote() for w in self.workers])
+            parts = ray.get([w.masters.remote() for w in self.live_workers()])
         except ray.exceptions.RayActorError:
             log.warning("checkpoint after step %d skipped: a worker died", self.step)
             return

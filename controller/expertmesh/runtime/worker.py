@@ -146,10 +146,17 @@ class SpmdWorker:
                 comm, self.settings.lm, self.corpus, self.placements, balance=self.settings.balance
             )
         else:
-            self.state.comm = comm
+            self.state.comm = self.state.experts.comm = comm
             for moe in self.state.layers:
                 moe.rebind(comm)
         return backend
+
+    def leave(self) -> None:
+        """Leave the process groups (a rank that pauses, or is left out of the new ones);
+        plans on offer go (they were made for the old members)."""
+        _leave_group(self.rank)
+        with self._lock:
+            self._plans.clear()
 
     def offer_plan(
         self,
@@ -270,6 +277,66 @@ class SpmdWorker:
                         [torch.zeros_like(p.detach()) for p in moe.expert(e)],
                         [torch.zeros_like(p.detach()) for p in moe.expert(e)],
                     )
+
+    def where(self) -> dict[str, int]:
+        """The last step this rank trained and its committed plan version."""
+        st = self.state
+        return (
+            {"step": -1, "version": 0} if st is None else {"step": st.step, "version": st.version}
+        )
+
+    def reshape(
+        self,
+        plan: dict[str, Any],
+        seeds: dict[tuple[int, int], tuple[Any, Any]],
+        state: dict[str, Any] | None,
+    ) -> np.ndarray:
+        """A membership change (every member at once, after :meth:`join`): a rank that
+        rejoins (``state``: a live rank's :meth:`export_state`) takes its dense state,
+        counters and committed plan and drops its own, stale, expert copies; ``seeds``
+        ``(layer, expert) -> (weights | None, (m, v) | None)`` from the checkpoint on disk;
+        then ``plan`` (:meth:`~expertmesh.runtime.membership.MembershipSteps.membership_plan`)
+        is applied, copies moving in float32 from the ranks that trained until now.
+        Returns [D, D] bytes this rank sent."""
+        version = int(plan["version"])
+        st = self.state
+        assert st is not None
+        with self._lock:
+            self._plans = {v: p for v, p in self._plans.items() if v > version}
+        if state is not None:
+            st.adopt(state, [{} for _ in st.layers])  # the plan it adopts gives it nothing
+        dev = self.device
+        for (layer, e), (w, mv) in sorted(seeds.items()):
+            moe = st.layers[layer]
+            if w is not None:
+                have = {h: moe.expert(h) for h in moe.held()}
+                got = tuple(torch.as_tensor(np.asarray(t)).to(dev) for t in w)
+                moe.set_experts({**have, e: got})  # type: ignore[dict-item]
+            if mv is not None:
+                st.experts.opt[layer][e] = (
+                    [torch.as_tensor(np.asarray(t)).to(dev) for t in mv[0]],
+                    [torch.as_tensor(np.asarray(t)).to(dev) for t in mv[1]],
+                )
+        sent = st.apply_plan(version, plan["layers"], plan["rounds"], WireFormat())
+        st.experts.wire = WireFormat.of(plan["encoding"])
+        return sent
+
+    def probe(self, targets: dict[int, tuple[str, int]], timeout_s: float) -> dict[int, bool]:
+        """Whether a TCP connection opens to each DC's node (``targets``: DC -> address,
+        port), within ``timeout_s`` each."""
+        out = {}
+        for dc, (host, port) in targets.items():
+            try:
+                socket.create_connection((host, port), timeout=timeout_s).close()
+                out[dc] = True
+            except OSError:
+                out[dc] = False
+        return out
+
+    def dense(self) -> list[np.ndarray]:
+        """This rank's dense weights (numpy copies)."""
+        assert self.state is not None
+        return [p.detach().cpu().numpy().copy() for p in self.state._dparams()]
 
     def expert_weights(self, layer: int, expert: int) -> list[np.ndarray] | None:
         return None if self.state is None else self.state.expert_weights(layer, expert)
