@@ -22,6 +22,8 @@ from expertmesh.runtime.spmd import SpmdRuntime
 from expertmesh.workers.model import Corpus, LMConfig
 from expertmesh.workers.reference import ReferenceLM
 
+from .members_report import write_report
+
 pytestmark = pytest.mark.integration
 
 LM = LMConfig(num_layers=2, num_experts=8, top_k=2, hidden=16, ffn_hidden=16, batch=4, seq_len=32)
@@ -52,6 +54,7 @@ def run() -> Iterator[dict[str, Any]]:
             for layer in range(LM.num_layers)
             for e in range(LM.num_experts)
         }
+    write_report(__name__, out["status"]["recoveries"], out["steps"])
     yield out
 
 

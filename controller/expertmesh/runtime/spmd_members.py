@@ -88,6 +88,10 @@ class SpmdMembership:
     def live_workers(self) -> list[Any]:
         return [self.workers[r] for r in self.members()]
 
+    def dense(self, rank: int) -> list[np.ndarray]:
+        """Rank ``rank``'s dense weights (numpy)."""
+        return list(ray.get(self.workers[rank].dense.remote(), timeout=CALL_WAIT_S))
+
     # ---- links ----
 
     def links_up(self) -> np.ndarray:
