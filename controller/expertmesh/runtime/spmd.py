@@ -39,8 +39,8 @@ from expertmesh.runtime.settings import (
     stop_ray,
 )
 from expertmesh.runtime.spmd_faults import SpmdFaults, WorkersFailed, new_run_id
-from expertmesh.runtime.trace import RunTrace
 from expertmesh.runtime.spmd_members import SpmdMembership
+from expertmesh.runtime.trace import RunTrace
 from expertmesh.runtime.worker import SpmdWorker
 
 __all__ = ["GROUP_TIMEOUT_S", "SpmdRuntime"]
