@@ -38,7 +38,12 @@ def _plans(topo: Topology, seed: int) -> list[Any]:
 
 
 def _train(
-    comm: Any, topo_dict: dict[str, Any], seed: int, balance: bool = False, k: int = 1
+    comm: Any,
+    topo_dict: dict[str, Any],
+    seed: int,
+    balance: bool = False,
+    k: int = 1,
+    background: bool = False,
 ) -> dict[str, Any]:
     from expertmesh.workers.spmd import SpmdRank
 
@@ -50,7 +55,13 @@ def _train(
     rank = SpmdRank(comm, cfg, CORPUS, [static] * CFG.num_layers, balance=balance)
     current: list[Placement] = [static] * CFG.num_layers
     out: dict[str, Any] = {"losses": [], "stats": [], "migration": []}
-    for step, plan in enumerate([None, *_plans(topo, seed)]):
+    if background:  # plan s+1 prepared after step s, in flight during step s+1, switched
+        plans = _plans(topo, seed)  # at its sync
+        for step in range(STEPS):
+            out["stats"].append(rank.train_step(step))
+            if step < len(plans):
+                rank.prepare(step + 1, [(p.phy2log, p.master, r) for p, r in plans[step]])
+    for step, plan in enumerate([None, *_plans(topo, seed)] if not background else []):
         if plan is not None:
             new = [p for p, _ in plan]
             rounds = migration_rounds(current, new, [Migration()] * CFG.num_layers, topo)
@@ -67,12 +78,19 @@ def _train(
     return out
 
 
-@pytest.mark.parametrize(("dcs", "balance", "k"), [(2, False, 1), (3, False, 1), (3, True, 2)])
+@pytest.mark.parametrize(
+    ("dcs", "balance", "k", "background"),
+    [(2, False, 1, False), (3, False, 1, False), (3, True, 2, False), (2, False, 1, True),
+     (3, True, 2, True)],
+)  # fmt: skip
 def test_spmd_training_equals_the_reference_under_plan_changes(
-    dcs: int, balance: bool, k: int
+    dcs: int, balance: bool, k: int, background: bool
 ) -> None:
+    """``background``: each plan's moved masters travel during the step after it is
+    offered and that step's sync switches (:meth:`SpmdRank.prepare`); else the plan's
+    migration rounds run between steps (:meth:`SpmdRank.apply_plan`)."""
     topo = Topology.generate(dcs, 2, masters=2 if dcs == 2 else 1, spare=3)
-    res = run_ranks(_train, topo.rank_dc, topo.to_dict(), dcs, balance, k)
+    res = run_ranks(_train, topo.rank_dc, topo.to_dict(), dcs, balance, k, background)
     ref = ReferenceLM(CFG.model_copy(update={"microbatches": k}))
     ranks = list(range(topo.num_ranks))
     want = [ref.train_step(CORPUS, s, ranks) for s in range(STEPS)]
@@ -97,6 +115,18 @@ def test_spmd_training_equals_the_reference_under_plan_changes(
         for s in out["stats"]:
             assert (s["crossings"] <= CFG.tokens_per_rank).all()
     assert sum(out["stats"][-1]["bytes"][2].sum() for out in res) > 0  # migrations crossed
+    for step in range(1, STEPS):  # every rank switched at the same sync, to the same plan
+        sw = [out["stats"][step]["switched"] for out in res]
+        if background:
+            assert [s and s["version"] for s in sw] == [step] * len(res), step
+            assert all(s["mode"] == "background" for s in sw)
+        assert all(out["stats"][step]["version"] == step for out in res)
+    if background:  # moved masters travelled in the background; new copies at the switch
+        moved = sum(np.sum(out["stats"][s]["switched"]["background_bytes"])
+                    for out in res for s in range(1, STEPS))  # fmt: skip
+        filled = sum(np.sum(out["stats"][s]["switched"]["boundary_bytes"])
+                     for out in res for s in range(1, STEPS))  # fmt: skip
+        assert moved > 0 and filled > 0
     replicas = sum(int(s["replicas"].sum()) for out in res for s in out["stats"])
     fetched = sum(s["fanout_bytes"] for out in res for s in out["stats"])
     if balance:  # the fast loop added replicas, and some needed their weights fetched

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import ray
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -54,6 +54,12 @@ class RuntimeSettings(BaseModel):
         default=True,
         description="the fast loop: quota inside each DC on every microbatch's exact counts "
         "(replicas in free slots, tokens by quota); off: the plan's route splits tokens",
+    )
+    migration: Literal["background", "boundary"] = Field(
+        default="background",
+        description="a new plan's moved masters travel in the background during the step "
+        "after every rank has the plan, whose sync switches (background), or its migration "
+        "rounds run at that boundary, on the critical path (boundary)",
     )
     corpus: str | None = Field(default=None, description="corpus file; None: Python's stdlib")
     corpus_bytes: int = Field(default=4_000_000, ge=1024, description="bytes of stdlib text")

@@ -6,10 +6,12 @@ the worker is then on its own. Tensors move over the process groups (gloo on CPU
 when CUDA is present), never through Ray. Ray carries only small control messages, all
 fire-and-forget from the worker's side: each step's report to the controller (load,
 loss, bytes, timings) and plan offers from the controller (:meth:`SpmdWorker.offer_plan`,
-taken on another thread of the actor while the loop runs). A plan is switched to after
-the step at whose end every rank has it (the newest version rides along the dense
-gradient reduction, so agreeing costs no extra message), prepared (migration rounds) and
-committed on every rank at that same boundary.
+taken on another thread of the actor while the loop runs). Every rank learns at the same
+step's end that every rank has a plan (the newest version rides along the dense gradient
+reduction, so agreeing costs no extra message); the moved masters' weights and Adam
+state then travel in the background during the next step, whose sync switches every
+rank to the plan (``RuntimeSettings.migration="background"``, the default), or the plan's
+migration rounds run and commit at that boundary (``"boundary"``).
 """
 
 from __future__ import annotations
@@ -146,9 +148,7 @@ class SpmdWorker:
                 comm, self.settings.lm, self.corpus, self.placements, balance=self.settings.balance
             )
         else:
-            self.state.comm = self.state.experts.comm = comm
-            for moe in self.state.layers:
-                moe.rebind(comm)
+            self.state.rebind(comm)
         return backend
 
     def leave(self) -> None:
@@ -188,9 +188,7 @@ class SpmdWorker:
             snap = RankSnapshot(st)
             try:
                 stats = st.train_step(step, offer=self._offered())
-                applied: dict[str, Any] | None = None
-                if st.agreed > st.version:
-                    applied = self._apply(st.agreed)
+                applied = self._apply(stats.get("switched"))
             except Exception as err:  # a peer died or a link is down: undo, leave the group
                 log.warning("rank %d: step %d failed: %s", self.rank, step, err)
                 snap.restore(st)  # a plan switch commits last, so none happened
@@ -207,16 +205,32 @@ class SpmdWorker:
             ray_s = time.perf_counter() - t_ray
         return {"rank": self.rank, "step": st.step, "version": st.version}
 
-    def _apply(self, version: int) -> dict[str, Any]:
+    def _apply(self, switched: dict[str, Any] | None) -> dict[str, Any] | None:
+        """After a step: the plan its sync switched to (background migration), else, when
+        every rank has a newer plan than the committed one, start it: prepared in the
+        background (``settings.migration == "background"``: the next step switches) or
+        migrated and committed here (``"boundary"``). Returns the switch made, if any."""
         st = self.state
         assert st is not None
-        with self._lock:
-            layers, rounds, encoding = self._plans[version]
-            for v in [v for v in self._plans if v <= version]:
-                del self._plans[v]
-        t0 = time.perf_counter()
-        sent = st.apply_plan(version, layers, rounds, WireFormat.of(encoding))
-        return {"version": version, "seconds": time.perf_counter() - t0, "bytes": sent}
+        if switched is None and st.agreed > st.version and not st.preparing:
+            version = st.agreed
+            with self._lock:
+                layers, rounds, encoding = self._plans[version]
+            wire = WireFormat.of(encoding)
+            if self.settings.migration == "background":
+                st.prepare(version, layers, wire)
+            else:
+                t0 = time.perf_counter()
+                sent = st.apply_plan(version, layers, rounds, wire)
+                switched = {
+                    "version": version, "mode": "boundary",
+                    "seconds": time.perf_counter() - t0, "boundary_bytes": sent.tolist(),
+                }  # fmt: skip
+        if switched is not None:
+            with self._lock:
+                for v in [v for v in self._plans if v <= switched["version"]]:
+                    del self._plans[v]
+        return switched
 
     # ---- faults ----
 

@@ -103,6 +103,9 @@ class Comm:
                 else None
             )
             self.dcs_aux.append(Group(ranks.tolist(), pg) if ranks.size else None)
+        # a second world group: a new plan's weights move on it in the background while the
+        # world group carries the step's tokens (ExpertParallel.prepare)
+        self.world_aux = Group(members, _new_group(list(range(len(members))), timeout_s))
         leaders = [int(r[0]) for r in self.dc_ranks if r.size]
         self.leaders = Group(leaders, _new_group([self.world.index[r] for r in leaders], timeout_s))
         self.shaper = shaper
@@ -130,9 +133,10 @@ class Comm:
 
     # ---- shaping ----
 
-    def charge(self, kind: str, nbytes_to: dict[int, int]) -> None:
+    def charge(self, kind: str, nbytes_to: dict[int, int], *, wait: bool = True) -> float:
         """Count and shape this rank's sends: ``nbytes_to`` expertmesh rank -> bytes. Waits
-        until the crossing ones would have arrived over their DC pair's link."""
+        until the crossing ones would have arrived over their DC pair's link (``wait=False``:
+        books them and returns that clock time; the caller waits later, :meth:`settle`)."""
         k = KINDS.index(kind)
         arrive = 0.0
         for q, nbytes in nbytes_to.items():
@@ -142,6 +146,12 @@ class Comm:
             self.bytes[k, self.dc, b] += nbytes
             if self.shaper is not None:
                 arrive = max(arrive, self.shaper.reserve(self.dc, b, nbytes))
+        if wait:
+            self.settle(arrive)
+        return arrive
+
+    def settle(self, arrive: float) -> None:
+        """Sleep until clock time ``arrive`` (what :meth:`charge` booked), if it is ahead."""
         if arrive > 0:
             wait = arrive - time.time()
             if wait > 0:
@@ -170,16 +180,29 @@ class Comm:
         dist.all_to_all_single(out, x.contiguous(), recv, send, group=group.pg)
         return out
 
-    def all_to_all_async(
-        self, x: torch.Tensor, send: Sequence[int], recv: Sequence[int], group: Group, kind: str
+    def all_to_all_async(  # noqa: PLR0917
+        self,
+        x: torch.Tensor,
+        send: Sequence[int],
+        recv: Sequence[int],
+        group: Group,
+        kind: str,
+        shaped: list[float] | None = None,
     ) -> tuple[torch.Tensor, Any]:
         """:meth:`all_to_all` started in the background: ``(out, work)``; ``out`` is valid
-        after ``work.wait()`` (``work`` is None when nothing had to move)."""
+        after ``work.wait()`` (``work`` is None when nothing had to move). ``shaped``: the
+        link shaper's arrival time is appended there instead of being waited for now (the
+        caller calls :meth:`settle` before using what arrived)."""
         send, recv = [int(s) for s in send], [int(r) for r in recv]
         if len(send) != group.size or len(recv) != group.size or sum(send) != x.numel():
             raise ValueError(f"splits {send}/{recv} do not fit {x.numel()} elements")
         size = x.element_size()
-        self.charge(kind, {q: s * size for q, s in zip(group.ranks, send, strict=True)})
+        arrive = self.charge(
+            kind, {q: s * size for q, s in zip(group.ranks, send, strict=True)},
+            wait=shaped is None,
+        )  # fmt: skip
+        if shaped is not None:
+            shaped.append(arrive)
         out = torch.empty(sum(recv), dtype=x.dtype, device=x.device)
         self.collectives += 1
         if group.size == 1:

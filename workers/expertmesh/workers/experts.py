@@ -13,6 +13,8 @@ anywhere are skipped on every rank.
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -25,10 +27,33 @@ from expertmesh.workers.model import ExpertWeights
 from expertmesh.workers.moe import adam_
 from expertmesh.workers.wire import WireFormat
 
-__all__ = ["ExpertParallel", "Transfer"]
+__all__ = ["ExpertParallel", "Pending", "Transfer"]
 
 Transfer = tuple[int, int, int, int, str]  # (layer, expert, src_rank, dst_rank, "w" | "opt")
 State = tuple[list[torch.Tensor], list[torch.Tensor]]  # Adam (m, v) of an expert's tensors
+
+
+@dataclass(eq=False)
+class Pending:
+    """A plan being prepared in the background (:meth:`ExpertParallel.prepare`): its
+    ``plans`` per layer, ``wire`` format, the moved masters' state in flight on the world's
+    second group (``got`` valid after ``work.wait()``; ``incoming`` the (layer, expert)
+    keys in arrival order; ``arrive`` the link shaper's arrival times of this rank's
+    sends), ``had`` [L] of [R, E]: the committed plan's holders, ``sent`` [D, D] bytes this
+    rank sent in the background."""
+
+    version: int
+    plans: list[LayerPlan]
+    wire: WireFormat
+    had: list[np.ndarray]
+    incoming: list[tuple[int, int]]
+    got: torch.Tensor | None
+    work: Any
+    arrive: list[float]
+    sent: np.ndarray
+    prepare_seconds: float
+    wait_seconds: float = 0.0
+    landed: dict[tuple[int, int], tuple[list[torch.Tensor], ...]] = field(default_factory=dict)
 
 
 class ExpertParallel:
@@ -45,40 +70,72 @@ class ExpertParallel:
         self.wire = WireFormat()
         self.version = 0
         self.opt_step = 0
+        self.pending: Pending | None = None  # a plan prepared in the background
+        self.switched: dict[str, Any] | None = None  # the switch the last step made
 
-    def _lead(self, plan: LayerPlan, e: int, dc: int) -> int:
+    def rebind(self, comm: Comm) -> None:
+        """Use ``comm``'s groups from now on; a plan in preparation is dropped (its transfer
+        ran on the old groups; :meth:`prepare` it again)."""
+        self.comm = comm
+        self.cancel()
+
+    def cancel(self) -> None:
+        """Drop the plan in preparation, if any (after a failed step: it is prepared again)."""
+        self.pending = None
+
+    def _lead(self, master: int, holds: np.ndarray, e: int, dc: int) -> int:
         """Where ``e``'s gradients meet in ``dc`` (and its weights enter it): the master
-        when it is in ``dc``, else the DC's lowest rank holding ``e``."""
-        m = int(plan.master_rank[e])
-        if self.comm.rank_dc[m] == dc:
-            return m
+        when it is in ``dc``, else the DC's lowest rank that ``holds`` [R, E] marks."""
+        if self.comm.rank_dc[master] == dc:
+            return master
         ranks = self.comm.dc_ranks[dc]
-        return int(ranks[plan.holds[ranks, e]][0])
+        return int(ranks[holds[ranks, e]][0])
+
+    def _hops(self, old: list[LayerPlan], new: list[LayerPlan]) -> list[list[Transfer]]:
+        """The step's four hops: gradients from ``old``'s holders (who computed) to ``new``'s
+        masters, inside each DC then over the WAN; fresh weights from ``new``'s masters to
+        ``new``'s holders, over the WAN then inside each DC (``old`` is ``new`` except at a
+        plan switch)."""
+        c = self.comm
+        hops: list[list[Transfer]] = [[], [], [], []]  # grads in DC, WAN; weights WAN, in DC
+        for layer, (a, b) in enumerate(zip(old, new, strict=True)):
+            for e in range(self.layers[layer].num_experts):
+                m = int(b.master_rank[e])
+                have = np.flatnonzero(a.holds[:, e] & c.live).tolist()
+                want = np.flatnonzero(b.holds[:, e] & c.live).tolist()
+                for h in have:
+                    lead = self._lead(m, a.holds, e, int(c.rank_dc[h]))
+                    if h != lead:
+                        hops[0].append((layer, e, h, lead, "g"))
+                for dc in sorted({int(c.rank_dc[h]) for h in have} - {int(c.rank_dc[m])}):
+                    hops[1].append((layer, e, self._lead(m, a.holds, e, dc), m, "g"))
+                for dc in sorted({int(c.rank_dc[h]) for h in want} - {int(c.rank_dc[m])}):
+                    hops[2].append((layer, e, m, self._lead(m, b.holds, e, dc), "w"))
+                for h in want:
+                    lead = self._lead(m, b.holds, e, int(c.rank_dc[h]))
+                    if h != lead:
+                        hops[3].append((layer, e, lead, h, "w"))
+        return hops
 
     def step(self, world_counts: np.ndarray) -> None:
         """After the backward: replica gradients into masters (inside the DC to the DC's lead
         holder, then once per DC over the WAN), Adam on the masters of experts some token
         reached (``world_counts`` [L, E] > 0, the world's assignments), fresh weights back to
-        every replica (once per DC, then fanned out)."""
+        every replica (once per DC, then fanned out).
+
+        With a plan prepared (:meth:`prepare`), this step is its switch: the gradients of
+        the copies that computed under the committed plan go to the *new* plan's masters
+        (a moved master's weights and Adam state arrived in the background), which step
+        Adam, and the refresh fills the new plan's copies; then every layer switches. Only
+        the refresh of the new copies moves at the boundary (it would run anyway: fresh
+        weights must follow the last Adam step)."""
         self.opt_step += 1
-        c = self.comm
-        hops: list[list[Transfer]] = [[], [], [], []]  # grads in DC, WAN; weights WAN, in DC
-        for layer, moe in enumerate(self.layers):
-            plan = moe.plan
-            for e in range(moe.num_experts):
-                holders = np.flatnonzero(plan.holds[:, e] & c.live)
-                if holders.size < 2:
-                    continue
-                m = int(plan.master_rank[e])
-                for h in holders.tolist():
-                    lead = self._lead(plan, e, int(c.rank_dc[h]))
-                    if h != lead:
-                        hops[0].append((layer, e, h, lead, "g"))
-                        hops[3].append((layer, e, lead, h, "w"))
-                for dc in sorted({int(c.rank_dc[h]) for h in holders.tolist()} - {c.rank_dc[m]}):
-                    lead = self._lead(plan, e, dc)
-                    hops[1].append((layer, e, lead, m, "g"))
-                    hops[2].append((layer, e, m, lead, "w"))
+        self.switched = None
+        c, pend = self.comm, self.pending
+        landed = self._land(pend) if pend is not None else {}
+        old = [moe.plan for moe in self.layers]
+        new = pend.plans if pend is not None else old
+        hops = self._hops(old, new)
         acc: dict[tuple[int, int], list[torch.Tensor]] = {}
         for layer, moe in enumerate(self.layers):
             for e in moe.held():
@@ -87,22 +144,80 @@ class ExpertParallel:
                     for p in moe.expert(e)
                 ]
         for hop in hops[:2]:
-            for (layer, e), g in self._send(hop, lambda k: acc[k], self.wire.grads):
-                acc[(layer, e)] = [a + b.float() for a, b in zip(acc[(layer, e)], g, strict=True)]
-        for layer, moe in enumerate(self.layers):
-            for e, (m1, m2) in self.opt[layer].items():
-                if world_counts[layer, e] == 0:
-                    continue
-                for p, gp, mom, var in zip(moe.expert(e), acc[(layer, e)], m1, m2, strict=True):
-                    adam_(p, gp, mom, var, self.opt_step, self.lr)
+            for key, g in self._send(hop, lambda k: acc[k], self.wire.grads):
+                mine = acc.get(key) or [torch.zeros_like(t) for t in g]
+                acc[key] = [a + b.float() for a, b in zip(mine, g, strict=True)]
+        # the masters of the plan in force after this step: weights and Adam state
+        masters: dict[tuple[int, int], tuple[Any, State]] = {}
+        for layer, (moe, plan) in enumerate(zip(self.layers, new, strict=True)):
+            for e in np.flatnonzero(plan.master_rank == c.rank).tolist():
+                if (layer, e) in landed:
+                    w, m1, m2 = landed[(layer, e)]
+                    masters[(layer, e)] = (w, (m1, m2))
+                else:
+                    masters[(layer, e)] = (list(moe.expert(e)), self.opt[layer][e])
+        for (layer, e), (w, (m1, m2)) in masters.items():
+            if world_counts[layer, e] == 0:
+                continue
+            g = acc.get((layer, e)) or [torch.zeros_like(t) for t in w]
+            for p, gp, mom, var in zip(w, g, m1, m2, strict=True):
+                adam_(p, gp, mom, var, self.opt_step, self.lr)
+        fresh: dict[tuple[int, int], list[torch.Tensor]] = {}
+
+        def weights(k: tuple[int, int]) -> list[torch.Tensor]:
+            if k in fresh:
+                return fresh[k]  # a DC's lead forwards what crossed the WAN
+            return list(masters[k][0])
+
+        wire = pend.wire if pend is not None else self.wire
         for hop in hops[2:]:
-            fresh = self._send(
-                hop, lambda k: list(self.layers[k[0]].expert(k[1])), self.wire.weights
-            )
+            fresh.update(self._send(hop, weights, wire.weights))
+        if pend is None:
             with torch.no_grad():
-                for (layer, e), ws in fresh:
+                for (layer, e), ws in fresh.items():
                     for p, f in zip(self.layers[layer].expert(e), ws, strict=True):
                         p.copy_(f)
+            return
+        self._switch(pend, masters, fresh, hops)
+
+    def _switch(
+        self,
+        pend: Pending,
+        masters: dict[tuple[int, int], tuple[Any, State]],
+        fresh: dict[tuple[int, int], list[torch.Tensor]],
+        hops: list[list[Transfer]],
+    ) -> None:
+        """Commit ``pend`` on this rank: every layer holds the new plan's copies."""
+        t0 = time.perf_counter()
+        c = self.comm
+        for layer, (moe, plan) in enumerate(zip(self.layers, pend.plans, strict=True)):
+            mine: dict[int, ExpertWeights] = {}
+            for e in plan.held_by(c.rank):
+                if (layer, e) in masters:
+                    mine[e] = tuple(masters[(layer, e)][0])
+                elif (layer, e) in fresh:
+                    mine[e] = tuple(t.float() for t in fresh[(layer, e)])  # type: ignore[assignment]
+                else:
+                    raise ValueError(f"rank {c.rank} lacks expert {e} of layer {layer}")
+            moe.set_plan(plan, mine)
+            self.opt[layer] = {e: st for (lyr, e), (_, st) in masters.items() if lyr == layer}
+        # what the boundary moved for the plan: the refresh's hops to copies the committed
+        # plan did not have (the rest of the refresh runs at every step)
+        per = sum(int(np.prod(t.shape)) for t in self._shapes()) * pend.wire.weights.itemsize
+        boundary = np.zeros((c.num_dcs, c.num_dcs), np.int64)
+        for layer, e, src, dst, _ in hops[2] + hops[3]:
+            if src == c.rank and not pend.had[layer][dst, e]:
+                boundary[c.rank_dc[src], c.rank_dc[dst]] += per
+        self.wire, self.version, self.pending = pend.wire, pend.version, None
+        self.switched = {
+            "version": pend.version,
+            "mode": "background",
+            "prepare_seconds": pend.prepare_seconds,
+            "wait_seconds": pend.wait_seconds,
+            "seconds": pend.prepare_seconds + pend.wait_seconds + time.perf_counter() - t0,
+            "background_bytes": pend.sent.tolist(),
+            "boundary_bytes": boundary.tolist(),
+        }
 
     def _send(
         self,
@@ -150,6 +265,87 @@ class ExpertParallel:
 
     # ---- plans ----
 
+    def prepare(
+        self,
+        version: int,
+        layers: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+        wire: WireFormat | None = None,
+    ) -> None:
+        """Start switching to plan ``version`` (every rank at once, at a step boundary they
+        agree on); per layer ``(phy2log [R, S], master [E], route [N, 4])``. What can move
+        ahead moves now, in the background on the world's second group while training goes
+        on: each moved master's float32 weights and Adam state, from the old master, as they
+        are after this boundary's Adam step. The next :meth:`step` is the switch: its
+        gradients go to the new masters, which step Adam themselves (so the state that
+        arrived stays exact), and its refresh fills the new copies (so nothing stale is
+        switched to). No token reaches a copy before that switch."""
+        t0 = time.perf_counter()
+        if version <= self.version:
+            raise ValueError(f"plan {version} is not newer than committed plan {self.version}")
+        if self.pending is not None:
+            raise ValueError(f"plan {self.pending.version} is still being prepared")
+        if len(layers) != len(self.layers):
+            raise ValueError(f"plan has {len(layers)} layers, the model {len(self.layers)}")
+        c = self.comm
+        plans = [
+            LayerPlan(Placement(np.asarray(p), np.asarray(m)), np.asarray(r)) for p, m, r in layers
+        ]
+        moves: list[Transfer] = []
+        for layer, (moe, plan) in enumerate(zip(self.layers, plans, strict=True)):
+            if (plan.placement.phy2log[~c.live] >= 0).any():
+                raise ValueError(
+                    f"plan {version} layer {layer} has copies on ranks not taking part"
+                )
+            old = moe.plan.master_rank
+            for e in np.flatnonzero(old != plan.master_rank).tolist():
+                moves.append((layer, e, int(old[e]), int(plan.master_rank[e]), "opt"))
+        shapes = [t.shape for t in self._shapes()] * 3
+        per = sum(int(np.prod(s)) for s in shapes)
+        send, recv = [0] * c.world.size, [0] * c.world.size
+        parts: list[torch.Tensor] = []
+        incoming: list[tuple[int, int]] = []
+        for layer, e, src, dst, _ in sorted(moves, key=lambda t: (t[3], t[0], t[1])):
+            if src == c.rank:
+                send[c.world.index[dst]] += per
+                m, v = self.opt[layer][e]
+                w = self.layers[layer].expert(e)
+                parts += [t.detach().reshape(-1) for t in (*w, *m, *v)]
+        for layer, e, src, dst, _ in sorted(moves, key=lambda t: (t[2], t[0], t[1])):
+            if dst == c.rank:
+                recv[c.world.index[src]] += per
+                incoming.append((layer, e))
+        before = c.bytes[KINDS.index("migration")].copy()
+        arrive: list[float] = []
+        got, work = None, None
+        if moves:  # every rank knows the same moves: all take part or none
+            flat = torch.cat(parts) if parts else torch.zeros(0, device=c.device)
+            got, work = c.all_to_all_async(flat, send, recv, c.world_aux, "migration", arrive)
+        self.pending = Pending(
+            version, plans, wire or WireFormat(), [moe.plan.holds.copy() for moe in self.layers],
+            incoming, got, work, arrive, c.bytes[KINDS.index("migration")] - before,
+            time.perf_counter() - t0,
+        )  # fmt: skip
+
+    def _land(self, pend: Pending) -> dict[tuple[int, int], tuple[list[torch.Tensor], ...]]:
+        """Wait for ``pend``'s background transfer (the wait is exposed: it was not hidden
+        by the step's compute); ``(layer, expert) -> (weights, m, v)`` that arrived here."""
+        t0 = time.perf_counter()
+        if pend.work is not None:
+            pend.work.wait()
+        self.comm.settle(max(pend.arrive, default=0.0))
+        shape = [t.shape for t in self._shapes()]
+        at = 0
+        for key in pend.incoming:
+            assert pend.got is not None
+            ts = []
+            for s in shape * 3:
+                n = int(np.prod(s))
+                ts.append(pend.got[at : at + n].reshape(s).clone())
+                at += n
+            pend.landed[key] = (ts[:3], ts[3:6], ts[6:])
+        pend.wait_seconds = time.perf_counter() - t0
+        return pend.landed
+
     def apply_plan(
         self,
         version: int,
@@ -162,6 +358,8 @@ class ExpertParallel:
         passes the same). Returns [D, D] bytes this rank's migration sent between DCs."""
         if version <= self.version:
             raise ValueError(f"plan {version} is not newer than committed plan {self.version}")
+        if self.pending is not None:
+            raise ValueError(f"plan {self.pending.version} is being prepared in the background")
         if len(layers) != len(self.layers):
             raise ValueError(f"plan has {len(layers)} layers, the model {len(self.layers)}")
         wire = wire or WireFormat()

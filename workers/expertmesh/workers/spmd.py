@@ -10,9 +10,12 @@ Every rank runs the same loop (:meth:`SpmdRank.train_step`):
    per DC pair, then broadcast inside the DC, and Adam; the experts' side is
    :class:`~expertmesh.workers.experts.ExpertParallel` (replica gradients into masters,
    masters' Adam, replica refresh);
-4. :meth:`SpmdRank.apply_plan`: at a step boundary every rank agrees on (the newest plan
-   every rank has received), the plan's migration rounds move copies and master state,
-   then every rank commits: no token is ever routed by a plan whose weights are missing.
+4. plan switches, at a step boundary every rank agrees on (the newest plan every rank has
+   received): :meth:`SpmdRank.prepare` starts moving the moved masters' weights and Adam
+   state in the background and the next step's sync is the switch (its gradients go to the
+   new masters, its refresh fills the new copies); or :meth:`SpmdRank.apply_plan` runs the
+   plan's migration rounds and commits at once. Either way no token is ever routed by a
+   plan whose weights are missing.
 """
 
 from __future__ import annotations
@@ -152,6 +155,29 @@ class SpmdRank:
         self.world_counts = flat[at:].reshape(counts.shape).cpu().numpy().astype(np.int64)  # [L, E]
         self.experts.step(self.world_counts)
 
+    def rebind(self, comm: Comm) -> None:
+        """Use ``comm``'s process groups from now on (after the groups re-formed); a plan in
+        preparation is dropped (it is prepared again at the next agreed boundary)."""
+        self.comm = comm
+        for moe in self.layers:
+            moe.rebind(comm)
+        self.experts.rebind(comm)
+
+    def prepare(
+        self,
+        version: int,
+        layers: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+        wire: WireFormat | None = None,
+    ) -> None:
+        """:meth:`ExpertParallel.prepare` (every rank at once); the next step switches."""
+        self.experts.prepare(version, layers, wire)
+
+    @property
+    def preparing(self) -> int:
+        """The version being prepared in the background (0: none)."""
+        pend = self.experts.pending
+        return 0 if pend is None else pend.version
+
     @property
     def version(self) -> int:
         """The committed plan's version."""
@@ -190,6 +216,7 @@ class SpmdRank:
             "shaped_seconds": c.shaped_seconds,
             "collectives": c.collectives,
             "version": self.experts.version,
+            "switched": self.experts.switched,  # a plan this step's sync switched to
             "seconds": dict(self.seconds),
         }
 
@@ -281,4 +308,5 @@ class RankSnapshot:
                         p.grad = None
         rank.dense_state = self.dense_state
         rank.experts.opt = self.opt
+        rank.experts.cancel()  # prepared again at the next agreed boundary
         rank.step, rank.opt_step, rank.experts.opt_step = self.step, self.opt_step, self.expert_step
