@@ -20,6 +20,7 @@ from expertmesh.controller.settings import SurfaceSettings
 from expertmesh.planner import ModelSpec, Topology, available_policies
 
 L, E = 4, 64
+K = 3  # microbatches per step the feeder records
 
 
 def _core() -> ControllerCore:
@@ -92,9 +93,15 @@ class Feeder:
         # the committed plan beside static EP on the same load
         per_layer = [core.newest_rank_tokens(layer) for layer in range(L)]
         static = [core.newest_rank_tokens(layer, static=True) for layer in range(L)]
+        per = [float(t.max() / t.mean()) for t in per_layer]  # [L]
+        # K microbatches: the first at the step's measured values, the others below them
+        mbs = [[max(1.0, v * (1 - 0.05 * i)) for v in per] for i in range(K)]
         tel.record_balance(
             self.step,
-            imbalance=max(float(t.max() / t.mean()) for t in per_layer),
+            microbatches=mbs,
+            within_dc=[[1.0 + (v - 1.0) / 2 for v in row] for row in mbs],
+            floor=[[1.0 + (v - 1.0) / 3 for v in row] for row in mbs],
+            imbalance=max(per),
             imbalance_static=max(float(t.max() / t.mean()) for t in static),
             balancedness=[float(t.mean() / t.max()) for t in per_layer],
             replicas=int(self.rng.integers(0, 20)),
@@ -185,19 +192,33 @@ def test_dashboard_shows_measured_balance_beside_static(browser, tmp_path):
         for _ in range(5):
             feeder.run_step()
         browser.navigate(f"{s.rest_url}/")
-        browser.wait_for("document.getElementById('balance-chart').dataset.points === '5'")
+        # every microbatch of every step is a point (not one per step)
+        browser.wait_for(f"document.getElementById('balance-chart').dataset.points === '{5 * K}'")
         recs = s.telemetry.balance.records()
         last = recs[-1]
         box = browser.eval("Object.assign({}, document.getElementById('balance-chart').dataset)")
         assert int(box["lastStep"]) == last.step == 4
-        assert box["lastMeasured"] == f"{last.imbalance:.4f}"
+        per_mb = [max(row) for row in last.microbatches]  # worst layer of each microbatch
+        assert len(per_mb) == K and max(per_mb) == last.imbalance
+        assert box["lastMicrobatches"] == ",".join(f"{v:.4f}" for v in per_mb)
+        assert box["lastMeasured"] == f"{per_mb[-1]:.4f}"
         assert box["lastStatic"] == f"{last.imbalance_static:.4f}"
+        table = browser.eval(
+            "[...document.querySelectorAll('#balance-mb tbody tr')]"
+            ".map(r => [r.dataset.microbatch, r.dataset.value, r.children[2].textContent,"
+            " r.children[3].textContent])"
+        )
+        assert table == [
+            [str(i), f"{per_mb[i]:.4f}", f"{max(last.within_dc[i]):.3f}",
+             f"{max(last.floor[i]):.3f}"]
+            for i in range(K)
+        ]  # fmt: skip
         assert browser.eval("document.querySelectorAll('#balance-chart canvas').length") >= 1
         legend = browser.eval(
             "[...document.querySelectorAll('#balance-chart .u-legend .u-label')]"
             ".map(x => x.textContent)"
         )
-        assert legend[1:] == ["measured", "static EP"], legend
+        assert legend[1:] == ["measured", "within DC", "cross-DC floor", "static EP"], legend
         rows = browser.eval(
             "[...document.querySelectorAll('#balance-layers .row')]"
             ".map(r => [r.dataset.layer, r.dataset.value, r.textContent])"

@@ -110,17 +110,29 @@ def test_spmd_training_equals_the_reference_under_plan_changes(
     for out in res:  # the dense model is the same everywhere and right
         for a, b in zip(out["dense"], ref.dense.parameters(), strict=True):
             np.testing.assert_allclose(a, b.detach().numpy(), atol=2e-6)
-    # a token crosses a DC pair at most once per layer: distinct tokens, not assignments
+    # a token crosses a DC pair at most once per layer and microbatch: distinct tokens, not
+    # assignments; the step's stats hold every microbatch's (totals, not the last one's)
     for out in res:
         for s in out["stats"]:
-            assert (s["crossings"] <= CFG.tokens_per_rank).all()
+            assert (s["crossings"] <= CFG.tokens_per_rank * k).all()
+            for layer in range(CFG.num_layers):
+                routed = s["routed"][layer]  # [N, 4] (rank, expert, dst, assignments)
+                assert routed[:, 3].sum() == CFG.tokens_per_rank * k * CFG.top_k
+                assert np.bincount(routed[:, 1], weights=routed[:, 3], minlength=CFG.num_experts
+                                   ).tolist() == s["load"][layer].tolist()  # fmt: skip
+                to_dc = np.bincount(topo.rank_dc[routed[:, 2]], weights=routed[:, 3],
+                                    minlength=dcs)  # fmt: skip
+                for b in range(dcs):  # distinct tokens: at least assignments / top_k
+                    if b != topo.rank_dc[s["rank"]]:
+                        assert to_dc[b] / CFG.top_k <= s["crossings"][layer, b] <= to_dc[b]
     assert sum(out["stats"][-1]["bytes"][2].sum() for out in res) > 0  # migrations crossed
     for step in range(1, STEPS):  # every rank switched at the same sync, to the same plan
         sw = [out["stats"][step]["switched"] for out in res]
         if background:
             assert [s and s["version"] for s in sw] == [step] * len(res), step
             assert all(s["mode"] == "background" for s in sw)
-        assert all(out["stats"][step]["version"] == step for out in res)
+        ran = step - 1 if background else step  # the plan the step's tokens were routed by
+        assert all(out["stats"][step]["version"] == ran for out in res)
     if background:  # moved masters travelled in the background; new copies at the switch
         moved = sum(np.sum(out["stats"][s]["switched"]["background_bytes"])
                     for out in res for s in range(1, STEPS))  # fmt: skip

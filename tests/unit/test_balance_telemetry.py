@@ -108,3 +108,51 @@ def test_bad_records_raise_and_change_nothing(kw, message):
     assert [r.step for r in tel.balance.records()] == [0]
     with pytest.raises(ValueError, match="step must be"):
         _step(tel, -1, np.full((4, L), 10))
+
+
+def test_every_microbatch_of_the_newest_step_is_a_series():
+    """Per microbatch and layer: measured max/mean, within-DC and cross-DC floor, computed
+    by the runtime controller from the tokens each rank computed in each microbatch."""
+    from expertmesh.runtime.controller import per_microbatch
+
+    rank_dc = np.array([0, 0, 1, 1])
+    computed = np.zeros((4, 2, L), np.int64)  # [R, k, L]
+    computed[:, 0, :] = [[10], [30], [20], [20]]  # DC 0: 40 tokens 10/30; DC 1: 20/20
+    computed[:, 1, :] = [[20], [20], [20], [20]]  # even
+    measured, within, floor = per_microbatch(computed, rank_dc)
+    assert measured == [[1.5] * L, [1.0] * L]  # max 30 over mean 20
+    assert within == [[1.5] * L, [1.0] * L]  # DC 0: 30 over its mean 20
+    assert floor == [[1.0] * L, [1.0] * L]  # both DCs' means 20 = the global mean
+    computed[:, 0, :] = [[30], [30], [10], [10]]  # balanced inside, DC 0 busier
+    measured, within, floor = per_microbatch(computed, rank_dc)
+    assert measured[0] == [1.5] * L and within[0] == [1.0] * L and floor[0] == [1.5] * L
+    tel = _tel()
+    ones = np.full((4, L), 50)
+    _step(tel, 0, ones, imbalance=1.5, microbatches=measured, within_dc=within, floor=floor)
+    got = _samples(tel)
+    for name, grid in (
+        ("expertmesh_microbatch_imbalance_ratio", measured),
+        ("expertmesh_within_dc_imbalance_ratio", within),
+        ("expertmesh_cross_dc_floor_ratio", floor),
+    ):
+        for i, row in enumerate(grid):
+            for layer, v in enumerate(row):
+                assert got[(name, (("layer", str(layer)), ("microbatch", str(i))))] == v, name
+    assert tel.balance.newest().microbatches == tuple(tuple(r) for r in measured)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"microbatches": [[1.2] * L], "imbalance": 1.3},  # the step's max must be the worst
+        {"microbatches": [[1.2] * (L - 1)], "imbalance": 1.2},  # one value per layer
+        {"microbatches": [[0.9] * L], "imbalance": 1.0},  # a ratio below 1
+        {"floor": [[1.1] * L], "within_dc": [[1.1] * L, [1.0] * L]},  # k differs
+        {"within_dc": [[math.nan] * L]},
+    ],
+)
+def test_bad_microbatch_grids_are_refused_and_nothing_recorded(bad):
+    tel = _tel()
+    with pytest.raises(ValueError):
+        _step(tel, 0, np.full((4, L), 50), **bad)
+    assert tel.balance.newest() is None

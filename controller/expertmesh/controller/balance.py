@@ -12,7 +12,13 @@ Series (absent until a step is recorded; no data is not a value):
   the newest step, per layer (vLLM's ``vllm:eplb_balancedness`` meaning);
 - ``expertmesh_measured_imbalance_ratio``: max over microbatches and layers of max/mean
   tokens computed per rank in the newest step;
-- ``expertmesh_static_imbalance_ratio``: what static EP would have had on the same tokens.
+- ``expertmesh_static_imbalance_ratio``: what static EP would have had on the same tokens;
+- per microbatch and layer of the newest step (labels ``microbatch``, ``layer``):
+  ``expertmesh_microbatch_imbalance_ratio`` (max/mean tokens computed per rank),
+  ``expertmesh_within_dc_imbalance_ratio`` (the worst DC's max/mean over its own ranks: what
+  the fast loop, which balances inside each DC, reaches) and
+  ``expertmesh_cross_dc_floor_ratio`` (the busiest DC's mean over the global mean: the
+  floor under the first that the slow loop's choice of experts per DC sets).
 
 Counters (0 until counted): ``expertmesh_fast_loop_replicas_total`` (replicas the fast loop
 added, summed over layers and domains), ``expertmesh_fast_loop_fanout_bytes_total`` (replica
@@ -50,6 +56,11 @@ class BalanceRecord:
     balance_seconds: float  # exposed: exchange + solve + fetch wait, max over ranks
     seconds: float  # end-to-end step
     at: float
+    # [k][L] per microbatch and layer (empty when the step did not say): measured max/mean,
+    # the worst DC's own max/mean, and the busiest DC's mean over the global mean
+    microbatches: tuple[tuple[float, ...], ...] = ()
+    within_dc: tuple[tuple[float, ...], ...] = ()
+    floor: tuple[tuple[float, ...], ...] = ()
 
 
 def _ratio(x: float, name: str, lo: float, hi: float) -> float:
@@ -97,8 +108,13 @@ class BalanceMetrics:
         balance_seconds: float,
         seconds: float,
         at: float,
+        microbatches: Sequence[Sequence[float]] = (),
+        within_dc: Sequence[Sequence[float]] = (),
+        floor: Sequence[Sequence[float]] = (),
     ) -> BalanceRecord:
-        """Validate and keep one step; ``ValueError`` (nothing recorded) on bad values."""
+        """Validate and keep one step; ``ValueError`` (nothing recorded) on bad values.
+        ``microbatches``, ``within_dc``, ``floor``: [k][L] ratios >= 1 (or empty), the same
+        k; ``imbalance`` is the max of ``microbatches`` when given."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         bal = tuple(float(b) for b in balancedness)
@@ -108,6 +124,17 @@ class BalanceMetrics:
             _ratio(b, "balancedness", 0.0, 1.0)
         if int(replicas) < 0 or int(fanout_bytes) < 0:
             raise ValueError("replicas and fanout_bytes must be >= 0")
+        per = {
+            name: self._grid(name, grid)
+            for name, grid in (("microbatches", microbatches), ("within_dc", within_dc),
+                               ("floor", floor))
+        }  # fmt: skip
+        sizes = {len(g) for g in per.values() if g}
+        if len(sizes) > 1:
+            raise ValueError("microbatches, within_dc and floor must have the same microbatches")
+        mbs = per["microbatches"]
+        if mbs and not math.isclose(max(max(r) for r in mbs), float(imbalance), rel_tol=1e-9):
+            raise ValueError("imbalance must be the largest of the microbatches' values")
         rec = BalanceRecord(
             step=int(step),
             imbalance=_ratio(imbalance, "imbalance", 1.0, math.inf),
@@ -118,6 +145,9 @@ class BalanceMetrics:
             balance_seconds=_ratio(balance_seconds, "balance_seconds", 0.0, math.inf),
             seconds=_ratio(seconds, "seconds", 0.0, math.inf),
             at=float(at),
+            microbatches=mbs,
+            within_dc=per["within_dc"],
+            floor=per["floor"],
         )
         with self._lock:
             self._records.append(rec)
@@ -125,6 +155,12 @@ class BalanceMetrics:
             self.fanout_bytes.inc(rec.fanout_bytes)
             self.seconds.observe(rec.balance_seconds)
         return rec
+
+    def _grid(self, name: str, grid: Sequence[Sequence[float]]) -> tuple[tuple[float, ...], ...]:
+        rows = tuple(tuple(_ratio(x, name, 1.0, math.inf) for x in row) for row in grid)
+        if any(len(r) != self.num_layers for r in rows):
+            raise ValueError(f"{name} must be [k][{self.num_layers}]")
+        return rows
 
     def records(self, since: int = 0) -> list[BalanceRecord]:
         """Kept records of steps ``>= since``, oldest first."""
@@ -166,4 +202,24 @@ class _Collector:
             "Max/mean tokens per rank static EP would have had on the newest step's tokens",
         )
         static.add_metric([], rec.imbalance_static)
-        return [bal, measured, static]
+        out = [bal, measured, static]
+        for name, doc, grid in (
+            ("expertmesh_microbatch_imbalance_ratio",
+             "Max/mean tokens computed per rank, per microbatch and layer of the newest step",
+             rec.microbatches),
+            ("expertmesh_within_dc_imbalance_ratio",
+             "The worst DC's max/mean tokens computed over its own ranks (what the fast loop "
+             "reaches), per microbatch and layer of the newest step", rec.within_dc),
+            ("expertmesh_cross_dc_floor_ratio",
+             "The busiest DC's mean tokens per rank over the global mean (the floor the slow "
+             "loop's experts per DC set), per microbatch and layer of the newest step",
+             rec.floor),
+        ):  # fmt: skip
+            if not grid:
+                continue
+            g = GaugeMetricFamily(name, doc, labels=["microbatch", "layer"])
+            for i, row in enumerate(grid):
+                for layer, x in enumerate(row):
+                    g.add_metric([str(i), str(layer)], x)
+            out.append(g)
+        return out

@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -285,13 +285,18 @@ class Telemetry:
         fanout_bytes: int,
         balance_seconds: float,
         seconds: float,
+        microbatches: Sequence[Sequence[float]] = (),
+        within_dc: Sequence[Sequence[float]] = (),
+        floor: Sequence[Sequence[float]] = (),
     ) -> BalanceRecord:
         """Record what the fast loop did in one SPMD step (measured from the tokens each rank
-        computed; see :mod:`expertmesh.controller.balance`). ``ValueError`` on bad values."""
+        computed; see :mod:`expertmesh.controller.balance`): ``microbatches``, ``within_dc``,
+        ``floor`` [k][L] per microbatch and layer. ``ValueError`` on bad values."""
         return self.balance.record(
             step, imbalance=imbalance, imbalance_static=imbalance_static,
             balancedness=balancedness, replicas=replicas, fanout_bytes=fanout_bytes,
             balance_seconds=balance_seconds, seconds=seconds, at=self._clock(),
+            microbatches=microbatches, within_dc=within_dc, floor=floor,
         )  # fmt: skip
 
     def set_worker_state(self, rank: int, up: bool) -> None:

@@ -48,7 +48,10 @@ is a plain loop over the few pieces and receivers (a few dozen); the search step
 from the lower bound by the secant of the shortfall (tokens a probe leaves unplaced),
 then checks ``T - 1`` and bisects, about 3-6 probes a solve where bisection took 10-20;
 only the replicated experts' tokens are split (``[C, R_src]``), every other expert goes
-whole to its home without rows. Figures: ``docs/benchmarks.md`` (``make bench-balance``).
+whole to its home without rows. Up to ``SMALL_DOMAIN_SLOTS`` slots (8-16 ranks) the setup,
+the replica table and the split run in plain Python over lists (each numpy call costs
+about 1 us, more than the arithmetic at that size; profiled at 8 ranks the numpy split
+was 45% of a solve); the same results as the numpy forms used above that size. Figures: ``docs/benchmarks.md`` (``make bench-balance``).
 """
 
 from __future__ import annotations
@@ -446,6 +449,27 @@ def replica_table(
     return replicas, work + moved.astype(np.int64)
 
 
+def _replica_table_lists(
+    segs: list[Segment], empty: np.ndarray, num_slots: int, home_rank: np.ndarray, work: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`replica_table` in plain Python over lists, for a small domain; the same
+    results."""
+    free: dict[int, list[int]] = {}
+    for f in empty.tolist():
+        free.setdefault(f // num_slots, []).append(f)
+    used: dict[int, int] = {}
+    tokens = work.tolist()
+    home = home_rank.tolist()
+    rows = []
+    for e, r, t, _ in segs:
+        i = used.get(r, 0)
+        used[r] = i + 1
+        rows.append((r, free[r][i] % num_slots, e))
+        tokens[r] += t
+        tokens[home[e]] -= t
+    return np.array(rows, np.int64).reshape(-1, 3), np.array(tokens, np.int64)
+
+
 def _split(
     counts: np.ndarray, home_rank: np.ndarray, seg: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -492,6 +516,54 @@ def _split(
     return c_rank, np.concatenate([seg[:, 0], hot]), split
 
 
+def _split_lists(
+    counts: np.ndarray, home_rank: np.ndarray, seg: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_split` in plain Python over lists, for a small domain (a few dozen copies
+    and sources: cheaper than its ~40 numpy calls); the same results."""
+    num_src, n = counts.shape[0], seg.shape[0]
+    if not n:
+        z = np.zeros(0, np.int64)
+        return z, z, np.zeros((0, num_src), np.int64)
+    rows = seg.tolist()
+    hot = sorted({r[0] for r in rows})
+    at = {e: i for i, e in enumerate(hot)}
+    left = counts.T[hot].tolist()  # [K][R_src]
+    c_col = [at[r[0]] for r in rows] + list(range(len(hot)))
+    c_rank = [r[1] for r in rows] + home_rank[hot].tolist()
+    need = [r[2] for r in rows] + [sum(x) for x in left]
+    for e, _, t, _ in rows:
+        need[n + at[e]] -= t
+    own = [min(nd, left[c][r]) for nd, c, r in zip(need, c_col, c_rank, strict=True)]
+    before = [left[c][r] for c, r in zip(c_col, c_rank, strict=True)]
+    for c, r, b, o in zip(c_col, c_rank, before, own, strict=True):
+        left[c][r] = b - o  # own rank first (taken from the counts before any copy's)
+    need = [nd - o for nd, o in zip(need, own, strict=True)]
+    split: list[list[int]] = [[] for _ in range(n)]
+    passes = max(r[3] for r in rows) + 1
+    order = range(num_src)
+    for j in range(passes):
+        for i in [i for i in range(n) if rows[i][3] == j]:  # one copy per expert a pass
+            w, nd = left[c_col[i]], need[i]
+            tot = max(sum(w), 1)
+            share, rem = zip(*(divmod(x * nd, tot) for x in w), strict=True)
+            share = list(share)
+            short = nd - sum(share)
+            if short > 0:  # one more token to the largest remainders, lower source first
+                for src in sorted(order, key=lambda q: (-rem[q], q))[:short]:
+                    share[src] += 1
+            left[c_col[i]] = [x - y for x, y in zip(w, share, strict=True)]
+            split[i] = share
+    split += [list(x) for x in left]
+    for i, (r, o) in enumerate(zip(c_rank, own, strict=True)):
+        split[i][r] += o
+    return (
+        np.array(c_rank, np.int64),
+        np.array([r[0] for r in rows] + hot, np.int64),
+        np.array(split, np.int64).reshape(-1, num_src),
+    )
+
+
 def balance_domain(
     counts: np.ndarray, phy2log: np.ndarray, settings: BalanceSettings = DEFAULTS
 ) -> DomainBalance:
@@ -504,8 +576,14 @@ def balance_domain(
     pb, home_rank, empty = setup(demand, phy2log, settings.max_replicas_per_expert)
     quota, smallest, segs = choose(pb, settings)
     seg = np.array(segs, np.int64).reshape(-1, 4)  # [N] expert, rank, tokens, j
-    replicas, rank_tokens = replica_table(seg, empty, phy2log.shape[1], home_rank, pb.work)
-    copy_rank, copy_expert, split = _split(counts, home_rank, seg)
+    if phy2log.size <= SMALL_DOMAIN_SLOTS:  # plain Python: fewer than numpy's per-call costs
+        replicas, rank_tokens = _replica_table_lists(
+            segs, empty, phy2log.shape[1], home_rank, pb.work
+        )
+        copy_rank, copy_expert, split = _split_lists(counts, home_rank, seg)
+    else:
+        replicas, rank_tokens = replica_table(seg, empty, phy2log.shape[1], home_rank, pb.work)
+        copy_rank, copy_expert, split = _split(counts, home_rank, seg)
     return DomainBalance(
         quota=quota,
         smallest=smallest,

@@ -36,13 +36,27 @@ __all__ = ["ControllerActor", "SpmdSteps", "last_line", "weights_digest"]
 log = logging.getLogger(__name__)
 
 
-def _worst(reports: dict[int, dict[str, Any]], ranks: list[int]) -> float:
-    """Max over the step's microbatches and layers of max/mean assignments computed over
-    the ranks that reported."""
-    per = np.stack([np.asarray(reports[r]["computed_mb"]) for r in ranks])  # [R', k, L]
-    return max(
-        imbalance(per[:, i, layer]) for i in range(per.shape[1]) for layer in range(per.shape[2])
-    )
+def per_microbatch(
+    computed: np.ndarray, rank_dc: np.ndarray
+) -> tuple[list[list[float]], list[list[float]], list[list[float]]]:
+    """Per microbatch and layer of one step, from ``computed`` [R', k, L] (assignments each
+    reporting rank computed) and ``rank_dc`` [R'] (their DCs), three [k][L] grids:
+
+    - measured: max/mean over the ranks;
+    - within DC: the worst DC's max/mean over its own ranks (what balancing inside each
+      DC reaches);
+    - floor: the busiest DC's mean over the global mean (measured <= within x floor, and
+      no balancing inside DCs goes below the floor)."""
+    dcs = [rank_dc == d for d in np.unique(rank_dc)]
+    measured, within, floor = [], [], []
+    for i in range(computed.shape[1]):
+        per = computed[:, i, :]  # [R', L]
+        measured.append([imbalance(per[:, layer]) for layer in range(per.shape[1])])
+        within.append([max(imbalance(per[m, layer]) for m in dcs) for layer in range(per.shape[1])])
+        mean = per.mean(axis=0)  # [L]
+        busiest = np.max([per[m].mean(axis=0) for m in dcs], axis=0)  # [L]
+        floor.append([float(b / a) if a > 0 else 1.0 for a, b in zip(mean, busiest, strict=True)])
+    return measured, within, floor
 
 
 class SpmdSteps:
@@ -139,6 +153,8 @@ class SpmdSteps:
             np.add.at(static[layer], self._static_owner, load[layer])
         alive = np.asarray(ranks)
         seconds = max(float(reports[r]["wall_seconds"]) for r in ranks)
+        per_mb = np.stack([np.asarray(reports[r]["computed_mb"]) for r in ranks])  # [R', k, L]
+        measured, within, floor = per_microbatch(per_mb, self.topology.rank_dc[alive])
         loss = float(sum(reports[r]["loss"] for r in ranks))
         self.telemetry.record_step(
             step, seconds, loss, computed.sum(axis=1),
@@ -154,7 +170,10 @@ class SpmdSteps:
                 "step_seconds": max(float(reports[r]["seconds"]["step"]) for r in ranks),
                 "seconds": seconds,
                 "control_seconds": time.perf_counter() - t0,
-                "imbalance": _worst(reports, ranks),  # the worst microbatch and layer
+                "imbalance": max(max(row) for row in measured),  # worst microbatch and layer
+                "imbalance_microbatches": measured,  # [k][L]
+                "imbalance_within_dc": within,  # [k][L]
+                "imbalance_floor": floor,  # [k][L]
                 "imbalance_static": max(
                     imbalance(static[layer, alive]) for layer in range(num_layers)
                 ),
@@ -181,7 +200,7 @@ class SpmdSteps:
             step, imbalance=res["imbalance"], imbalance_static=res["imbalance_static"],
             balancedness=res["balancedness"], replicas=res["replicas"],
             fanout_bytes=res["fanout_bytes"], balance_seconds=res["balance_seconds"],
-            seconds=seconds,
+            seconds=seconds, microbatches=measured, within_dc=within, floor=floor,
         )  # fmt: skip
 
     def _offer(self, step: int) -> dict[str, Any]:

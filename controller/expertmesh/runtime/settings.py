@@ -121,7 +121,13 @@ class StepResult(BaseModel):
     step_seconds: float  # forward, backward and gradient sync (max over ranks)
     control_seconds: float
     seconds: float | None = None  # end to end: everything the step's wall time holds
-    imbalance: float  # max over layers of max/mean assignments computed per rank
+    imbalance: float  # max over microbatches and layers of max/mean assignments computed
+    # per microbatch and layer [k][L]: max/mean; the worst DC's own max/mean (what the fast
+    # loop reaches inside DCs); the busiest DC's mean over the global mean (the cross-DC
+    # floor the slow loop's experts per DC set)
+    imbalance_microbatches: list[list[float]] | None = None
+    imbalance_within_dc: list[list[float]] | None = None
+    imbalance_floor: list[list[float]] | None = None
     imbalance_static: float | None = None  # what static EP would have had on the same tokens
     imbalance_before: float | None = None  # of the plan made after this step (max over layers)
     imbalance_after: float | None = None

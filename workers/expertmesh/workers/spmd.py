@@ -75,7 +75,10 @@ class SpmdRank:
         self._counts = np.zeros((cfg.num_layers, cfg.num_experts), np.int64)
         self._computed = np.zeros((cfg.microbatches, cfg.num_layers), np.int64)
         self._fast: list[Any] = [np.zeros(cfg.num_layers, np.int64), 0, 0.0]
+        self._crossings = np.zeros((cfg.num_layers, comm.num_dcs), np.int64)
+        self._routed = [np.zeros((0, 4), np.int64) for _ in range(cfg.num_layers)]
         self.seconds: dict[str, float] = {}
+        self._ran = 0
 
     def _dparams(self) -> list[torch.Tensor]:
         return list(self.dense.parameters())
@@ -90,6 +93,7 @@ class SpmdRank:
             raise ValueError(f"step {step} is not after step {self.step}")
         t0 = time.perf_counter()
         self.step = step
+        self._ran = self.experts.version  # a switch in this step's sync comes after
         for p in self._dparams():
             p.grad = None
         for moe in self.layers:
@@ -102,6 +106,8 @@ class SpmdRank:
         counts = np.zeros((len(self.layers), self.cfg.num_experts), np.int64)
         computed = np.zeros((k, len(self.layers)), np.int64)  # [k, L] per microbatch
         fast: list[Any] = [np.zeros(len(self.layers), np.int64), 0, 0.0]  # summed over k
+        crossings = np.zeros((len(self.layers), self.comm.num_dcs), np.int64)  # [L, D]
+        routed: list[list[np.ndarray]] = [[] for _ in self.layers]
         for i in range(k):  # gradients accumulate over the microbatches
             x, y = self.corpus.batch(self.cfg, step * k + i, self.rank)
             x, y = x.to(self.comm.device), y.to(self.comm.device)
@@ -111,6 +117,8 @@ class SpmdRank:
                 h = a + moe(u).reshape(a.shape)
                 counts[layer] += moe.counts
                 computed[i, layer] = moe.computed
+                crossings[layer] += moe.crossings
+                routed[layer].append(moe.routed)
                 if self.report is not None:
                     self.report(layer, moe.counts)
             loss = self.dense.loss_sum(h, y) / total
@@ -122,6 +130,7 @@ class SpmdRank:
                 fast[2] += moe.balance_seconds + moe.fetch_wait_seconds
             self.loss += float(loss.detach())
         self._counts, self._computed, self._fast = counts, computed, fast
+        self._crossings, self._routed = crossings, [_sum_rows(r) for r in routed]
         t1 = time.perf_counter()
         self.sync(offer)
         t2 = time.perf_counter()
@@ -210,12 +219,14 @@ class SpmdRank:
             "balance_seconds": float(self._fast[2]),
             "load": self._counts.copy(),  # [L, E] summed over the step's microbatches
             "expert_seconds": np.array([m.expert_seconds for m in self.layers]),  # [L]
-            "crossings": np.stack([m.crossings for m in self.layers]),  # [L, D]
-            "routed": [m.routed.copy() for m in self.layers],  # per layer [N, 4]
+            # summed over the step's microbatches: distinct tokens sent to each DC [L, D] and
+            # per layer [N, 4] (rank, expert, dst, assignments) dispatched
+            "crossings": self._crossings.copy(),
+            "routed": [r.copy() for r in self._routed],
             "bytes": c.bytes.copy(),  # [3, D, D] cumulative, by KINDS
             "shaped_seconds": c.shaped_seconds,
             "collectives": c.collectives,
-            "version": self.experts.version,
+            "version": self._ran,  # the plan the step's tokens were routed by
             "switched": self.experts.switched,  # a plan this step's sync switched to
             "seconds": dict(self.seconds),
         }
@@ -275,6 +286,15 @@ class SpmdRank:
         if expert not in moe.held():
             return None
         return [t.detach().cpu().numpy().copy() for t in moe.expert(expert)]
+
+
+def _sum_rows(parts: list[np.ndarray]) -> np.ndarray:
+    """Rows ``(rank, expert, dst, count)`` [N, 4] of several microbatches, one row per
+    ``(rank, expert, dst)`` with the counts summed (sorted)."""
+    rows = np.concatenate([*parts, np.zeros((0, 4), np.int64)])
+    keys, inv = np.unique(rows[:, :3], axis=0, return_inverse=True)
+    total = np.bincount(inv.reshape(-1), weights=rows[:, 3], minlength=len(keys))
+    return np.concatenate([keys, total.astype(np.int64)[:, None]], axis=1).astype(np.int64)
 
 
 class RankSnapshot:

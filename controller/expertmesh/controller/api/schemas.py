@@ -293,6 +293,20 @@ class BalanceStepOut(_Out):
     )
     seconds: float = Field(description="end-to-end step")
     at: float
+    microbatches: list[list[float]] = Field(
+        default_factory=list,
+        description="[k][L] max/mean tokens computed per rank, per microbatch and layer",
+    )
+    within_dc: list[list[float]] = Field(
+        default_factory=list,
+        description="[k][L] the worst DC's max/mean over its own ranks (what the fast loop, "
+        "balancing inside each DC, reaches)",
+    )
+    floor: list[list[float]] = Field(
+        default_factory=list,
+        description="[k][L] the busiest DC's mean tokens per rank over the global mean (the "
+        "floor the slow loop's experts per DC set under the measured imbalance)",
+    )
 
 
 class BalanceOut(_Out):

@@ -72,7 +72,8 @@ def layer_out(st: LayerStats) -> s.LayerOut:
 
 
 def balance_out(rec: BalanceRecord) -> s.BalanceStepOut:
-    return s.BalanceStepOut(**{**vars(rec), "balancedness": list(rec.balancedness)})
+    grids = {k: [list(r) for r in getattr(rec, k)] for k in ("microbatches", "within_dc", "floor")}
+    return s.BalanceStepOut(**{**vars(rec), "balancedness": list(rec.balancedness), **grids})
 
 
 def summary_out(sm: PlanSummary) -> s.PlanSummaryOut:
