@@ -76,16 +76,24 @@ def topology(dcs: int, gbps: float, latency_ms: float = LATENCY_MS) -> Topology:
     )
 
 
-def settings(topo: Topology, lm: LMConfig, mode: str, args: argparse.Namespace) -> RuntimeSettings:
+def settings(
+    topo: Topology,
+    lm: LMConfig,
+    mode: str,
+    args: argparse.Namespace,
+    migration: str = "background",
+    every: int | None = None,
+) -> RuntimeSettings:
     policy, fast = MODES[mode]
     return RuntimeSettings(
         topology=topo.to_dict(),
         lm=lm,
         policy=policy,
         policy_settings={"reserve_slots": 1} if policy == "hybrid" and fast else {},
-        trigger=Trigger(mode="every_n", every=args.every),
+        trigger=Trigger(mode="every_n", every=every or args.every),
         balance=fast,
         corpus_bytes=args.corpus_bytes,
+        migration=migration,  # type: ignore[arg-type]
     )
 
 
@@ -100,6 +108,70 @@ def floor(run: SpmdRun, steps: list[Any]) -> list[float]:
             means = [t[rank_dc == d].mean() for d in range(int(rank_dc.max()) + 1)]
             out.append(float(max(means) / t.mean()))
     return out
+
+
+def within_and_floor(run: SpmdRun, steps: list[Any]) -> dict[str, Any]:
+    """Per microbatch and layer (the controller's grids): the worst DC's own max/mean (what
+    the fast loop reaches inside DCs) and the floor (busiest DC's mean / global mean); and
+    what lowering the floor to 1 by routing tokens across DCs would cost and save per step:
+    the busiest DC hands its excess assignments (its mean over the global mean, times its
+    ranks) to the others, each an activation out and its result back, forward and backward
+    (4 x hidden float32; an upper bound: assignments, not distinct tokens), over one DC
+    pair's link; it saves the busiest ranks that excess over their ranks at the measured
+    expert seconds per assignment."""
+    topo = Topology.from_dict(run.settings.topology)
+    rank_dc = np.asarray(topo.rank_dc)
+    within = [x for s in steps for row in (s.imbalance_within_dc or []) for x in row]
+    floors = [x for s in steps for row in (s.imbalance_floor or []) for x in row]
+    excess, saved = [], []
+    for s in steps:
+        per = np.asarray(s.tokens_per_layer_rank, dtype=np.float64)  # [L, R] over the step
+        dcs = [rank_dc == d for d in range(topo.num_dcs)]
+        busiest = np.max([per[:, m].mean(axis=1) for m in dcs], axis=0)  # [L]
+        over = (busiest - per.mean(axis=1)) * RANKS_PER_DC  # [L] assignments to hand off
+        excess.append(float(over.sum()))
+        saved.append(float((over / RANKS_PER_DC).sum()) * (s.expert_seconds_per_assignment or 0))
+    per_assignment = 4 * run.settings.lm.hidden * 4  # bytes: out, back, forward, backward
+    wan = statistics.median(excess) * per_assignment
+    return {
+        "median_within_dc": statistics.median(within) if within else float("nan"),
+        "median_floor_grid": statistics.median(floors) if floors else float("nan"),
+        "floor_excess_assignments": statistics.median(excess),
+        "floor_wan_bytes": wan,
+        "floor_wan_seconds": {
+            f"{g:g}": wan * 8 / (g * 1e9) for g in (1.0, 0.1, 0.02)
+        },  # at 1 Gbit/s, 100 and 20 Mbit/s
+        "floor_saved_seconds": statistics.median(saved),
+    }
+
+
+def migration_row(label: str, run: SpmdRun) -> dict[str, Any]:
+    """Per plan switch: seconds it held the critical path (max over ranks; boundary: the
+    migration rounds and switch; background: starting the transfer, waiting for what had
+    not landed, switching) and cross-DC bytes at the boundary vs in the background; and
+    the step-time view: the steps a switch touched (background: the one that started the
+    transfer too) against the median of the others, per switch."""
+    sw = [s for s in run.steps[1:] if s.switch]
+    background = run.settings.migration == "background"
+    touched = {s.step for s in sw} | ({s.step - 1 for s in sw} if background else set())
+    others = [s.seconds for s in run.steps[1:] if s.step not in touched]
+    base = statistics.median(others) if others else float("nan")
+    extra = sum(s.seconds - base for s in run.steps[1:] if s.step in touched)  # type: ignore[operator]
+    med = statistics.median
+    return {
+        "mode": label,
+        "migration": run.settings.migration,
+        "switches": len(sw),
+        "critical_seconds": med(s.switch["seconds"] for s in sw) if sw else float("nan"),
+        "wait_seconds": med(s.switch["wait_seconds"] for s in sw) if sw else float("nan"),
+        "boundary_mb": med(s.switch["boundary_bytes"] for s in sw) / 1e6 if sw else 0.0,
+        "background_mb": med(s.switch["background_bytes"] for s in sw) / 1e6 if sw else 0.0,
+        "step_extra_seconds": extra / len(sw) if sw else float("nan"),
+        "median_other_seconds": base,
+        "losses": [s.loss for s in run.steps],
+        "switch_steps": [s.step for s in sw],
+        "seconds": [s.seconds for s in run.steps],
+    }
 
 
 def balanced_steps(run: SpmdRun) -> list[Any]:
@@ -120,6 +192,7 @@ def balance_row(label: str, run: SpmdRun, base: SpmdRun | None) -> dict[str, Any
         "median_worst_layer": statistics.median(s.imbalance for s in steps),
         "median_static_same_tokens": statistics.median(s.imbalance_static or 0.0 for s in steps),
         "median_floor": statistics.median(floor(run, steps)),
+        **within_and_floor(run, steps),
         "median_seconds": med,
         "median_balance_fraction": statistics.median(
             s.balance_seconds / s.seconds  # type: ignore[operator]
@@ -145,11 +218,24 @@ def balance_row(label: str, run: SpmdRun, base: SpmdRun | None) -> dict[str, Any
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     lm = LMConfig(num_experts=EXPERTS, batch=args.batch)
-    out: dict[str, Any] = {"balance": [], "links": [], "calibrations": []}
+    out: dict[str, Any] = {"balance": [], "links": [], "calibrations": [], "migration": []}
     with SharedCluster(3) as cluster:
         print(f"cluster up in {cluster.start_seconds:.1f}s", flush=True)
         if not args.quick:
             run_spmd(settings(topology(3, 1e4, 0.0), lm, "static", args), 2)  # warm-up, unused
+        for gbps in args.migration_gbps:  # background vs boundary migration, same run
+            group = {}
+            for mig in ("boundary", "background"):
+                st = settings(topology(3, gbps), lm, "hybrid + fast loop", args, mig, every=2)
+                group[mig] = run_spmd(st, args.migration_steps)
+            ref = [s.loss for s in group["boundary"].steps]
+            for run in group.values():
+                r = {"gbps": gbps, **migration_row("hybrid + fast loop", run)}
+                r["max_loss_diff_vs_boundary"] = max(
+                    abs(a - b) / abs(b) for a, b in zip(r["losses"], ref, strict=True)
+                )
+                out["migration"].append(r)
+                print(f"  {_mline(r)}", flush=True)
         topo = topology(3, args.gbps)
         runs = {m: run_spmd(settings(topo, lm, m, args), args.steps) for m in MODES}
         for mode, run in runs.items():
@@ -198,9 +284,20 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _mline(r: dict[str, Any]) -> str:
+    return (
+        f"{r['gbps'] * 1000:g} Mbit/s {r['migration']:10s} {r['switches']} switches: "
+        f"{r['critical_seconds'] * 1e3:.1f} ms on the critical path (wait "
+        f"{r['wait_seconds'] * 1e3:.1f} ms), {r['boundary_mb']:.3f} MB at the boundary, "
+        f"{r['background_mb']:.3f} MB in the background; steps touched +"
+        f"{r['step_extra_seconds']:.3f} s per switch"
+    )
+
+
 def _bline(r: dict[str, Any]) -> str:
     return (
-        f"{r['mode']:22s} max/mean {r['median_max_over_mean']:.3f} (floor "
+        f"{r['mode']:22s} max/mean {r['median_max_over_mean']:.3f} (within DC "
+        f"{r['median_within_dc']:.3f}, floor "
         f"{r['median_floor']:.3f}, static same tokens {r['median_static_same_tokens']:.2f}) "
         f"step {r['median_seconds']:.3f}s x{r.get('speedup_vs_static', 1.0):.2f} vs static, "
         f"balancing {r['median_balance_fraction']:.1%} of the step"
@@ -217,6 +314,37 @@ def _lline(r: dict[str, Any]) -> str:
 
 def markdown(result: dict[str, Any]) -> str:
     lines = [
+        "| inter-DC | migration | switches | critical path ms / switch | of it waiting ms "
+        "| cross-DC MB at the boundary / switch | cross-DC MB in the background / switch "
+        "| steps touched, s over the others / switch | median other step s "
+        "| max loss diff vs boundary |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result.get("migration", []):
+        lines.append(
+            f"| {r['gbps'] * 1000:g} Mbit/s | {r['migration']} | {r['switches']} "
+            f"| {r['critical_seconds'] * 1e3:.1f} | {r['wait_seconds'] * 1e3:.1f} "
+            f"| {r['boundary_mb']:.3f} | {r['background_mb']:.3f} "
+            f"| {r['step_extra_seconds']:+.3f} | {r['median_other_seconds']:.3f} "
+            f"| {r['max_loss_diff_vs_boundary']:.1e} |"
+        )
+    lines += [
+        "",
+        "| mode | within DC max/mean, median | floor, median | excess assignments of the "
+        "busiest DC / step | WAN MB to route them / step | s at 1 Gbit/s | s at 100 Mbit/s "
+        "| s at 20 Mbit/s | expert s it would save / step |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["balance"]:
+        w = r["floor_wan_seconds"]
+        lines.append(
+            f"| {r['mode']} | {r['median_within_dc']:.3f} | {r['median_floor_grid']:.3f} "
+            f"| {r['floor_excess_assignments']:.0f} | {r['floor_wan_bytes'] / 1e6:.3f} "
+            f"| {w['1']:.4f} | {w['0.1']:.4f} | {w['0.02']:.3f} "
+            f"| {r['floor_saved_seconds']:.4f} |"
+        )
+    lines += [
+        "",
         "| mode | max/mean per microbatch and layer, median | max | worst layer per step, "
         "median | static EP on the same tokens | floor (max DC mean / mean) | median s/step "
         "| vs static | balancing % of step | replicas/step | fan-out MB/step |",
@@ -268,14 +396,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calib-steps", type=int, default=4, help="steps per calibration run")
     p.add_argument("--batch", type=int, default=LMConfig().batch, help="sequences per rank")
     p.add_argument("--corpus-bytes", type=int, default=300_000)
+    p.add_argument("--migration-steps", type=int, default=10, help="steps per migration row")
+    p.add_argument(
+        "--migration-gbps", default="1,0.02", help="inter-DC Gbit/s of the migration rows"
+    )
     p.add_argument("--quick", action="store_true", help="smoke run: tiny batch, few steps")
     p.add_argument("--json", type=Path, help="write every measurement here")
     args = p.parse_args(argv)
     args.dcs = [int(x) for x in args.dcs.split(",")]
     args.microbatches = [int(x) for x in args.microbatches.split(",")]
+    args.migration_gbps = [float(x) for x in args.migration_gbps.split(",")]
     if args.quick:
         args.steps, args.every, args.link_steps, args.calib_steps = 5, 2, 3, 3
         args.batch, args.dcs, args.microbatches = 4, [2], [2]
+        args.migration_steps, args.migration_gbps = 6, [1.0]
     if min(args.steps, args.link_steps, args.calib_steps) < 3:
         p.error("--steps, --link-steps and --calib-steps must be >= 3")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")

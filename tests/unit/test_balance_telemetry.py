@@ -113,7 +113,7 @@ def test_bad_records_raise_and_change_nothing(kw, message):
 def test_every_microbatch_of_the_newest_step_is_a_series():
     """Per microbatch and layer: measured max/mean, within-DC and cross-DC floor, computed
     by the runtime controller from the tokens each rank computed in each microbatch."""
-    from expertmesh.runtime.controller import per_microbatch
+    from expertmesh.runtime.stepstats import per_microbatch
 
     rank_dc = np.array([0, 0, 1, 1])
     computed = np.zeros((4, 2, L), np.int64)  # [R, k, L]

@@ -28,35 +28,13 @@ from expertmesh.planner.stepmodel import StepLayout, step_layout
 from expertmesh.runtime.actors import RayExecutor
 from expertmesh.runtime.membership import MembershipSteps
 from expertmesh.runtime.settings import NAMESPACE, RuntimeSettings, initial_placements
+from expertmesh.runtime.stepstats import per_microbatch, switch_summary
 from expertmesh.runtime.trace import migration_collectives
 from expertmesh.workers.engine import apply_plan, migration_rounds, recovery_rounds
 
 __all__ = ["ControllerActor", "SpmdSteps", "last_line", "weights_digest"]
 
 log = logging.getLogger(__name__)
-
-
-def per_microbatch(
-    computed: np.ndarray, rank_dc: np.ndarray
-) -> tuple[list[list[float]], list[list[float]], list[list[float]]]:
-    """Per microbatch and layer of one step, from ``computed`` [R', k, L] (assignments each
-    reporting rank computed) and ``rank_dc`` [R'] (their DCs), three [k][L] grids:
-
-    - measured: max/mean over the ranks;
-    - within DC: the worst DC's max/mean over its own ranks (what balancing inside each
-      DC reaches);
-    - floor: the busiest DC's mean over the global mean (measured <= within x floor, and
-      no balancing inside DCs goes below the floor)."""
-    dcs = [rank_dc == d for d in np.unique(rank_dc)]
-    measured, within, floor = [], [], []
-    for i in range(computed.shape[1]):
-        per = computed[:, i, :]  # [R', L]
-        measured.append([imbalance(per[:, layer]) for layer in range(per.shape[1])])
-        within.append([max(imbalance(per[m, layer]) for m in dcs) for layer in range(per.shape[1])])
-        mean = per.mean(axis=0)  # [L]
-        busiest = np.max([per[m].mean(axis=0) for m in dcs], axis=0)  # [L]
-        floor.append([float(b / a) if a > 0 else 1.0 for a, b in zip(mean, busiest, strict=True)])
-    return measured, within, floor
 
 
 class SpmdSteps:
@@ -192,6 +170,13 @@ class SpmdSteps:
                     1.0 / imbalance(computed[alive, layer]) for layer in range(num_layers)
                 ],
                 "ray_seconds": max(float(reports[r].get("ray_seconds", 0.0)) for r in ranks),
+                "switch": switch_summary(reports, ranks),
+                # measured expert compute per assignment (every rank's expert seconds over
+                # the assignments they computed): what a token moved off a busy rank saves
+                "expert_seconds_per_assignment": float(
+                    sum(float(np.sum(reports[r]["expert_seconds"])) for r in ranks)
+                    / max(int(computed.sum()), 1)
+                ),
                 **out,
             }
         )

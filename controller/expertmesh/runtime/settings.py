@@ -145,6 +145,10 @@ class StepResult(BaseModel):
     balance_seconds: float = 0.0  # counts exchange + solve + fetch, max over ranks
     balancedness: list[float] | None = None  # [L] mean / max tokens computed per rank
     ray_seconds: float | None = None  # on the workers, in Ray calls during the step
+    # the plan switch right after this step: mode, seconds on the critical path (max over
+    # ranks), wait_seconds, cross-DC bytes moved at the boundary and in the background
+    switch: dict[str, Any] | None = None
+    expert_seconds_per_assignment: float | None = None  # expert compute over assignments
 
 
 def source_roots() -> str:
