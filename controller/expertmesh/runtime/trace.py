@@ -126,6 +126,7 @@ class RunTrace:
             "encoding": policy,
             "policy": s.policy,
             "balance": s.balance,
+            "migration": s.migration,  # background: moved masters travel before the switch
             "microbatches": lm.microbatches,
             "tokens_per_rank": lm.tokens_per_rank,
             "steps": steps,
