@@ -546,8 +546,8 @@ def _split_lists(
         for i in [i for i in range(n) if rows[i][3] == j]:  # one copy per expert a pass
             w, nd = left[c_col[i]], need[i]
             tot = max(sum(w), 1)
-            share, rem = zip(*(divmod(x * nd, tot) for x in w), strict=True)
-            share = list(share)
+            parts = [divmod(x * nd, tot) for x in w]
+            share, rem = [p[0] for p in parts], [p[1] for p in parts]
             short = nd - sum(share)
             if short > 0:  # one more token to the largest remainders, lower source first
                 for src in sorted(order, key=lambda q: (-rem[q], q))[:short]:
