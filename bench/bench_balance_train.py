@@ -242,7 +242,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             r = balance_row(mode, run, runs["static"])
             out["balance"].append(r)
             print(f"  {args.gbps:g} Gbit/s {_bline(r)}", flush=True)
-        for dcs in args.dcs:
+        for dcs in args.dcs if args.links else []:
             free = topology(dcs, 1e4, 0.0)
             small = lm.model_copy(update={"batch": max(args.batch // 4, 1)})
             cal = calibrate(
@@ -397,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=LMConfig().batch, help="sequences per rank")
     p.add_argument("--corpus-bytes", type=int, default=300_000)
     p.add_argument("--migration-steps", type=int, default=10, help="steps per migration row")
+    p.add_argument(
+        "--no-links", dest="links", action="store_false", help="leave out part 3 (20 Mbit/s rows)"
+    )
     p.add_argument(
         "--migration-gbps", default="1,0.02", help="inter-DC Gbit/s of the migration rows"
     )
