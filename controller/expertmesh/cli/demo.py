@@ -115,13 +115,15 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--no-replace",
         action="store_true",
-        help="do not replace a dead worker (its rank stays out)",
+        help="do not replace a dead worker: its rank stays out, the others train on as a "
+        "smaller data-parallel group",
     )
     p.add_argument(
         "--step-deadline",
         type=float,
         default=0.0,
-        help="seconds after which a late step probes the DC links for a cut "
+        help="spmd: a collective that waits this long for a peer fails (a dead peer, a real "
+        "DC cut; default 0: 60 s); rounds: a late step probes the DC links for a cut "
         "(default 0: derived from the topology and model)",
     )
     p.add_argument(
