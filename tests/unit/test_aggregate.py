@@ -270,3 +270,82 @@ def test_dead_ranks_need_no_report_and_get_no_load():
     win = core.window(0)[-1]
     assert (win[[3, 5]] == 0).all()
     assert np.array_equal(win[4], (2 * load + N) // (2 * N))  # DC b's only live rank
+
+
+# ---- a whole step of a DC at once (what the SPMD runtime's DC lead feeds) ----
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31), window=st.integers(1, 4), per_rank=st.booleans())
+def test_add_rows_equals_one_report_at_a_time(seed, window, per_rank):
+    rng = np.random.default_rng(seed)
+    ranks = [5, 6, 7]
+    loads = rng.integers(0, 50, (3 * window + 1, 3, L, E))  # [T, n, L, E]
+    a = DcAggregator(2, ranks, L, E, window, per_rank=per_rank)
+    b = DcAggregator(2, ranks, L, E, window, per_rank=per_rank)
+    got_a: list[WindowReport] = []
+    got_b: list[WindowReport] = []
+    for t in range(loads.shape[0]):
+        got_a += a.add_rows(t, ranks, loads[t])
+        for i, r in enumerate(ranks):
+            for layer in range(L):
+                got_b += b.add(t, layer, r, loads[t, i, layer])
+    got_a += a.flush()
+    got_b += b.flush()
+    key = [(w.first_step, w.layer, w.steps, w.reports) for w in got_a]
+    assert key == [(w.first_step, w.layer, w.steps, w.reports) for w in got_b]
+    assert all(np.array_equal(x.load, y.load) for x, y in zip(got_a, got_b, strict=True))
+    for w in got_a:  # and each equals the plain sum
+        part = loads[w.first_step : w.last_step + 1, :, w.layer]  # [steps, n, E]
+        assert np.array_equal(w.load, part.sum(axis=0) if per_rank else part.sum(axis=(0, 1)))
+    assert a.counters() == b.counters()
+    assert a.received == a.applied == a.reports_sent == loads.shape[0] * 3 * L
+
+
+def test_add_rows_is_all_or_nothing():
+    agg = DcAggregator(0, [0, 1, 2], L, E, N)
+    ok = np.ones((2, L, E), np.int64)
+    assert agg.add_rows(0, [0, 1], ok) == []
+    bad = [
+        (0, [0, 1], ok),  # duplicate step
+        (1, [0, 3], ok),  # a rank of another DC
+        (1, [0, 0], ok),  # twice the same rank
+        (1, [0, 1], ok[:, :, :-1]),  # wrong shape
+        (1, [0, 1], -ok),
+        (1, [0, 1], ok * 0.5),
+    ]
+    for args in bad:
+        before = agg.counters()
+        with pytest.raises(ValueError):
+            agg.add_rows(*args)
+        after = agg.counters()
+        assert after["rejected"] == before["rejected"] + 2 * L  # every report of the call
+        assert after["applied"] == before["applied"] and after["pending"] == before["pending"]
+    assert agg.received == agg.applied + agg.rejected == 2 * L + len(bad) * 2 * L
+    assert agg.applied == agg.reports_sent + agg.pending_reports == 2 * L
+
+
+def test_an_aggregator_started_mid_window_expects_nothing_before_its_first_step():
+    """A replacement lead's aggregator: its first window closes at the window's last step,
+    holding only the steps it saw; steps before its start are refused."""
+    agg = DcAggregator(0, [0, 1], L, E, N, first_step=N + 2)
+    one = np.ones((2, L, E), np.int64)
+    with pytest.raises(ValueError, match="step must be in"):
+        agg.add_rows(N + 1, [0, 1], one)
+    assert agg.add_rows(N + 2, [0, 1], one) == []
+    out = agg.add_rows(2 * N - 1, [0, 1], one)  # the window's last step
+    assert [(w.first_step, w.steps, w.reports) for w in out] == [(N, 2, 4)] * L
+    assert all(np.array_equal(w.load, np.full(E, 4)) for w in out)
+    assert agg.received == agg.applied + agg.rejected and agg.pending_reports == 0
+
+
+def test_pending_windows_dropped_by_a_membership_change_are_counted():
+    topo = _topo()
+    core = _core(topo)
+    load = np.full(E, 10, np.int64)
+    core.report_windows([_window(dc=0, load=load, reports=7), _window(dc=1, load=load, reports=5)])
+    w = core.windows_in
+    assert (w.pending_dropped, w.dropped_rank_reports) == (0, 0)
+    core.set_dead_ranks([5])  # DC c dies before reporting: the pending window is dropped
+    assert (w.pending_dropped, w.dropped_rank_reports) == (1, 12)
+    assert w.rank_reports == 12 and core.window(0).shape[0] == 0

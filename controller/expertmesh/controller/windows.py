@@ -10,7 +10,9 @@ anything changes, so a refused report leaves the state as it was.
 
 Accounting: ``received == applied + rejected`` (window reports), and ``rank_reports`` sums
 the per-rank reports the applied ones stand for, so a DC aggregator's ``applied`` count can
-be reconciled with what reached the controller.
+be reconciled with what reached the controller; ``dropped_rank_reports`` counts those of
+them in pending windows dropped before they completed (membership changed, too many
+pending, a newer window completed first).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class WindowAssembler:
         self._pending: list[dict[int, _Pending]] = [{} for _ in range(num_layers)]
         self._newest: dict[int, WindowSums] = {}
         self.received = self.rejected = self.completed = self.rank_reports = 0
-        self.pending_dropped = 0
+        self.pending_dropped = self.dropped_rank_reports = 0
         self.set_live(np.ones(topology.num_ranks, bool))
 
     @property
@@ -66,11 +68,14 @@ class WindowAssembler:
         return self.received - self.rejected
 
     def set_live(self, live: np.ndarray) -> None:
-        """Ranks taking part from now on; pending windows are dropped (their DC sets changed)."""
+        """Ranks taking part from now on; pending windows are dropped (their DC sets changed)
+        and counted (``pending_dropped`` windows, ``dropped_rank_reports`` in them)."""
         self._live = np.asarray(live, bool).copy()
         self._table = spread_table(self.topology, self._live, self.num_experts)
         self._needed = self._table[0] > 0  # [D] DCs that must report
         for pending in self._pending:
+            self.pending_dropped += len(pending)
+            self.dropped_rank_reports += sum(p.reports for p in pending.values())
             pending.clear()
 
     def newest(self, layer: int) -> WindowSums | None:
@@ -120,7 +125,7 @@ class WindowAssembler:
         p = pending.get(rep.first_step)
         if p is None:
             if len(pending) >= max_pending:
-                del pending[min(pending)]
+                self.dropped_rank_reports += pending.pop(min(pending)).reports
                 self.pending_dropped += 1
             d = self.topology.num_dcs
             p = pending[rep.first_step] = _Pending(
@@ -149,6 +154,7 @@ class WindowAssembler:
         for first in [f for f in pending if f <= rep.last_step]:
             if first != rep.first_step:
                 self.pending_dropped += 1
+                self.dropped_rank_reports += pending[first].reports
             del pending[first]
         self.completed += 1
         self._newest[rep.layer] = WindowSums(

@@ -26,6 +26,7 @@ from expertmesh.controller.telemetry import Telemetry
 from expertmesh.planner import Placement, Topology, imbalance
 from expertmesh.planner.stepmodel import StepLayout, step_layout
 from expertmesh.runtime.actors import RayExecutor
+from expertmesh.runtime.loads import LoadIngest
 from expertmesh.runtime.membership import MembershipSteps
 from expertmesh.runtime.settings import NAMESPACE, RuntimeSettings, initial_placements
 from expertmesh.runtime.stepstats import per_microbatch, switch_summary
@@ -63,6 +64,7 @@ class SpmdSteps:
         self._static_owner = initial_placements(self.topology, self.settings.lm)[0].master_rank()
         if not hasattr(self, "_trace"):  # kept across a re-formed group (recovery)
             self._trace: dict[str, dict[int, Any]] = {"load": {}, "plans": {}, "counters": {}}
+        self.loads = LoadIngest(self.core, self.settings)
         for r in range(self.topology.num_ranks):
             self.telemetry.set_worker_state(r, r in self._members)
 
@@ -94,10 +96,7 @@ class SpmdSteps:
         t0 = time.perf_counter()
         ranks = sorted(reports)
         num_layers = self.settings.lm.num_layers
-        for r in ranks:
-            for layer in range(num_layers):
-                with contextlib.suppress(ValueError):
-                    self.core.report_load(step, layer, r, np.asarray(reports[r]["load"][layer]))
+        self.loads.record(step, reports)  # the DC leads' windows (or every rank's load)
         applied = {(reports[r]["applied"] or {}).get("version") for r in ranks} - {None}
         migration = np.zeros_like(self._bytes[0])
         if applied and self._offered is not None and self._offered.version in applied:
@@ -114,14 +113,16 @@ class SpmdSteps:
         self._bytes += delta
         migration = delta[2]
         computed = np.zeros((self.topology.num_ranks, num_layers), np.int64)
-        per_rank = np.zeros(
-            (num_layers, self.topology.num_ranks, self.settings.lm.num_experts), np.int64
-        )
+        load = self.loads.world_load(reports)  # [L, E]
         for r in ranks:
             computed[r] = reports[r]["computed"]
-            per_rank[:, r] = np.asarray(reports[r]["load"])
-        load = per_rank.sum(axis=1)
-        self._trace["load"][step] = per_rank  # runtime/trace.py takes it
+        if all("load" in reports[r] for r in ranks):  # rank mode, or a trace_dir asked for it
+            per_rank = np.zeros(
+                (num_layers, self.topology.num_ranks, self.settings.lm.num_experts), np.int64
+            )
+            for r in ranks:
+                per_rank[:, r] = np.asarray(reports[r]["load"])
+            self._trace["load"][step] = per_rank  # runtime/trace.py takes it
         self._trace["counters"][step] = {  # cumulative per rank: collectives, shaper waits
             r: (int(reports[r].get("collectives", 0)), float(reports[r].get("shaped_seconds", 0)))
             for r in ranks
@@ -212,6 +213,7 @@ class SpmdSteps:
         with self._spmd_lock:
             self._spmd_workers = workers
             self.workers = workers
+            self.loads.gone(ranks)  # an aggregator a dead lead hosted: its partial window lost
             if self._offered is not None:
                 self._send_offer([workers[r] for r in ranks])
 
@@ -237,6 +239,20 @@ class SpmdSteps:
         with self._spmd_lock:
             out, self._trace = self._trace, {"load": {}, "plans": {}, "counters": {}}
             return out
+
+    def load_windows(self) -> dict[str, Any]:
+        """The load books (:meth:`LoadIngest.accounting`) and, per layer, the newest complete
+        DC window's exact sums ``(first_step, last_step, steps [D], dc_sum [D, E])`` and the
+        loads the policies plan on (``ControllerCore.window``)."""
+        newest = [
+            self.core.windows_in.newest(layer) for layer in range(self.settings.lm.num_layers)
+        ]
+        return {
+            "accounting": self.loads.accounting(),
+            "newest": [None if w is None else (w.first_step, w.last_step, w.steps, w.dc_sum)
+                       for w in newest],
+            "window": [self.core.window(layer) for layer in range(len(newest))],  # [W, R, E]
+        }  # fmt: skip
 
     def results_since(self, step: int) -> list[dict[str, Any]]:
         """Recorded steps from ``step`` on."""
@@ -577,6 +593,7 @@ class ControllerActor(SpmdSteps, MembershipSteps):
             "errors": self.errors,
             "reports_received": self.core.reports_received,
             "reports_rejected": self.core.reports_rejected,
+            "loads": loads.accounting() if (loads := getattr(self, "loads", None)) else None,
             "restarted": self.restarted,
             "reconciled": self.reconciled,
             **self.phase_seconds,

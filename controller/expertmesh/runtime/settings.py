@@ -92,6 +92,20 @@ class RuntimeSettings(BaseModel):
         default=True, description="start a new worker for a dead rank in its DC; it rejoins"
     )
 
+    load_reports: Literal["auto", "dc", "dc_ranks", "rank"] = Field(
+        default="auto",
+        description="how load reaches the controller: each DC's lead sends its DC's sums per "
+        "layer per window (dc), per-rank sums of the window (dc_ranks), or every rank every "
+        "step (rank, the old path); auto: dc_ranks for policies that split tokens per source "
+        "rank (quota, fastermoe), dc otherwise (runtime/loads.py)",
+    )
+    load_window: int = Field(
+        default=0,
+        ge=0,
+        le=4096,
+        description="steps a DC's lead sums before it reports; 0: the trigger's period "
+        "(every_n: every, otherwise 1)",
+    )
     step_deadline_s: float = Field(
         default=0.0, ge=0, description="a late step probes the DC links (faults.py); 0: derived"
     )

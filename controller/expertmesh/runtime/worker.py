@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from expertmesh.planner import Placement, Topology
+from expertmesh.runtime.loads import LeadLoads
 from expertmesh.workers.comm import Comm, pick_backend
 from expertmesh.workers.model import Corpus
 from expertmesh.workers.shaper import LinkShaper
@@ -113,6 +114,7 @@ class SpmdWorker:
         self._exit_at: int | None = None
         self._store: Any = None  # the store this worker listens on for the next group
         self._group_store: Any = None  # the store of the group it is in (kept alive)
+        self.loads = LeadLoads(settings, self.topology, rank)  # the DC lead's load windows
 
     def address(self, timeout_s: float = 60.0) -> tuple[str, int]:
         """Open the rendezvous store of a new process group here (the first member's
@@ -149,6 +151,7 @@ class SpmdWorker:
             )
         else:
             self.state.rebind(comm)
+        self.loads.joined(comm.leader, comm.my_dc.ranks)
         return backend
 
     def leave(self) -> None:
@@ -200,6 +203,7 @@ class SpmdWorker:
             stats["applied"] = applied
             stats["ray_seconds"] = ray_s  # submitting the previous step's report
             stats.pop("routed", None)
+            self.loads.after_step(st, stats)
             t_ray = time.perf_counter()
             self.controller.step_report.remote(self.rank, stats)  # fire and forget
             ray_s = time.perf_counter() - t_ray

@@ -227,8 +227,23 @@ class Comm:
         """Sum ``x`` over ``group`` in place, bit-identical on every member: all-gather, then
         add in group order (a ring all-reduce's order depends on the rank). The last
         ``min_tail`` elements take the minimum instead (control words riding along)."""
+        self._gather_sum(x, group, kind, min_tail)
+        return x
+
+    def all_reduce_rows(
+        self, x: torch.Tensor, group: Group, rows: slice, *, min_tail: int = 0
+    ) -> np.ndarray:
+        """:meth:`all_reduce`, and every member's ``x[rows]`` as it was before the sum:
+        [G, n] numpy, row ``i`` from ``group.ranks[i]`` (the sum is made from an all-gather,
+        so the rows cost nothing more: a DC's lead reads its ranks' load counts here)."""
+        parts = self._gather_sum(x, group, "weights", min_tail)
+        return torch.stack([p[rows] for p in parts]).cpu().numpy()
+
+    def _gather_sum(
+        self, x: torch.Tensor, group: Group, kind: str, min_tail: int
+    ) -> list[torch.Tensor]:
         if group.size == 1:
-            return x
+            return [x]
         parts = [torch.empty_like(x) for _ in range(group.size)]
         nbytes = x.numel() * x.element_size()
         self.charge(kind, {q: nbytes for q in group.ranks if q != self.rank})
@@ -240,7 +255,7 @@ class Comm:
         if min_tail:
             total[-min_tail:] = torch.stack([p[-min_tail:] for p in parts]).amin(0)
         x.copy_(total)
-        return x
+        return parts
 
     def all_gather_rows(self, row: np.ndarray, group: Group, kind: str = "tokens") -> np.ndarray:
         """``row`` [c] int of every member: [G, c], row ``i`` from ``group.ranks[i]``."""

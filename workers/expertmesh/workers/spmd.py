@@ -77,6 +77,7 @@ class SpmdRank:
         self._fast: list[Any] = [np.zeros(cfg.num_layers, np.int64), 0, 0.0]
         self._crossings = np.zeros((cfg.num_layers, comm.num_dcs), np.int64)
         self._routed = [np.zeros((0, 4), np.int64) for _ in range(cfg.num_layers)]
+        self.dc_loads = np.zeros((0, cfg.num_layers, cfg.num_experts), np.int64)  # sync()
         self.seconds: dict[str, float] = {}
         self._ran = 0
 
@@ -150,7 +151,11 @@ class SpmdRank:
             [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
             + [counts.reshape(-1).to(c.device), torch.tensor([float(offer)], device=c.device)]
         )
-        c.all_reduce(flat, c.my_dc, min_tail=1)
+        at = flat.numel() - counts.numel() - 1
+        rows = c.all_reduce_rows(flat, c.my_dc, slice(at, at + counts.numel()), min_tail=1)
+        # every DC rank's counts of this step [n, L, E] (its DC's ranks in order): the load
+        # a DC's lead aggregates (runtime/loads.py); exact below 2**24 tokens a step
+        self.dc_loads = rows.reshape(-1, *counts.shape).astype(np.int64)
         if c.leaders.size > 1 and c.rank == c.leader:
             c.all_reduce(flat, c.leaders, min_tail=1)
         c.broadcast(flat, c.leader, c.my_dc)
