@@ -168,3 +168,20 @@ def test_rank_mode_reports_every_rank_every_step():
     p.ingest.record(1, {0: {"load": p.loads[1][0]}})
     books = p.ingest.accounting()
     assert books["refused"] == LM.num_layers and books["exact"]
+
+
+def test_a_run_writing_its_trace_keeps_each_ranks_load_in_its_step_report():
+    """The trace file is every rank's load of every step; the core still gets windows."""
+    s = _settings().model_copy(update={"trace_dir": "/nonexistent"})
+    lead = LeadLoads(s, TOPO, 0)
+    lead.joined(0, [0, 1])
+    loads = np.ones((2, 2, 8), np.int64)
+    comm = NS(rank=0, world=NS(ranks=[0, 1, 2, 3]), my_dc=NS(ranks=[0, 1]))
+    stats = {"load": loads[0]}
+    lead.after_step(NS(comm=comm, step=0, world_counts=loads.sum(0), dc_loads=loads), stats)
+    assert "load" in stats and stats["dc_loads"][0]["received"] == 2 * LM.num_layers
+    plain = LeadLoads(_settings(), TOPO, 1)
+    plain.joined(0, [0, 1])
+    stats = {"load": loads[1]}
+    plain.after_step(NS(comm=NS(rank=1, world=comm.world, my_dc=comm.my_dc), step=0), stats)
+    assert stats == {}  # not the lead, not rank 0 of the world, no trace: nothing
