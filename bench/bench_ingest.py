@@ -10,8 +10,11 @@ to one CPU core (its peak RSS is its own):
 - ``per-rank, gRPC``: the same over ``ReportLoad`` (one stream and message per rank per
   step, 58 reports in it) from a load generator in another process, on the other core.
 - ``windows, core``: each DC's aggregator output, one ``WindowReport`` per DC per layer per
-  window of ``--window`` steps, through ``ControllerCore.report_windows`` (one call per DC).
-- ``windows, gRPC``: the same over ``ReportWindows`` (one message per DC per window).
+  window of ``--window`` steps, through ``ControllerCore.report_windows`` (one call per DC):
+  as ``L`` reports, or as one ``WindowBlock`` of the DC's ``L`` layers.
+- ``windows, gRPC``: the same over ``ReportWindows``, one message per DC per window: ``L``
+  ``WindowReport`` messages with varint counts (the wire format before ``DcWindowReport``),
+  or one ``DcWindowReport`` with the counts as packed little-endian bytes.
 
 Per step = the window's time / ``--window``. "CPU s/step" is the controller process's CPU
 time (every thread) over the ingestion, per step. Simulated ranks: loads are random
@@ -40,7 +43,7 @@ import numpy as np
 
 from expertmesh.controller.core import ControllerCore, ControllerSettings
 from expertmesh.planner import ModelSpec, Topology
-from expertmesh.planner.window import WindowReport
+from expertmesh.planner.window import WindowBlock, WindowReport
 
 
 def _pin(core_index: int) -> int | None:
@@ -63,6 +66,12 @@ def _core(a: dict[str, Any]) -> ControllerCore:
     model = ModelSpec(num_layers=a["layers"], num_experts=a["experts"], top_k=8)
     # one complete load kept per layer: each is [R, E] int64 (16 MB at 8,000 x 256)
     return ControllerCore(topo, model, ControllerSettings(window=1, max_pending_steps=2))
+
+
+def _blocks(a: dict[str, Any], w: int, rng: np.random.Generator) -> list[WindowBlock]:
+    """Per DC, one block of its ``L`` window reports for window ``w`` (the same sums as
+    :func:`_windows` with the same generator state)."""
+    return [WindowBlock.of(reps)[0] for reps in _windows(a, w, rng)]  # type: ignore[misc]
 
 
 def _windows(a: dict[str, Any], w: int, rng: np.random.Generator) -> list[list[WindowReport]]:
@@ -126,17 +135,18 @@ def _per_rank_core(a: dict[str, Any], how: str, out: Any) -> None:
     out.put(_result(core, wall, cpu, a["rank_steps"], sent=sent, accepted=sent))
 
 
-def _windows_core(a: dict[str, Any], out: Any) -> None:
+def _windows_core(a: dict[str, Any], how: str, out: Any) -> None:
     _pin(0)
     core = _core(a)
     rng = np.random.default_rng(0)
     wall = cpu = 0.0
     accepted = 0
     for w in range(a["windows"]):
-        per_dc = _windows(a, w, rng)  # built before timing: the aggregators' output
+        # built before timing: the aggregators' output, per DC its L reports or one block
+        per_dc: list[Any] = _windows(a, w, rng) if how == "reports" else _blocks(a, w, rng)
         t0, c0 = time.perf_counter(), time.process_time()
         for reps in per_dc:
-            accepted += core.report_windows(reps)[0]
+            accepted += core.report_windows(reps if how == "reports" else [reps])[0]
         wall += time.perf_counter() - t0
         cpu += time.process_time() - c0
     sent = a["dcs"] * a["layers"] * a["windows"]
@@ -174,7 +184,7 @@ def _client(target: str, kind: str, a: dict[str, Any], go: Any, out: Any) -> Non
             for s in range(a["rank_steps"])
         ]
         method, resp_type = "ReportLoad", pb.ReportLoadResponse
-    else:
+    elif kind == "window":  # one message per DC per window: L WindowReports, varint counts
         rounds = [
             [
                 pb.ReportWindowsRequest(
@@ -182,6 +192,12 @@ def _client(target: str, kind: str, a: dict[str, Any], go: Any, out: Any) -> Non
                 ).SerializeToString()
                 for reps in _windows(a, w, rng)
             ]
+            for w in range(a["windows"])
+        ]
+        method, resp_type = "ReportWindows", pb.ReportWindowsResponse
+    else:  # one message per DC per window: one DcWindowReport, counts as packed bytes
+        rounds = [
+            [convert.windows_to_msg([b]).SerializeToString() for b in _blocks(a, w, rng)]
             for w in range(a["windows"])
         ]
         method, resp_type = "ReportWindows", pb.ReportWindowsResponse
@@ -304,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rank-steps", type=int, default=1, help="steps of per-rank reports")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-grpc", action="store_true", help="core paths only")
+    ap.add_argument("--only", default="", help="run only the paths whose name contains this")
     args = ap.parse_args(argv)
     a = {k: getattr(args, k) for k in
          ("dcs", "ranks_per_dc", "layers", "experts", "window", "windows", "rank_steps")}  # fmt: skip
@@ -315,12 +332,15 @@ def main(argv: list[str] | None = None) -> int:
     configs: list[tuple[str, Any, tuple[Any, ...], bool]] = [
         ("per-rank, core report_batch", _per_rank_core, (a, "batch"), False),
         ("per-rank, core report_load", _per_rank_core, (a, "load"), False),
-        ("windows, core report_windows", _windows_core, (a,), True),
+        ("windows, core, L reports a DC", _windows_core, (a, "reports"), True),
+        ("windows, core, a block a DC", _windows_core, (a, "block"), True),
     ]
     if not args.no_grpc:
         configs.insert(2, ("per-rank, gRPC ReportLoad", _over_grpc, (a, "rank"), False))
-        configs.append(("windows, gRPC ReportWindows", _over_grpc, (a, "window"), True))
-    print(f"{'path':<31}{'s/step':>9}{'CPU s/step':>12}{'vs per-rank':>13}{'peak RSS MB':>13}"
+        configs.append(("windows, gRPC, L WindowReports", _over_grpc, (a, "window"), True))
+        configs.append(("windows, gRPC, DcWindowReport", _over_grpc, (a, "block"), True))
+    configs = [c for c in configs if args.only in c[0]]
+    print(f"{'path':<34}{'s/step':>9}{'CPU s/step':>12}{'vs per-rank':>13}{'peak RSS MB':>13}"
           f"{'sent':>9}{'rejected':>10}  reconciles")  # fmt: skip
     ok, base = True, None
     for name, fn, fargs, windows in configs:
@@ -331,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         base = base or wall
         good = all(_ok(r, a, windows) for r in runs)
         ok &= good
-        print(f"{name:<31}{wall:>9.3f}{cpu:>12.3f}{wall / base:>12.3f}x{rss:>13.0f}"
+        print(f"{name:<34}{wall:>9.3f}{cpu:>12.3f}{wall / base:>12.3f}x{rss:>13.0f}"
               f"{runs[-1]['sent']:>9}{runs[-1]['rejected']:>10}  {'yes' if good else 'NO'}")  # fmt: skip
     agg = aggregator_cost(a)
     ok &= agg["exact"]

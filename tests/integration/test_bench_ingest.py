@@ -14,4 +14,4 @@ def test_ingest_bench_smoke(repo):
     out = proc.stdout
     assert "nothing lost: yes" in out and "output equals the numpy sums: yes" in out
     rows = [line for line in out.splitlines() if line.startswith(("per-rank", "windows"))]
-    assert len(rows) == 5 and all(line.endswith("yes") for line in rows)
+    assert len(rows) == 7 and all(line.endswith("yes") for line in rows)

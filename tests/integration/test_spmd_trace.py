@@ -54,6 +54,7 @@ def test_the_runtime_writes_its_trace_and_plans_and_replay_reads_them(
         topology=topo.to_dict(), lm=LM, policy="hybrid", trigger=Trigger(mode="every_n", every=2),
         balance=False, corpus_bytes=200_000, checkpoint_every=3, trace_dir=str(tmp_path),
         migration="boundary",  # the step model counts a switch's migration rounds after it
+        load_reports="rank",  # plans after steps 0, 2, 4: the last step runs on the final plan
     )  # fmt: skip
     at_checkpoint: list[int] = []
 

@@ -15,6 +15,7 @@ from expertmesh.controller.server import Surfaces
 from expertmesh.controller.settings import SurfaceSettings
 from expertmesh.planner import ModelSpec, Topology
 from expertmesh.planner.window import WindowReport
+from expertmesh.v1 import convert
 from expertmesh.v1 import expertmesh_pb2 as pb
 from expertmesh.workers.aggregate import DcAggregator
 from expertmesh.workers.client import ClientTls, ExpertMeshClient
@@ -97,3 +98,57 @@ def test_serve_plans_on_dc_windows_sent_over_mutual_tls(tmp_path):
         assert w.received == w.applied + w.rejected
         assert core.reports_received - core.reports_rejected == accepted + 1
         assert core.window(0).shape[0] == before[2]  # the pending window did not complete
+
+
+def test_dc_window_blocks_packed_counts_and_the_old_format_side_by_side():
+    """One DC's window of every layer as one DcWindowReport (counts as packed bytes), a
+    WindowReport with packed counts, and the old varint form: the same sums; a bad block
+    is refused whole (every layer counted), the state kept."""
+    core = _core()
+    topo = core.topology
+    rng = np.random.default_rng(3)
+    sums = rng.integers(0, 500, (topo.num_dcs, L, E))
+
+    def reps(d: int) -> list[WindowReport]:
+        return [
+            WindowReport(first_step=0, last_step=N - 1, layer=layer, dc=d, steps=N,
+                         reports=2 * N, load=sums[d, layer])
+            for layer in range(L)
+        ]  # fmt: skip
+
+    auth = (("authorization", f"Bearer {TOKEN}"),)
+    surf = SurfaceSettings(rest_port=0, grpc_port=0, token=TOKEN)
+    with Surfaces(core, surf) as s, ExpertMeshClient(s.grpc_target, token=TOKEN) as c:
+        raw = c._channel.unary_unary(
+            "/expertmesh.v1.ExpertMeshService/ReportWindows",
+            request_serializer=pb.ReportWindowsRequest.SerializeToString,
+            response_deserializer=pb.ReportWindowsResponse.FromString,
+        )
+        assert c.report_windows(reps(0)) == (L, 0)  # one DcWindowReport
+        assert c.report_windows(reps(1), blocks=False) == (L, 0)  # L varint WindowReports
+        packed = [convert.window_to_msg(x, packed=True) for x in reps(2)]
+        resp = raw(pb.ReportWindowsRequest(reports=packed[:1]), metadata=auth)
+        assert (resp.accepted, resp.completed) == (1, 1)  # layer 0 complete
+        w = core.windows_in
+        before = (w.received, w.rejected)
+        bad_blocks = [
+            pb.DcWindowReport(first_step=0, last_step=N - 1, dc=2, rows=1, layers=[0, 1],
+                              steps=[N, N], reports=[1, 1], counts=b"\x00" * 8),  # short
+            pb.DcWindowReport(first_step=0, last_step=N - 1, dc=2, rows=1, layers=[0, 0],
+                              steps=[N, N], reports=[1, 1], counts=b"\x00" * 16 * E),
+            # layer 1 fine, layer 0 of DC 2 already reported: the whole block refused
+            pb.DcWindowReport(first_step=0, last_step=N - 1, dc=2, rows=1, layers=[1, 0],
+                              steps=[N, N], reports=[1, 1], counts=b"\x00" * 16 * E),
+        ]  # fmt: skip
+        for b in bad_blocks:
+            with pytest.raises(grpc.RpcError) as err:
+                raw(pb.ReportWindowsRequest(dc_windows=[b]), metadata=auth)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (w.received, w.rejected) == (before[0] + 6, before[1] + 6)
+        assert core.window(1).shape[0] == 0  # nothing of the refused blocks applied
+        resp = raw(pb.ReportWindowsRequest(reports=packed[1:]), metadata=auth)
+        assert (resp.accepted, resp.completed) == (1, 1)
+    for layer in range(L):
+        assert np.array_equal(core.windows_in.newest(layer).dc_sum, sums[:, layer])
+    assert w.received == w.applied + w.rejected and w.applied == 3 * L
+    assert w.rank_reports == 3 * L * 2 * N

@@ -11,7 +11,12 @@ from hypothesis import strategies as st
 
 from expertmesh.controller.core import BatchReportError, ControllerCore, ControllerSettings
 from expertmesh.planner import ModelSpec, Topology
-from expertmesh.planner.window import WindowReport, window_mean, window_mean_reference
+from expertmesh.planner.window import (
+    WindowBlock,
+    WindowReport,
+    window_mean,
+    window_mean_reference,
+)
 from expertmesh.workers.aggregate import DcAggregator
 
 E, L, N = 6, 2, 4  # experts, layers, microbatches per window
@@ -349,3 +354,39 @@ def test_pending_windows_dropped_by_a_membership_change_are_counted():
     core.set_dead_ranks([5])  # DC c dies before reporting: the pending window is dropped
     assert (w.pending_dropped, w.dropped_rank_reports) == (1, 12)
     assert w.rank_reports == 12 and core.window(0).shape[0] == 0
+
+
+# ---- one DC's window of every layer at once (WindowBlock, the wire's DcWindowReport) ----
+
+
+def test_a_block_is_its_reports_and_the_core_applies_it_whole():
+    topo = _topo()
+    rng = np.random.default_rng(5)
+    loads = rng.integers(0, 40, (N, topo.num_ranks, L, E))
+    outs = []
+    for mode in ("reports", "blocks"):
+        core, aggs = _core(topo), _aggs(topo)
+        for t in range(N):
+            for agg in aggs:
+                reps = [w for r in agg.ranks for w in agg.add_step(t, r, loads[t, r])]
+                items = WindowBlock.of(reps) if mode == "blocks" else reps
+                if mode == "blocks" and reps:
+                    assert len(items) == 1 and len(items[0]) == L  # one block per DC window
+                    assert [(x.layer, x.reports) for x in items[0].split()] == [
+                        (x.layer, x.reports) for x in reps
+                    ]
+                if items:
+                    assert core.report_windows(items) == (L, L if agg is aggs[-1] else 0)
+        outs.append([core.window(layer) for layer in range(L)])
+        assert core.windows_in.received == core.windows_in.applied == topo.num_dcs * L
+    assert all(np.array_equal(a, b) for a, b in zip(*outs, strict=True))
+    bad = [
+        {"layers": [0, 0]},  # a layer twice
+        {"steps": [0, 1]},
+        {"load": -np.ones((L, E), np.int64)},
+        {"load": np.ones((L + 1, E), np.int64)},
+    ]
+    base = {"layers": [0, 1], "steps": [1, 1], "reports": [1, 1], "load": np.ones((L, E), int)}
+    for kw in bad:
+        with pytest.raises(ValueError):
+            WindowBlock(first_step=0, last_step=N - 1, dc=0, **{**base, **kw})

@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Literal, Protocol
@@ -41,7 +41,7 @@ from expertmesh.controller.planning import (
     plan_jobs,
     static_rank_tokens,
 )
-from expertmesh.controller.windows import WindowAssembler
+from expertmesh.controller.windows import WindowAssembler, layer_windows
 from expertmesh.planner import (
     LayerPlan,
     ModelSpec,
@@ -53,7 +53,7 @@ from expertmesh.planner import (
 )
 from expertmesh.planner.costmodel import TransferEncoding
 from expertmesh.planner.policy import Policy
-from expertmesh.planner.window import WindowReport
+from expertmesh.planner.window import WindowBlock, WindowReport
 
 __all__ = [
     "BatchReportError",
@@ -405,31 +405,36 @@ class ControllerCore:
                 raise BatchReportError(applied, completed, str(err)) from None
             return applied, completed
 
-    def report_windows(self, reports: list[WindowReport]) -> tuple[int, int]:
+    def report_windows(self, reports: Sequence[WindowReport | WindowBlock]) -> tuple[int, int]:
         """Record DC window reports in order (hierarchical aggregation: one per DC per layer
-        per window, :mod:`expertmesh.controller.windows`). A window complete from every DC
-        with a live rank enters the layer's load window as its mean load per microbatch, at
-        its last step. Returns (applied, completed windows). On the first bad report the
-        ones before it stay applied, it and every later one are counted as rejected, and
-        :class:`BatchReportError` names it."""
+        per window, or a :class:`WindowBlock` of one DC's window for several layers, counted
+        as its layers; :mod:`expertmesh.controller.windows`). A window complete from every
+        DC with a live rank enters the layer's load window as its mean load per microbatch,
+        at its last step. Returns (applied, completed windows). On the first bad report (a
+        block: all of its layers) the ones before it stay applied, it and every later one
+        are counted as rejected, and :class:`BatchReportError` names it."""
         with self._lock:
-            num, agg = len(reports), self.windows_in
+            agg = self.windows_in
+            num = sum(len(x) if isinstance(x, WindowBlock) else 1 for x in reports)
             self.reports_received += num
             agg.received += num
             applied = completed = 0
             try:
-                for rep in reports:
-                    self._check_step(rep.first_step, rep.layer)
-                    agg.check(rep)
-                    done = agg.add(rep, self._settings.max_pending_steps)
-                    applied += 1
-                    if done is not None:
-                        completed += 1
-                        self._windows[rep.layer].append(done)
-                        for k in [
-                            k for k in self._pending if k[1] == rep.layer and k[0] <= done[0]
-                        ]:
-                            del self._pending[k]  # per-rank reports the window covers
+                for item in reports:
+                    reps = layer_windows(item)
+                    for rep in reps:  # every layer of a block first: all or nothing
+                        self._check_step(rep.first_step, rep.layer)
+                        agg.check(rep)
+                    for rep in reps:
+                        done = agg.add(rep, self._settings.max_pending_steps)
+                        applied += 1
+                        if done is not None:
+                            completed += 1
+                            self._windows[rep.layer].append(done)
+                            for k in [
+                                k for k in self._pending if k[1] == rep.layer and k[0] <= done[0]
+                            ]:
+                                del self._pending[k]  # per-rank reports the window covers
             except ValueError as err:
                 self.reports_rejected += num - applied
                 agg.rejected += num - applied

@@ -137,7 +137,7 @@ class ExpertMeshService(pb_grpc.ExpertMeshServiceServicer):
         self, request: pb.ReportWindowsRequest, context: Any
     ) -> pb.ReportWindowsResponse:
         core = self.core
-        n = len(request.reports)
+        n = convert.window_count(request)  # a block counts as its layers
         if not self._authorized(context):
             core.reject_report(n, windows=True)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
@@ -147,21 +147,19 @@ class ExpertMeshService(pb_grpc.ExpertMeshServiceServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"a message may hold at most {MAX_REPORTS_PER_MESSAGE} reports, got {n}",
             )
-        reps, bad = convert.windows_from_msg(request, core.model.num_experts)
+        items, bad = convert.windows_from_msg(request, core.model.num_experts)
+        decoded = sum(len(x) if isinstance(x, convert.WindowBlock) else 1 for x in items)
         try:
             # a completed window builds an [R, E] load: off the event loop
-            applied, done = await asyncio.to_thread(core.report_windows, reps)
+            applied, done = await asyncio.to_thread(core.report_windows, items)
         except BatchReportError as err:
             if bad is not None:
-                core.reject_report(n - len(reps), windows=True)  # the undecodable rest
-            r = request.reports[err.applied]
-            text = (
-                f"window report {err.applied} (layer {r.layer}, DC {r.dc}, steps "
-                f"{r.first_step}..{r.last_step}): {err}"
+                core.reject_report(n - decoded, windows=True)  # the undecodable rest
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, _window_error(request, items, err)
             )
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, text)
         if bad is not None:
-            core.reject_report(n - len(reps), windows=True)  # this one and the rest
+            core.reject_report(n - decoded, windows=True)  # this one and the rest
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"window report {bad[0]}: {bad[1]}"
             )
@@ -228,6 +226,24 @@ class ExpertMeshService(pb_grpc.ExpertMeshServiceServicer):
             imbalance_after=after,
             plan=convert.layer_plan_to_msg(args.layer, lp, include_route=True),
         )
+
+
+def _window_error(request: pb.ReportWindowsRequest, items: list[Any], err: BatchReportError) -> str:
+    """Names the item (report or block) whose layers ``err.applied`` reached."""
+    at = 0
+    for i, item in enumerate(items):
+        size = len(item) if isinstance(item, convert.WindowBlock) else 1
+        if err.applied < at + size:
+            if i < len(request.reports):
+                r = request.reports[i]
+                return (
+                    f"window report {i} (layer {r.layer}, DC {r.dc}, steps "
+                    f"{r.first_step}..{r.last_step}): {err}"
+                )
+            b = request.dc_windows[i - len(request.reports)]
+            return f"window block {i} (DC {b.dc}, steps {b.first_step}..{b.last_step}): {err}"
+        at += size
+    return str(err)
 
 
 def server_credentials(settings: SurfaceSettings) -> grpc.ServerCredentials | None:

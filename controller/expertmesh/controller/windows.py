@@ -22,9 +22,38 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from expertmesh.planner.topology import Topology
-from expertmesh.planner.window import WindowReport, spread_table, window_mean
+from expertmesh.planner.window import WindowBlock, WindowReport, spread_table, window_mean
 
-__all__ = ["WindowAssembler", "WindowSums"]
+__all__ = ["LayerWindow", "WindowAssembler", "WindowSums", "layer_windows"]
+
+
+@dataclass(frozen=True, slots=True)
+class LayerWindow:
+    """One layer of a :class:`WindowBlock`, as a :class:`WindowReport` reads (the block
+    checked its values already; nothing is checked again)."""
+
+    first_step: int
+    last_step: int
+    layer: int
+    dc: int
+    steps: int
+    reports: int
+    load: np.ndarray  # [E] or [n, E]
+
+    @property
+    def per_rank(self) -> bool:
+        return self.load.ndim == 2
+
+
+def layer_windows(item: WindowReport | WindowBlock) -> list[WindowReport] | list[LayerWindow]:
+    """The per-layer windows ``item`` stands for (a report: itself)."""
+    if isinstance(item, WindowReport):
+        return [item]
+    cols = zip(item.layers.tolist(), item.steps.tolist(), item.reports.tolist(), strict=True)
+    return [
+        LayerWindow(item.first_step, item.last_step, layer, item.dc, st, rp, item.load[i])
+        for i, (layer, st, rp) in enumerate(cols)
+    ]
 
 
 @dataclass
@@ -82,7 +111,7 @@ class WindowAssembler:
         """Exact sums of ``layer``'s newest complete window, or None."""
         return self._newest.get(layer)
 
-    def check(self, rep: WindowReport) -> None:
+    def check(self, rep: WindowReport | LayerWindow) -> None:
         """``ValueError`` unless ``rep`` fits the topology, the model and the pending windows
         (the caller has checked that ``first_step`` is newer than the layer's complete loads)."""
         topo = self.topology
@@ -118,7 +147,9 @@ class WindowAssembler:
                     f"pending window [{first}, {p.last_step}]"
                 )
 
-    def add(self, rep: WindowReport, max_pending: int) -> tuple[int, np.ndarray] | None:
+    def add(
+        self, rep: WindowReport | LayerWindow, max_pending: int
+    ) -> tuple[int, np.ndarray] | None:
         """Add a checked report; when it completes its window: (last step, ``[R, E]`` mean
         load per microbatch), and pending windows of the layer up to it are dropped."""
         pending = self._pending[rep.layer]

@@ -22,7 +22,14 @@ import numpy as np
 
 from expertmesh.planner.topology import Topology
 
-__all__ = ["MAX_COUNT", "WindowReport", "spread_table", "window_mean", "window_mean_reference"]
+__all__ = [
+    "MAX_COUNT",
+    "WindowBlock",
+    "WindowReport",
+    "spread_table",
+    "window_mean",
+    "window_mean_reference",
+]
 
 MAX_COUNT = 2**40  # most tokens one rank sends one expert in one microbatch
 
@@ -75,6 +82,103 @@ class WindowReport:
     @property
     def per_rank(self) -> bool:
         return self.load.ndim == 2
+
+
+@dataclass(frozen=True, eq=False)
+class WindowBlock:
+    """One DC's window ``[first_step, last_step]`` of ``K`` layers at once (what a DC's
+    aggregator emits per window): stands for the ``K`` :class:`WindowReport` of
+    :meth:`split` and is counted as ``K`` of them.
+
+    - ``layers`` [K] distinct layers; ``steps`` [K] and ``reports`` [K] per layer.
+    - ``load``: ``[K, E]`` the DC's sums, or ``[K, n, E]`` per rank of the DC.
+
+    Checked here (``ValueError``), vectorized: what :class:`WindowReport` checks."""
+
+    first_step: int
+    last_step: int
+    dc: int
+    layers: np.ndarray
+    steps: np.ndarray
+    reports: np.ndarray
+    load: np.ndarray
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.first_step <= self.last_step < 2**62 or self.dc < 0:
+            raise ValueError(
+                f"window must satisfy 0 <= first_step <= last_step < 2**62 and dc >= 0, got "
+                f"[{self.first_step}, {self.last_step}] of DC {self.dc}"
+            )
+        layers, steps, reports = (
+            np.asarray(a, np.int64).reshape(-1) for a in (self.layers, self.steps, self.reports)
+        )
+        k = layers.shape[0]
+        load = np.asarray(self.load)
+        if not k or steps.shape[0] != k or reports.shape[0] != k:
+            raise ValueError(f"layers, steps and reports must be [K], K >= 1; got {k}, "
+                             f"{steps.shape[0]}, {reports.shape[0]}")  # fmt: skip
+        if load.ndim not in (2, 3) or load.shape[0] != k or load.dtype.kind not in "iu":
+            raise ValueError(f"load must be integer [K, E] or [K, n, E] with K = {k}, got "
+                             f"{load.dtype} {list(load.shape)}")  # fmt: skip
+        span = self.last_step - self.first_step + 1
+        if layers.min() < 0 or np.unique(layers).size != k:
+            raise ValueError("layers must be distinct and >= 0")
+        if steps.min() < 1 or steps.max() > span or reports.min() < 0:
+            raise ValueError(f"steps must be in [1, {span}] and reports >= 0")
+        rows = 1 if load.ndim == 2 else load.shape[1]
+        if load.dtype != np.int64:
+            load = load.astype(np.int64)
+        flat = load.reshape(k, -1)
+        if flat.size and (flat.min() < 0 or (flat.max(axis=1) > MAX_COUNT * steps * rows).any()):
+            raise ValueError("load counts must be in [0, 2**40 * steps * rows]")
+        for name, a in (("layers", layers), ("steps", steps), ("reports", reports), ("load", load)):
+            object.__setattr__(self, name, a)
+
+    @property
+    def per_rank(self) -> bool:
+        return self.load.ndim == 3
+
+    def __len__(self) -> int:
+        return int(self.layers.shape[0])
+
+    def split(self) -> list[WindowReport]:
+        """The ``K`` window reports this block stands for."""
+        cols = zip(self.layers.tolist(), self.steps.tolist(), self.reports.tolist(), strict=True)
+        return [
+            WindowReport(self.first_step, self.last_step, layer, self.dc, st, rp, self.load[i])
+            for i, (layer, st, rp) in enumerate(cols)
+        ]
+
+    @staticmethod
+    def of(reports: list[WindowReport]) -> list[WindowReport | WindowBlock]:
+        """``reports`` with each run of consecutive ones of the same DC, window and shape
+        (distinct layers) merged into one block (a run of one stays a report)."""
+        out: list[WindowReport | WindowBlock] = []
+        run: list[WindowReport] = []
+
+        def close() -> None:
+            if len(run) == 1:
+                out.append(run[0])
+            elif run:
+                out.append(
+                    WindowBlock(run[0].first_step, run[0].last_step, run[0].dc,
+                                np.array([r.layer for r in run]), np.array([r.steps for r in run]),
+                                np.array([r.reports for r in run]), np.stack([r.load for r in run]))
+                )  # fmt: skip
+            run.clear()
+
+        for rep in reports:
+            head = run[0] if run else None
+            same = head is not None and (
+                (rep.first_step, rep.last_step, rep.dc, rep.load.shape)
+                == (head.first_step, head.last_step, head.dc, head.load.shape)
+                and all(r.layer != rep.layer for r in run)
+            )
+            if not same:
+                close()
+            run.append(rep)
+        close()
+        return out
 
 
 def spread_table(

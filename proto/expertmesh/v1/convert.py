@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from expertmesh.planner import LayerPlan, Migration, Placement, Transfer, TransferKind
-from expertmesh.planner.window import WindowReport
+from expertmesh.planner.window import WindowBlock, WindowReport
 from expertmesh.v1 import expertmesh_pb2 as pb
 
 __all__ = [
@@ -24,7 +24,9 @@ __all__ = [
     "ReceivedPlan",
     "Report",
     "SolveArgs",
+    "WindowBlock",
     "WindowReport",
+    "block_to_msg",
     "layer_plan_from_msg",
     "layer_plan_to_msg",
     "plan_from_msg",
@@ -35,6 +37,10 @@ __all__ = [
     "reports_from_msg",
     "solve_args_from_msg",
     "solve_args_to_msg",
+    "window_count",
+    "window_to_msg",
+    "windows_from_msg",
+    "windows_to_msg",
 ]
 
 MAX_COUNT = 2**40  # larger token counts are refused as implausible
@@ -153,8 +159,10 @@ def report_batch_from_msg(
     )
 
 
-def window_to_msg(rep: WindowReport) -> pb.WindowReport:
-    """A DC's window report (``load`` [E] or [n, E]) as a message."""
+def window_to_msg(rep: WindowReport, *, packed: bool = False) -> pb.WindowReport:
+    """A DC's window report (``load`` [E] or [n, E]) as a message; ``packed``: the counts as
+    little-endian int64 bytes (``counts``, read in bulk; servers before it read ``load``)."""
+    flat = rep.load.ravel()
     return pb.WindowReport(
         first_step=rep.first_step,
         last_step=rep.last_step,
@@ -163,26 +171,68 @@ def window_to_msg(rep: WindowReport) -> pb.WindowReport:
         steps=rep.steps,
         reports=rep.reports,
         rows=rep.load.shape[0] if rep.per_rank else 1,
-        load=rep.load.ravel().tolist(),
+        load=[] if packed else flat.tolist(),
+        counts=flat.astype("<i8").tobytes() if packed else b"",
     )
+
+
+def block_to_msg(block: WindowBlock) -> pb.DcWindowReport:
+    """One DC's window of several layers (:class:`WindowBlock`) as one message, counts as
+    little-endian int64 bytes."""
+    return pb.DcWindowReport(
+        first_step=block.first_step,
+        last_step=block.last_step,
+        dc=block.dc,
+        rows=block.load.shape[1] if block.per_rank else 1,
+        layers=block.layers.tolist(),
+        steps=block.steps.tolist(),
+        reports=block.reports.tolist(),
+        counts=block.load.astype("<i8", copy=False).tobytes(),
+    )
+
+
+def windows_to_msg(items: list[WindowReport | WindowBlock]) -> pb.ReportWindowsRequest:
+    """Window reports and blocks as one request (reports before blocks, as applied)."""
+    return pb.ReportWindowsRequest(
+        reports=[window_to_msg(x) for x in items if isinstance(x, WindowReport)],
+        dc_windows=[block_to_msg(x) for x in items if isinstance(x, WindowBlock)],
+    )
+
+
+def window_count(msg: pb.ReportWindowsRequest) -> int:
+    """Window reports ``msg`` stands for: its reports, and each block's layers (at least 1)."""
+    return len(msg.reports) + sum(max(len(b.layers), 1) for b in msg.dc_windows)
+
+
+def _counts(packed: bytes, listed: Any, size: int) -> np.ndarray:
+    """``size`` int64 counts from ``packed`` (little-endian bytes) or ``listed`` (varints)."""
+    if packed and len(listed):
+        raise ValueError("set either load or counts, not both")
+    if packed:
+        if len(packed) != 8 * size:
+            raise ValueError(
+                f"counts must hold {size} little-endian int64, got {len(packed)} bytes"
+            )
+        return np.frombuffer(packed, "<i8").astype(np.int64, copy=False)
+    load = np.array(listed, np.int64)
+    if load.size != size:
+        raise ValueError(f"load must hold {size} counts, got {load.size}")
+    return load
 
 
 def windows_from_msg(
     msg: pb.ReportWindowsRequest, num_experts: int
-) -> tuple[list[WindowReport], tuple[int, str] | None]:
-    """Decode a message's window reports in order: (the reports before the first bad one,
-    (its index, why) or None). ``rows`` 1 gives ``[E]`` loads, ``n`` gives ``[n, E]``; the
-    core checks the rest against its topology."""
-    out: list[WindowReport] = []
+) -> tuple[list[WindowReport | WindowBlock], tuple[int, str] | None]:
+    """Decode a message's window reports, then its blocks, in order: (the items before the
+    first bad one, (its index among them, why) or None). ``rows`` 1 gives ``[E]`` loads,
+    ``n`` gives ``[n, E]``; the core checks the rest against its topology."""
+    out: list[WindowReport | WindowBlock] = []
     for i, r in enumerate(msg.reports):
         try:
-            load = np.array(r.load, np.int64)
             rows = int(r.rows)
-            if rows < 1 or load.size != rows * num_experts:
-                raise ValueError(
-                    f"load must hold rows x {num_experts} counts with rows >= 1, got "
-                    f"{load.size} counts for {rows} rows"
-                )
+            if rows < 1:
+                raise ValueError(f"rows must be >= 1, got {rows}")
+            load = _counts(r.counts, r.load, rows * num_experts)
             out.append(
                 WindowReport(
                     first_step=int(r.first_step),
@@ -192,6 +242,25 @@ def windows_from_msg(
                     steps=int(r.steps),
                     reports=int(r.reports),
                     load=load if rows == 1 else load.reshape(rows, num_experts),
+                )
+            )
+        except ValueError as err:
+            return out, (i, str(err))
+    for i, b in enumerate(msg.dc_windows, start=len(msg.reports)):
+        try:
+            rows, k = int(b.rows), len(b.layers)
+            if rows < 1 or k < 1:
+                raise ValueError(f"a block needs rows >= 1 and a layer, got {rows} and {k}")
+            load = _counts(b.counts, (), k * rows * num_experts)
+            out.append(
+                WindowBlock(
+                    first_step=int(b.first_step),
+                    last_step=int(b.last_step),
+                    dc=int(b.dc),
+                    layers=np.array(b.layers, np.int64),
+                    steps=np.array(b.steps, np.int64),
+                    reports=np.array(b.reports, np.int64),
+                    load=load.reshape((k, num_experts) if rows == 1 else (k, rows, num_experts)),
                 )
             )
         except ValueError as err:

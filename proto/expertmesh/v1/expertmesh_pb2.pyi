@@ -156,6 +156,7 @@ class WindowReport(_message.Message):
     REPORTS_FIELD_NUMBER: _builtins.int
     ROWS_FIELD_NUMBER: _builtins.int
     LOAD_FIELD_NUMBER: _builtins.int
+    COUNTS_FIELD_NUMBER: _builtins.int
     first_step: _builtins.int
     last_step: _builtins.int
     layer: _builtins.int
@@ -166,6 +167,10 @@ class WindowReport(_message.Message):
     reports: _builtins.int
     """per-rank reports summed (accounting)"""
     rows: _builtins.int
+    counts: _builtins.bytes
+    """The same rows * E counts as little-endian int64 bytes (read in bulk, no per-count
+    decode); set either this or `load`.
+    """
     @_builtins.property
     def load(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -179,30 +184,92 @@ class WindowReport(_message.Message):
         reports: _builtins.int = ...,
         rows: _builtins.int = ...,
         load: _abc.Iterable[_builtins.int] | None = ...,
+        counts: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dc", b"dc", "first_step", b"first_step", "last_step", b"last_step", "layer", b"layer", "load", b"load", "reports", b"reports", "rows", b"rows", "steps", b"steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["counts", b"counts", "dc", b"dc", "first_step", b"first_step", "last_step", b"last_step", "layer", b"layer", "load", b"load", "reports", b"reports", "rows", b"rows", "steps", b"steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WindowReport: _TypeAlias = WindowReport  # noqa: Y015
 
 @_typing.final
+class DcWindowReport(_message.Message):
+    """One DC's window [first_step, last_step] of several layers (usually all) at once: what a
+    DC's aggregator sends per window. Stands for K = len(layers) WindowReports (counted so).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FIRST_STEP_FIELD_NUMBER: _builtins.int
+    LAST_STEP_FIELD_NUMBER: _builtins.int
+    DC_FIELD_NUMBER: _builtins.int
+    ROWS_FIELD_NUMBER: _builtins.int
+    LAYERS_FIELD_NUMBER: _builtins.int
+    STEPS_FIELD_NUMBER: _builtins.int
+    REPORTS_FIELD_NUMBER: _builtins.int
+    COUNTS_FIELD_NUMBER: _builtins.int
+    first_step: _builtins.int
+    last_step: _builtins.int
+    dc: _builtins.int
+    rows: _builtins.int
+    """1: each layer's [E] DC sum; n (the DC's ranks): [n, E] per rank"""
+    counts: _builtins.bytes
+    """[K * rows * E] little-endian int64, layer-major"""
+    @_builtins.property
+    def layers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """[K] distinct"""
+
+    @_builtins.property
+    def steps(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """[K] microbatches summed per layer"""
+
+    @_builtins.property
+    def reports(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """[K] per-rank reports summed per layer"""
+
+    def __init__(
+        self,
+        *,
+        first_step: _builtins.int = ...,
+        last_step: _builtins.int = ...,
+        dc: _builtins.int = ...,
+        rows: _builtins.int = ...,
+        layers: _abc.Iterable[_builtins.int] | None = ...,
+        steps: _abc.Iterable[_builtins.int] | None = ...,
+        reports: _abc.Iterable[_builtins.int] | None = ...,
+        counts: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["counts", b"counts", "dc", b"dc", "first_step", b"first_step", "last_step", b"last_step", "layers", b"layers", "reports", b"reports", "rows", b"rows", "steps", b"steps"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DcWindowReport: _TypeAlias = DcWindowReport  # noqa: Y015
+
+@_typing.final
 class ReportWindowsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     REPORTS_FIELD_NUMBER: _builtins.int
+    DC_WINDOWS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def reports(self) -> _containers.RepeatedCompositeFieldContainer[Global___WindowReport]: ...
+    @_builtins.property
+    def dc_windows(self) -> _containers.RepeatedCompositeFieldContainer[Global___DcWindowReport]:
+        """applied after `reports`, in order"""
+
     def __init__(
         self,
         *,
         reports: _abc.Iterable[Global___WindowReport] | None = ...,
+        dc_windows: _abc.Iterable[Global___DcWindowReport] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reports", b"reports"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dc_windows", b"dc_windows", "reports", b"reports"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -215,6 +282,7 @@ class ReportWindowsResponse(_message.Message):
     ACCEPTED_FIELD_NUMBER: _builtins.int
     COMPLETED_FIELD_NUMBER: _builtins.int
     accepted: _builtins.int
+    """window reports (a DcWindowReport counts as its K layers)"""
     completed: _builtins.int
     """windows these reports completed (every DC with a live rank reported)"""
     def __init__(

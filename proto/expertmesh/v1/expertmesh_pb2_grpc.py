@@ -97,8 +97,9 @@ class ExpertMeshServiceServicer:
 
     def ReportWindows(self, request, context):
         """Hierarchical load aggregation: a DC's aggregator sends its ranks' load summed over a
-        window of microbatches, one WindowReport per DC per layer per window, instead of every
-        rank's report of every step. A write (token). The first bad report ends the call with
+        window of microbatches, one WindowReport per DC per layer per window (or one
+        DcWindowReport per DC per window for all its layers), instead of every rank's report
+        of every step. A write (token). The first bad report ends the call with
         INVALID_ARGUMENT (earlier reports stay applied; it and the rest are counted as rejected).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

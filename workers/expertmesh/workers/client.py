@@ -22,7 +22,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from expertmesh.planner import LayerPlan
-from expertmesh.planner.window import WindowReport
+from expertmesh.planner.window import WindowBlock, WindowReport
 from expertmesh.v1 import convert
 from expertmesh.v1 import expertmesh_pb2 as pb
 from expertmesh.v1 import expertmesh_pb2_grpc as pb_grpc
@@ -207,18 +207,33 @@ class ExpertMeshClient:
             stream.send(r.step, r.layer, r.rank, r.load)
         return stream.close(timeout=self.timeout + len(reports) * 1e-3)
 
-    def report_windows(self, reports: list[WindowReport], batch: int = 512) -> tuple[int, int]:
+    def report_windows(
+        self, reports: list[WindowReport], batch: int = 512, *, blocks: bool = True
+    ) -> tuple[int, int]:
         """Send DC window reports (what :class:`~expertmesh.workers.aggregate.DcAggregator`
         returns) in messages of up to ``batch``; returns (accepted, windows completed). A
-        refusal raises ``grpc.RpcError`` (reports of earlier messages stay applied)."""
+        refusal raises ``grpc.RpcError`` (reports of earlier messages stay applied).
+
+        ``blocks``: consecutive reports of one DC's window travel as one
+        ``DcWindowReport`` with the counts as packed bytes (the fast path; a server that
+        predates it accepts none of them, and this raises ``RuntimeError``); off: one
+        ``WindowReport`` each."""
         if not 1 <= batch <= 4096:
             raise ValueError("batch must be in [1, 4096]")
         accepted = completed = 0
         for i in range(0, len(reports), batch):
-            msg = pb.ReportWindowsRequest(
-                reports=[convert.window_to_msg(r) for r in reports[i : i + batch]]
+            part = reports[i : i + batch]
+            msg = (
+                convert.windows_to_msg(WindowBlock.of(part))
+                if blocks
+                else pb.ReportWindowsRequest(reports=[convert.window_to_msg(r) for r in part])
             )
             resp = self._stub.ReportWindows(msg, metadata=self._metadata, timeout=self.timeout)
+            if blocks and int(resp.accepted) < len(part):
+                raise RuntimeError(
+                    f"the server accepted {resp.accepted} of {len(part)} window reports without "
+                    "an error: it predates DcWindowReport; send with blocks=False"
+                )
             accepted += int(resp.accepted)
             completed += int(resp.completed)
         return accepted, completed
