@@ -179,7 +179,7 @@ class LoadIngest:
             for old in self._aggs.values():
                 if old["dc"] == rec["dc"] and old["state"] == "live":
                     old["state"] = "gone"
-        state = "final" if rec["final"] else self._aggs.get(rec["id"], {}).get("state", "live")
+        state = "final" if rec["final"] else "live"  # it reports: it is alive
         self._aggs[rec["id"]] = {
             "dc": rec["dc"], "rank": rec["rank"], "state": state,
             **{k: int(rec[k]) for k in _COUNTERS},

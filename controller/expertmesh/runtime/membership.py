@@ -79,6 +79,7 @@ class MembershipSteps:
     _results: list[dict[str, Any]]
     _next_step: int | None
     _membership: Any = None
+    loads: Any  # runtime/loads.py: LoadIngest
 
     def membership_plan(
         self, members: list[int], sources: list[int], step: int, version: int
@@ -131,6 +132,7 @@ class MembershipSteps:
             self.placements = [lp.placement for lp in pv.layers]
             self._membership = None
             self._members = sorted(members)
+            self.loads.gone([r for r in range(self.topology.num_ranks) if r not in members])
             self._spmd_workers = self.workers = list(workers)
             self.live = np.zeros(self.topology.num_ranks, bool)
             self.live[self._members] = True
