@@ -15,34 +15,22 @@ from typing import Any
 import numpy as np
 import pytest
 
-from expertmesh.controller.core import Trigger
-from expertmesh.planner import Topology
-from expertmesh.runtime.settings import RuntimeSettings
 from expertmesh.runtime.spmd import SpmdRuntime
-from expertmesh.workers.model import Corpus, LMConfig
+from expertmesh.workers.model import Corpus
 from expertmesh.workers.reference import ReferenceLM
 
-from .members_report import write_report
+from .members_common import CORPUS_BYTES, LM, TOPOLOGY, assert_copies_equal, settings, write_report
 
 pytestmark = pytest.mark.integration
 
-LM = LMConfig(num_layers=2, num_experts=8, top_k=2, hidden=16, ffn_hidden=16, batch=4, seq_len=32)
 BEFORE, DURING, AFTER = 3, 3, 3
 
 
 @pytest.fixture(scope="module")
 def dc_cut() -> Iterator[dict[str, Any]]:
-    topo = Topology.generate(2, 2, masters=2, spare=2).with_inter_dc(0.5, 2.0)
-    settings = RuntimeSettings(
-        topology=topo.to_dict(),
-        lm=LM,
-        policy="eplb",
-        trigger=Trigger(mode="every_step"),
-        corpus_bytes=200_000,
-        checkpoint_every=1,
-    )
+    topo = TOPOLOGY
     out: dict[str, Any] = {"dc": topo.rank_dc.copy()}
-    with SpmdRuntime(settings) as rt:
+    with SpmdRuntime(settings()) as rt:
         assert rt.links is not None
         out["before"] = rt.train(BEFORE)
         out["cut"] = rt.cut(0, 1)
@@ -132,18 +120,12 @@ def test_the_run_equals_the_reference_on_the_ranks_that_trained(dc_cut: dict[str
     steps += [dc_cut["silent_step"], dc_cut["final"]]
     paused = set(range(BEFORE, BEFORE + DURING)) | {dc_cut["silent_step"].step}
     ref = ReferenceLM(LM)
-    corpus = Corpus.load(None, 200_000)
+    corpus = Corpus.load(None, CORPUS_BYTES)
     want = [
         ref.train_step(corpus, s.step, [0, 1] if s.step in paused else [0, 1, 2, 3]) for s in steps
     ]
     np.testing.assert_allclose([s.loss for s in steps], want, rtol=1e-5)
-    for (layer, e), copies in dc_cut["weights"].items():
-        expect = [t.detach().numpy() for t in ref.expert(layer, e)]
-        held = [w for w in copies if w is not None]
-        assert held, (layer, e)
-        for w in held:
-            for a, b in zip(w, expect, strict=True):
-                np.testing.assert_allclose(a, b, atol=5e-6)
+    assert_copies_equal(ref, dc_cut["weights"])
     dense = dc_cut["dense"][0]
     for a, b in zip(dense, [p.detach().numpy() for p in ref.dense.parameters()], strict=True):
         np.testing.assert_allclose(a, b, atol=5e-6)

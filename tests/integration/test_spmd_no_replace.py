@@ -15,35 +15,22 @@ from typing import Any
 import numpy as np
 import pytest
 
-from expertmesh.controller.core import Trigger
-from expertmesh.planner import Topology
-from expertmesh.runtime.settings import RuntimeSettings
 from expertmesh.runtime.spmd import SpmdRuntime
-from expertmesh.workers.model import Corpus, LMConfig
+from expertmesh.workers.model import Corpus
 from expertmesh.workers.reference import ReferenceLM
 
-from .members_report import write_report
+from .members_common import CORPUS_BYTES, LM, TOPOLOGY, assert_copies_equal, settings, write_report
 
 pytestmark = pytest.mark.integration
 
-LM = LMConfig(num_layers=2, num_experts=8, top_k=2, hidden=16, ffn_hidden=16, batch=4, seq_len=32)
 STEPS, DIES, RANK = 5, 2, 2  # rank 2 (DC 1's leader) exits as step 2 starts
 
 
 @pytest.fixture(scope="module")
 def run() -> Iterator[dict[str, Any]]:
-    topo = Topology.generate(2, 2, masters=2, spare=2).with_inter_dc(0.5, 2.0)
-    settings = RuntimeSettings(
-        topology=topo.to_dict(),
-        lm=LM,
-        policy="eplb",
-        trigger=Trigger(mode="every_step"),
-        corpus_bytes=200_000,
-        checkpoint_every=1,
-        replace_dead_workers=False,
-    )
+    topo = TOPOLOGY
     out: dict[str, Any] = {"rank_dc": topo.rank_dc.copy()}
-    with SpmdRuntime(settings) as rt:
+    with SpmdRuntime(settings(replace_dead_workers=False)) as rt:
         rt.workers[RANK].inject_exit.remote(DIES)
         out["steps"] = rt.train(STEPS)
         out["status"] = rt.status()
@@ -80,15 +67,9 @@ def test_the_dead_rank_stays_out_and_training_goes_on(run: dict[str, Any]) -> No
 
 def test_the_run_equals_the_reference_without_the_dead_ranks_data(run: dict[str, Any]) -> None:
     ref = ReferenceLM(LM)
-    corpus = Corpus.load(None, 200_000)
+    corpus = Corpus.load(None, CORPUS_BYTES)
     want = [
         ref.train_step(corpus, s, [0, 1, 2, 3] if s < DIES else [0, 1, 3]) for s in range(STEPS)
     ]
     np.testing.assert_allclose([s.loss for s in run["steps"]], want, rtol=1e-5)
-    for (layer, e), copies in run["weights"].items():
-        expect = [t.detach().numpy() for t in ref.expert(layer, e)]
-        held = [w for w in copies if w is not None]
-        assert held, (layer, e)
-        for w in held:
-            for a, b in zip(w, expect, strict=True):
-                np.testing.assert_allclose(a, b, atol=5e-6)
+    assert_copies_equal(ref, run["weights"])

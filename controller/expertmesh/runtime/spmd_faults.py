@@ -92,16 +92,8 @@ class SpmdFaults:
             "gather_seconds": t1 - t0, "write_seconds": time.perf_counter() - t1,
         })  # fmt: skip
 
-    def dead_workers(self) -> list[int]:
-        """Ranks whose worker does not answer a ping within :data:`PING_TIMEOUT_S`."""
-        refs = [w.ping.remote() for w in self.workers]
-        dead = []
-        for r, ref in enumerate(refs):
-            try:
-                ray.get(ref, timeout=PING_TIMEOUT_S)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                dead.append(r)
-        return dead
+    def dead_workers(self, among: Any = None) -> list[int]:
+        raise NotImplementedError  # SpmdMembership: pings the members
 
     def recover(self, failed: WorkersFailed) -> dict[str, Any]:
         """Replace the dead workers and refill them (module docstring); the step to run

@@ -36,6 +36,7 @@ import ray
 from expertmesh.planner import Topology
 from expertmesh.planner.membership import connected_dcs
 from expertmesh.runtime.checkpoint import CheckpointDir, CheckpointError
+from expertmesh.runtime.spmd_faults import PING_TIMEOUT_S, SpmdFaults, WorkersFailed
 from expertmesh.workers.shaper import LinkShaper
 
 __all__ = ["PROBE_SLACK_S", "SpmdMembership"]
@@ -167,8 +168,6 @@ class SpmdMembership:
     def dead_workers(self, among: np.ndarray | None = None) -> list[int]:
         """Workers (``among`` [R] bool; default: the members) that do not answer a ping
         within ``PING_TIMEOUT_S``."""
-        from expertmesh.runtime.spmd_faults import PING_TIMEOUT_S
-
         ask = self.live if among is None else among
         refs = {r: self.workers[r].ping.remote() for r in np.flatnonzero(ask).tolist()}
         dead = []
@@ -189,12 +188,10 @@ class SpmdMembership:
         self.dead[self.dead_workers(among=keep & ~self.dead)] = True
         return keep & ~self.dead, np.flatnonzero(self.dead & ~known).tolist()
 
-    def recover(self, failed: Any) -> dict[str, Any]:
+    def recover(self, failed: WorkersFailed) -> dict[str, Any]:
         """A step failed (``failed``: :class:`~expertmesh.runtime.spmd_faults.WorkersFailed`):
         find out who can train now. Dead workers are replaced when asked to and no DC is
         paused (:meth:`SpmdFaults.recover`); otherwise the members change."""
-        from expertmesh.runtime.spmd_faults import SpmdFaults
-
         t0 = time.perf_counter()
         live, dead = self.who_trains(probe=True)
         if dead and self.settings.replace_dead_workers and (live | self.dead).all():
