@@ -37,7 +37,12 @@ def add_parser(sub: Any) -> None:
         "on real text with expert parallelism across DCs over shaped WAN links; print loss and "
         "step time live.",
     )
-    p.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=60,
+        help="training steps (default 60; with --resume the run's total)",
+    )
     p.add_argument(
         "--policy",
         help="placement policy: " + ", ".join(available_policies()) + " (default: hybrid when "
@@ -113,6 +118,14 @@ def add_parser(sub: Any) -> None:
         "--checkpoint-keep", type=int, default=3, help="newest checkpoints kept (default 3)"
     )
     p.add_argument(
+        "--resume",
+        type=Path,
+        metavar="DIR",
+        help="go on from the newest checkpoint in DIR (a run's --checkpoint-dir; it keeps "
+        "writing there unless --checkpoint-dir says otherwise): give the flags the run trained "
+        "with (model, topology, corpus must match) and --steps as the run's total",
+    )
+    p.add_argument(
         "--no-replace",
         action="store_true",
         help="do not replace a dead worker: its rank stays out, the others train on as a "
@@ -186,6 +199,11 @@ def build_settings(args: argparse.Namespace) -> Any:
         raise ValueError(f"--step-deadline must be finite and >= 0, got {args.step_deadline}")
     if args.checkpoint_every < 0 or args.checkpoint_keep < 1:
         raise ValueError("--checkpoint-every must be >= 0 and --checkpoint-keep >= 1")
+    if getattr(args, "resume", None) is not None:
+        if args.data_plane != "spmd":
+            raise ValueError("--resume needs --data-plane spmd")
+        if args.checkpoint_dir is None:
+            args.checkpoint_dir = args.resume
     ckdir = args.checkpoint_dir
     if ckdir is not None and ckdir.exists() and not ckdir.is_dir():
         raise ValueError(f"--checkpoint-dir {args.checkpoint_dir} is not a directory")
@@ -268,6 +286,7 @@ def run(args: argparse.Namespace) -> int:
 
     settings = build_settings(args)
     spmd = args.data_plane == "spmd"
+    resume, steps = _resume(args, settings)
     logging.basicConfig(level=logging.WARNING)
     console = Console()
     topo = Topology.from_dict(settings.topology)
@@ -282,8 +301,9 @@ def run(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops as cleanly as Ctrl-C
     t0 = time.perf_counter()
     try:
+        rt_args: dict[str, Any] = {"resume": resume} if resume is not None else {}
         runtime = SpmdRuntime if spmd else Runtime
-        with runtime(settings, address=args.address) as rt:
+        with runtime(settings, address=args.address, **rt_args) as rt:
             console.print(
                 f"{'connected to ' + args.address if args.address else 'cluster up'} in {time.perf_counter() - t0:.1f}s; workers on {rt.node_dcs()}"
             )
@@ -293,9 +313,16 @@ def run(args: argparse.Namespace) -> int:
                 console.print(f"  REST       {url}/api/v1  (OpenAPI {url}/docs)")
                 console.print(f"  metrics    {url}/metrics")
                 console.print(f"  gRPC       {target}  (expertmesh.v1.ExpertMeshService)")
-            rows = _train(rt, args.steps, console, spmd=spmd)
+            if resume is not None:
+                console.print(
+                    f"resumed from {resume.path}: step {resume.step} trained, plan "
+                    f"v{resume.version}; {steps} steps to go"
+                )
+            rows = _train(rt, steps, console, spmd=spmd)
             status = rt.status()
             summary = _summary(rows, status, settings)
+            summary["resumed"] = status.get("resumed")
+            summary["controller_outages"] = status.get("controller_outages", [])
             summary["backend"] = getattr(rt, "backend", "ray-object-store")
             summary["data_plane"] = args.data_plane
             console.print(
@@ -316,6 +343,23 @@ def run(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _resume(args: argparse.Namespace, settings: Any) -> tuple[Any, int]:
+    """``--resume``: the checkpoint to go on from (checked before anything starts: a bad
+    directory is one line and exit 2) and the steps left of ``--steps``."""
+    if args.resume is None:
+        return None, args.steps
+    from expertmesh.runtime.resume import load_resume
+
+    rs = load_resume(args.resume, settings)
+    left = args.steps - (rs.step + 1)
+    if left < 1:
+        raise ValueError(
+            f"--resume {args.resume}: the run has trained {rs.step + 1} steps already; "
+            f"--steps {args.steps} leaves none (--steps is the run's total)"
+        )
+    return rs, left
 
 
 def _interrupt(*_: object) -> None:

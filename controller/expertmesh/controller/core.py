@@ -225,6 +225,7 @@ class ControllerCore:
         self._versions: dict[int, PlanVersion] = {}
         self._committed: PlanVersion | None = None
         self._last_plan_step: int | None = None
+        self._issued = 0  # versions up to this were handed out elsewhere (reserve_versions)
         self._dead = np.zeros(topology.num_ranks, bool)  # ranks planned out (dead, cut off)
         # [R] clock time of each rank's newest accepted report (NaN: none yet)
         self._last_report = np.full(topology.num_ranks, np.nan)
@@ -628,7 +629,7 @@ class ControllerCore:
                 self._fresh = self._fresh or fresh  # the next plan must still start afresh
             raise
         with self._lock:
-            version = max(self._versions, default=0) + 1
+            version = max(max(self._versions, default=0), self._issued) + 1
             pv = PlanVersion(
                 version=version,
                 step=step,
@@ -790,6 +791,21 @@ class ControllerCore:
                 self._committed = pv
                 self._last_plan_step = pv.step
             self._prune()
+
+    def reserve_versions(self, upto: int) -> None:
+        """Versions up to ``upto`` were handed out before (by this controller before a
+        restart): later plans are numbered above them, so no version is reused."""
+        with self._lock:
+            self._issued = max(self._issued, int(upto))
+
+    def adopt(self, pv: PlanVersion) -> None:
+        """A PREPARED plan this core did not make (one the workers were offered before a
+        controller restart): it can then commit like any other."""
+        with self._lock:
+            if pv.state != PlanState.PREPARED or pv.version in self._versions:
+                raise ValueError(f"plan {pv.version} cannot be adopted")
+            self._versions[pv.version] = pv
+            self._issued = max(self._issued, pv.version)
 
     # ---- queries ----
 

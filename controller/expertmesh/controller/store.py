@@ -220,7 +220,23 @@ class SqlitePlanStore:
                 (settings.model_dump_json(),),
             )
 
+    def note_issued(self, version: int) -> None:
+        """The newest plan version handed out (offered to workers), committed or not: a
+        restarted controller numbers its plans above it."""
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO settings VALUES ('issued_version', ?)", (str(int(version)),)
+            )
+
     # ---- reads ----
+
+    def issued_version(self) -> int:
+        """:meth:`note_issued`'s newest version (0: none)."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT value FROM settings WHERE key = 'issued_version'"
+            ).fetchone()
+        return int(row[0]) if row is not None else 0
 
     def count(self) -> int:
         with self._lock:

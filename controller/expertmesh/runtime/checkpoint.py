@@ -4,8 +4,14 @@ atomically, loaded without unpickling, corrupt files refused.
 Layout of a checkpoint directory (``RuntimeSettings.checkpoint_dir``)::
 
     ckpt-000007/                one checkpoint (the 7th this directory has seen)
-        manifest.json           format, run, step, plan version, experts, sha256 of the data
-        experts.npz             arrays "<layer>.<expert>.<w|m|v><i>" (numpy, no pickle)
+        manifest.json           format, run, step, plan version, experts, sha256 of the data,
+                                and optionally ``extra`` (JSON) naming ``extra_arrays``
+        experts.npz             arrays "<layer>.<expert>.<w|m|v><i>" and "x.<name>" (numpy,
+                                no pickle)
+
+The extra part is what a new driver needs to resume the run (dense weights and Adam
+state, the committed plan, counters, settings: :mod:`expertmesh.runtime.resume`); expert
+recovery needs only the experts.
 
 A checkpoint is written into a hidden temporary directory (files fsynced) and renamed into
 place, so a reader sees a whole checkpoint or none; only the newest ``keep`` are kept.
@@ -41,6 +47,7 @@ _MAX_MANIFEST_BYTES = 16 << 20
 # (weights, adam m, adam v): three lists of arrays of one expert, the same shapes each
 ExpertState = tuple[Sequence[Any], Sequence[Any], Sequence[Any]]
 _PARTS = ("w", "m", "v")
+_EXTRA_NAME = re.compile(r"^[A-Za-z0-9_.]{1,200}$")
 
 
 class CheckpointError(ValueError):
@@ -59,6 +66,8 @@ class Checkpoint:
     plan_version: int
     experts: dict[tuple[int, int], tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]]
     nbytes: int
+    extra: dict[str, Any] | None = None  # the manifest's "extra" (JSON), when written
+    arrays: dict[str, np.ndarray] | None = None  # the extra arrays by name
 
 
 class CheckpointDir:
@@ -92,13 +101,16 @@ class CheckpointDir:
         step: int,
         plan_version: int,
         run: str,
+        extra: dict[str, Any] | None = None,
+        arrays: Mapping[str, Any] | None = None,
     ) -> Checkpoint:
         """Write ``experts`` (``(layer, expert) -> (weights, m, v)``, arrays or CPU tensors)
-        as the newest checkpoint, then drop all but the newest ``keep``. Returns it (its
-        ``experts`` empty: what was written is the caller's)."""
+        as the newest checkpoint, then drop all but the newest ``keep``. ``extra`` (JSON)
+        and ``arrays`` (name -> array, numeric) ride along. Returns it (its ``experts``
+        empty: what was written is the caller's)."""
         found = self._found()
         seq = found[0][0] + 1 if found else 1
-        arrays: dict[str, Any] = {}
+        arrays_out: dict[str, Any] = {}
         keys = sorted(experts)
         for layer, e in keys:
             state = experts[(layer, e)]
@@ -106,14 +118,18 @@ class CheckpointDir:
                 raise ValueError(f"expert {layer}/{e}: need (weights, m, v)")
             for part, ts in zip(_PARTS, state, strict=True):
                 for i, t in enumerate(ts):
-                    arrays[f"{layer}.{e}.{part}{i}"] = _array(t)
+                    arrays_out[f"{layer}.{e}.{part}{i}"] = _array(t)
+        for name, t in (arrays or {}).items():
+            if not _EXTRA_NAME.match(name):
+                raise ValueError(f"bad extra array name {name!r}")
+            arrays_out[f"x.{name}"] = _array(t)
         tmp = self.root / f".tmp-ckpt-{seq:06d}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
             data = tmp / _DATA
             with open(data, "wb") as f:
-                np.savez(f, allow_pickle=False, **arrays)
+                np.savez(f, allow_pickle=False, **arrays_out)
                 f.flush()
                 os.fsync(f.fileno())
             nbytes = data.stat().st_size
@@ -127,6 +143,9 @@ class CheckpointDir:
                 "arrays_per_part": len(experts[keys[0]][0]) if keys else 0,
                 "data": {"file": _DATA, "bytes": nbytes, "sha256": _sha256(data)},
             }
+            if extra is not None or arrays:
+                manifest["extra"] = extra if extra is not None else {}
+                manifest["extra_arrays"] = sorted(arrays or {})
             with open(tmp / _MANIFEST, "w", encoding="utf-8") as f:
                 json.dump(manifest, f, indent=1)
                 f.flush()
@@ -183,12 +202,21 @@ class CheckpointDir:
                     ] or [a.shape for a in w] != [a.shape for a in v]:  # fmt: skip
                         raise CheckpointError(f"{path}: expert {layer}/{e} has bad arrays")
                     experts[(int(layer), int(e))] = (w, mo, v)
+                extra_arrays = {}
+                for name in man.get("extra_arrays", []):
+                    if f"x.{name}" not in names:
+                        raise CheckpointError(f"{path}: array x.{name} is missing")
+                    a = z[f"x.{name}"]
+                    if a.dtype.kind not in "fiub":
+                        raise CheckpointError(f"{path}: array x.{name} is not numeric")
+                    extra_arrays[name] = a
         except CheckpointError:
             raise
         except (OSError, ValueError, KeyError, EOFError) as err:  # zip and npy readers
             raise CheckpointError(f"{path}: {data.name} cannot be read: {err}") from None
         return Checkpoint(path, int(m.group(1)), str(man["run"]), int(man["step"]),
-                          int(man["plan_version"]), experts, size)  # fmt: skip
+                          int(man["plan_version"]), experts, size, man.get("extra"),
+                          extra_arrays if "extra" in man else None)  # fmt: skip
 
     def load_latest(self, run: str | None = None) -> Checkpoint:
         """The newest checkpoint that loads (of run ``run`` when given); each refused one
@@ -229,6 +257,9 @@ def _read_manifest(path: Path) -> dict[str, Any]:
         and isinstance(man["data"].get("file"), str)
         and isinstance(man["data"].get("bytes"), int)
         and isinstance(man["data"].get("sha256"), str)
+        and ("extra" not in man or isinstance(man["extra"], dict))
+        and isinstance(man.get("extra_arrays", []), list)
+        and all(isinstance(x, str) and _EXTRA_NAME.match(x) for x in man.get("extra_arrays", []))
     )  # fmt: skip
     if not ok:
         raise CheckpointError(f"{path}: {_MANIFEST} is not a {FORMAT} manifest")

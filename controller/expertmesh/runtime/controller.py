@@ -16,7 +16,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
@@ -28,6 +28,7 @@ from expertmesh.planner.stepmodel import StepLayout, step_layout
 from expertmesh.runtime.actors import RayExecutor
 from expertmesh.runtime.loads import LoadIngest
 from expertmesh.runtime.membership import MembershipSteps
+from expertmesh.runtime.reattach import Reattach
 from expertmesh.runtime.settings import NAMESPACE, RuntimeSettings, initial_placements
 from expertmesh.runtime.stepstats import per_microbatch, switch_summary
 from expertmesh.runtime.trace import migration_collectives
@@ -51,6 +52,14 @@ class SpmdSteps:
     topology: Topology
     placements: list[Placement]
     errors: int
+    store: Any
+    _crash_at: str | None
+
+    if TYPE_CHECKING:  # ControllerActor's and Reattach's (the actor has all three)
+
+        def _maybe_crash(self, at: str) -> None: ...
+
+        def _maybe_repair(self) -> None: ...
 
     def spmd_reset(self, workers: list[Any], members: list[int], backend: str) -> None:
         self._spmd_workers, self._members, self._backend = workers, sorted(members), backend
@@ -101,6 +110,7 @@ class SpmdSteps:
         migration = np.zeros_like(self._bytes[0])
         if applied and self._offered is not None and self._offered.version in applied:
             pv = self._offered
+            self._maybe_crash("applied")  # fault injection: the workers run it, the store not
             self.core.commit(pv.version)
             self.placements = [lp.placement for lp in pv.layers]
             self._offered = None
@@ -178,6 +188,9 @@ class SpmdSteps:
                     sum(float(np.sum(reports[r]["expert_seconds"])) for r in ranks)
                     / max(int(computed.sum()), 1)
                 ),
+                "recorded": "workers"
+                if any(reports[r].get("recorded") == "workers" for r in ranks)
+                else "controller",
                 **out,
             }
         )
@@ -201,7 +214,13 @@ class SpmdSteps:
         if pv is None:
             return {}
         self._offered = pv
-        self._send_offer([self._spmd_workers[r] for r in self._members])
+        if self.store is not None:  # a restarted controller numbers its plans above it
+            self.store.note_issued(pv.version)
+        members = [self._spmd_workers[r] for r in self._members]
+        if self._crash_at == "offered":  # fault injection: half the workers have the offer
+            ray.get(self._send_offer(members[: len(members) // 2]))
+            self._maybe_crash("offered")
+        self._send_offer(members)
         return {
             "imbalance_before": max(pv.imbalance_before),
             "imbalance_after": max(pv.imbalance_after),
@@ -217,9 +236,10 @@ class SpmdSteps:
             if self._offered is not None:
                 self._send_offer([workers[r] for r in ranks])
 
-    def _send_offer(self, workers: list[Any]) -> None:
+    def _send_offer(self, workers: list[Any]) -> list[Any]:
         """The plan on offer, as every worker applies it: per layer ``(phy2log, master,
-        route)`` and the migration rounds from the committed placement."""
+        route)`` and the migration rounds from the committed placement. Returns the calls'
+        refs (nobody needs to wait for them)."""
         pv = self._offered
         assert pv is not None
         new = [lp.placement for lp in pv.layers]
@@ -228,8 +248,7 @@ class SpmdSteps:
         )
         layers = [(p.phy2log, p.master, lp.route) for p, lp in zip(new, pv.layers, strict=True)]
         self._trace["plans"][pv.version] = (layers, migration_collectives(rounds, self.topology))
-        for w in workers:
-            w.offer_plan.remote(pv.version, layers, rounds, pv.encoding)
+        return [w.offer_plan.remote(pv.version, layers, rounds, pv.encoding) for w in workers]
 
     def take_trace(self) -> dict[str, dict[int, Any]]:
         """What the run trained on since the last call (runtime/trace.py): per step the load
@@ -256,14 +275,20 @@ class SpmdSteps:
 
     def results_since(self, step: int) -> list[dict[str, Any]]:
         """Recorded steps from ``step`` on."""
+        self._maybe_repair()
         with self._spmd_lock:
             return [r for r in self._results if r["step"] >= step]
 
 
-class ControllerActor(SpmdSteps, MembershipSteps):
-    """Thin actor over :class:`ControllerCore`: gather, call the core, apply the result."""
+class ControllerActor(Reattach, SpmdSteps, MembershipSteps):
+    """Thin actor over :class:`ControllerCore`: gather, call the core, apply the result.
 
-    def __init__(self, settings: RuntimeSettings, store_path: str | None = None) -> None:
+    ``spmd``: the workers are the SPMD plane's; after a restart the actor re-attaches to
+    them (:mod:`expertmesh.runtime.reattach`) before serving any call."""
+
+    def __init__(
+        self, settings: RuntimeSettings, store_path: str | None = None, *, spmd: bool = False
+    ) -> None:
         self.workers: list[Any] = []
         self.surfaces: Any = None  # expertmesh.controller.server.Surfaces while serving
         if store_path is None:  # on the controller's node; the job id survives restarts
@@ -274,8 +299,17 @@ class ControllerActor(SpmdSteps, MembershipSteps):
         self._crash_at: str | None = None
         self.restarted = False
         self.reconciled: dict[str, list[int]] = {}
+        self.reattached_spmd: dict[str, Any] | None = None
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self.reset(settings, recover=restarted)
+        if restarted and spmd:
+            try:
+                self.reattach()
+            except Exception:  # records nothing (the driver's wait for steps times out)
+                self.errors += 1
+                log.exception("re-attaching to the workers after a restart failed")
+                if not hasattr(self, "_spmd_lock"):
+                    self.spmd_reset([], [], "")
         if restarted and settings.surfaces is not None:
             try:  # the dead process's ports are free again (port 0: new ones, see Runtime)
                 self.start_surfaces()
@@ -346,8 +380,10 @@ class ControllerActor(SpmdSteps, MembershipSteps):
     def inject_crash(self, at: str) -> None:
         """Fault injection: exit the process (as a crash would) during the next plan
         application, ``at`` ``"prepared"`` (every worker holds the plan ready, nothing is
-        committed) or ``"committed"`` (the store has the commit, no worker has it yet)."""
-        if at not in ("prepared", "committed"):
+        committed) or ``"committed"`` (the store has the commit, no worker has it yet); on
+        the SPMD plane ``"offered"`` (half the workers have the next offer) or
+        ``"applied"`` (the workers switched to it, the store does not have it yet)."""
+        if at not in ("prepared", "committed", "offered", "applied"):
             raise ValueError(f"unknown crash point {at!r}")
         self._crash_at = at
 
@@ -596,6 +632,7 @@ class ControllerActor(SpmdSteps, MembershipSteps):
             "loads": loads.accounting() if (loads := getattr(self, "loads", None)) else None,
             "restarted": self.restarted,
             "reconciled": self.reconciled,
+            "reattached": self.reattached_spmd,
             **self.phase_seconds,
         }
 

@@ -163,6 +163,10 @@ class StepResult(BaseModel):
     # ranks), wait_seconds, cross-DC bytes moved at the boundary and in the background
     switch: dict[str, Any] | None = None
     expert_seconds_per_assignment: float | None = None  # expert compute over assignments
+    # who recorded it: "controller" (as the reports came), "workers" (a restarted controller,
+    # from the reports the workers kept: the old one's record was lost), "lost" (no report
+    # survived a controller restart: loss NaN, nothing else known)
+    recorded: str = "controller"
 
 
 def source_roots() -> str:

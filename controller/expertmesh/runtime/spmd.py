@@ -26,6 +26,7 @@ from ray.cluster_utils import Cluster
 from expertmesh.planner import Topology
 from expertmesh.runtime.checkpoint import CheckpointDir
 from expertmesh.runtime.controller import ControllerActor
+from expertmesh.runtime.resume import ResumeState
 from expertmesh.runtime.settings import (
     CONTROLLER_RESTARTS,
     CONTROLLER_WAIT_S,
@@ -43,7 +44,7 @@ from expertmesh.runtime.spmd_members import SpmdMembership
 from expertmesh.runtime.trace import RunTrace
 from expertmesh.runtime.worker import SpmdWorker
 
-__all__ = ["GROUP_TIMEOUT_S", "SpmdRuntime"]
+__all__ = ["GROUP_TIMEOUT_S", "SpmdRuntime", "lost_step"]
 
 log = logging.getLogger(__name__)
 GROUP_TIMEOUT_S = 60.0  # a collective that waits this long for a peer fails (a dead peer)
@@ -53,8 +54,16 @@ RESULT_WAIT_S = 30.0  # after the workers return, the driver waits this long for
 class SpmdRuntime(SpmdMembership, SpmdFaults):
     """A multi-DC Ray cluster training the demo model on the SPMD data plane."""
 
-    def __init__(self, settings: RuntimeSettings, *, address: str | None = None) -> None:
-        self.settings, self.address = settings, address
+    def __init__(
+        self,
+        settings: RuntimeSettings,
+        *,
+        address: str | None = None,
+        resume: ResumeState | None = None,
+    ) -> None:
+        """``resume``: go on from this checkpoint (:func:`~expertmesh.runtime.resume.load_resume`)
+        instead of the initial weights; :meth:`train` then starts at the step after it."""
+        self.settings, self.address, self.resume = settings, address, resume
         self.topology = Topology.from_dict(settings.topology)
         self.cluster: Cluster | None = None
         self.workers: list[Any] = []
@@ -64,9 +73,12 @@ class SpmdRuntime(SpmdMembership, SpmdFaults):
         self._tmp: str | None = None
         self.checkpoints: CheckpointDir | None = None
         self.checkpoint_log: list[dict[str, Any]] = []
+        self.resumed: dict[str, Any] | None = None
         self.recoveries: list[dict[str, Any]] = []
         self.retried_steps: list[int] = []
-        self.run_id = new_run_id()
+        self._down_since: float | None = None
+        self.controller_outages: list[dict[str, Any]] = []
+        self.run_id = resume.run if resume is not None else new_run_id()
         self.trace = RunTrace(settings)  # what it trained on (trace.npz, plans.npz)
         # a collective that waits this long for a peer fails (a dead peer, a real cut)
         self.group_timeout_s = settings.step_deadline_s or GROUP_TIMEOUT_S
@@ -103,7 +115,7 @@ class SpmdRuntime(SpmdMembership, SpmdFaults):
                 ControllerActor, num_cpus=0, max_concurrency=8, max_restarts=CONTROLLER_RESTARTS
             )
             .options(name="controller", label_selector={"dc": dcs[0].name})
-            .remote(s, None if self.address else os.path.join(self._tmp, "plans.sqlite"))
+            .remote(s, None if self.address else os.path.join(self._tmp, "plans.sqlite"), spmd=True)
         )
         self._shaper = (
             os.path.join(self._tmp, "links") if s.shaper and self.address is None else None
@@ -118,7 +130,17 @@ class SpmdRuntime(SpmdMembership, SpmdFaults):
         ray.get(self.controller.spmd_reset.remote(self.workers, members, self.backend))
         root = s.checkpoint_dir or os.path.join(self._tmp, "checkpoints")
         self.checkpoints = CheckpointDir(root, keep=s.checkpoint_keep)
-        self.take_checkpoint()  # the initial weights: a death in step 0 recovers too
+        rs = self.resume
+        if rs is not None:
+            t0 = time.perf_counter()
+            state = rs.worker_state()
+            ray.get([w.resume.remote(state, rs.seeds(r)) for r, w in enumerate(self.workers)])
+            ray.get(self.controller.resume_plan.remote(rs.version, rs.layers, rs.step))
+            self.step = rs.step
+            self.resumed = {"path": rs.path, "step": rs.step, "plan_version": rs.version,
+                            "seconds": time.perf_counter() - t0}  # fmt: skip
+        if rs is None or os.path.realpath(root) != os.path.realpath(os.path.dirname(rs.path)):
+            self.take_checkpoint()  # the first weights: a death in step 0 recovers too
         if s.surfaces is not None:
             self.surfaces = ray.get(self.controller.start_surfaces.remote())
 
@@ -161,7 +183,7 @@ class SpmdRuntime(SpmdMembership, SpmdFaults):
             try:
                 out += self._chunk(n, on_step)
             except WorkersFailed as failed:
-                rows = ray.get(self.controller.results_since.remote(self.step + 1))
+                rows = self._results_since(self.step + 1, CONTROLLER_WAIT_S) or []
                 for row in rows:
                     if row["step"] < failed.failed_at and row["step"] > self.step:
                         result = StepResult(**row)
@@ -192,7 +214,18 @@ class SpmdRuntime(SpmdMembership, SpmdFaults):
                 raise TimeoutError(f"the controller recorded {len(seen)} of {steps} steps")
             else:
                 time.sleep(0.05)
-            for row in ray.get(self.controller.results_since.remote(start + len(seen))):
+            rows = self._results_since(start + len(seen), 1.0)
+            if rows is None:  # the controller is down: the workers train on, we wait
+                if deadline is not None:
+                    deadline = time.monotonic() + RESULT_WAIT_S
+                continue
+            for row in rows:
+                while start + len(seen) < min(row["step"], start + steps):  # none survived
+                    seen.append(lost_step(start + len(seen), self.backend))
+                    if on_step is not None:
+                        on_step(seen[-1])
+                if row["step"] != start + len(seen):
+                    continue
                 result = StepResult(**row)
                 seen.append(result)
                 if on_step is not None:
@@ -216,6 +249,24 @@ class SpmdRuntime(SpmdMembership, SpmdFaults):
         if errors:
             raise WorkersFailed(min(failed, default=start), "; ".join(errors)[:1000])
 
+    def _results_since(self, step: int, timeout: float) -> list[dict[str, Any]] | None:
+        """The controller's recorded steps from ``step`` on; None while it is down
+        (restarting), :class:`TimeoutError` when it stays down :data:`CONTROLLER_WAIT_S`."""
+        try:
+            rows = ray.get(self.controller.results_since.remote(step), timeout=timeout)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
+            now = time.monotonic()
+            self._down_since = self._down_since or now
+            if now - self._down_since > CONTROLLER_WAIT_S:
+                raise TimeoutError(f"the controller is unavailable: {err}") from err
+            return None
+        if self._down_since is not None:  # it is back: how long the driver saw it down
+            self.controller_outages.append(
+                {"from_step": step, "seconds": time.monotonic() - self._down_since}
+            )
+            self._down_since = None
+        return list(rows)
+
     def _ask(self, method: str, *args: Any) -> Any:
         deadline = time.monotonic() + CONTROLLER_WAIT_S
         while True:
@@ -234,6 +285,8 @@ class SpmdRuntime(SpmdMembership, SpmdFaults):
         out["checkpoints"] = list(self.checkpoint_log)
         out["dead_ranks"] = np.flatnonzero(self.dead).tolist()
         out["paused_ranks"] = np.flatnonzero(self.paused).tolist()
+        out["resumed"] = self.resumed
+        out["controller_outages"] = list(self.controller_outages)
         return out
 
     def metrics(self) -> str:
@@ -251,3 +304,16 @@ class SpmdRuntime(SpmdMembership, SpmdFaults):
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
+
+
+def lost_step(step: int, backend: str) -> StepResult:
+    """A step whose every report was lost with a controller restart (``recorded="lost"``;
+    only kept reports, 1,024 steps at most, survive one)."""
+    nan = float("nan")
+    return StepResult(
+        step=step, loss=nan, step_seconds=nan, control_seconds=0.0, imbalance=nan,
+        plan_version=-1, cross_dc_token_bytes=0, cross_dc_weight_bytes=0,
+        cross_dc_migration_bytes=0, bytes_by_pair=[], tokens_per_rank=[],
+        tokens_per_layer_rank=[], backend=backend, recorded="lost",
+        error="no report of this step survived a controller restart",
+    )  # fmt: skip

@@ -12,8 +12,9 @@ Then the failed step runs again. The committed plan does not change: the replace
 holds exactly what the dead rank held, so no token is routed differently.
 
 The checkpoint is written by the driver between chunks of ``checkpoint_every`` steps
-(every master's weights and Adam state, gathered through Ray off the data path), and once
-before the first step, so a death in step 0 recovers like any other.
+(every master's weights and Adam state, gathered through Ray off the data path, and what a
+new driver needs to resume the run: :mod:`expertmesh.runtime.resume`), and once before the
+first step, so a death in step 0 recovers like any other.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import ray
 
 from expertmesh.planner import Placement, Topology
 from expertmesh.runtime.checkpoint import CheckpointDir, CheckpointError
+from expertmesh.runtime.resume import resume_payload
 
 __all__ = ["PING_TIMEOUT_S", "SpmdFaults", "WorkersFailed"]
 
@@ -60,6 +62,9 @@ class SpmdFaults:
     def _spawn(self, rank: int) -> Any:
         raise NotImplementedError
 
+    def members(self) -> list[int]:
+        raise NotImplementedError
+
     def _form_group(self) -> None:
         raise NotImplementedError
 
@@ -74,16 +79,22 @@ class SpmdFaults:
             return
         t0 = time.perf_counter()
         try:
-            parts = ray.get([w.masters.remote() for w in self.live_workers()])
+            live = self.live_workers()
+            state = ray.get(live[0].export_state.remote())  # dense, plan, counters
+            parts = ray.get([w.masters.remote() for w in live])
         except ray.exceptions.RayActorError:
             log.warning("checkpoint after step %d skipped: a worker died", self.step)
             return
         experts: dict[tuple[int, int], Any] = {}
         for part in parts:
             experts.update(part)
+        extra, arrays = resume_payload(state, self.settings, self.members())
         t1 = time.perf_counter()
         try:
-            ck = self.checkpoints.write(experts, step=self.step, plan_version=0, run=self.run_id)
+            ck = self.checkpoints.write(
+                experts, step=self.step, plan_version=int(state["version"]), run=self.run_id,
+                extra=extra, arrays=arrays,
+            )  # fmt: skip
         except OSError as err:
             log.error("checkpoint after step %d not written: %s", self.step, err)
             return

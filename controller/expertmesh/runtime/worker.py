@@ -6,7 +6,10 @@ the worker is then on its own. Tensors move over the process groups (gloo on CPU
 when CUDA is present), never through Ray. Ray carries only small control messages, all
 fire-and-forget from the worker's side: each step's report to the controller (load,
 loss, bytes, timings) and plan offers from the controller (:meth:`SpmdWorker.offer_plan`,
-taken on another thread of the actor while the loop runs). Every rank learns at the same
+taken on another thread of the actor while the loop runs); a report that cannot reach
+the controller (dead, restarting) is dropped without waiting, and the worker keeps its
+newest reports (:data:`REPORT_LOG_BYTES`) for a restarted controller to replay
+(:meth:`SpmdWorker.controller_view`, :mod:`expertmesh.runtime.reattach`). Every rank learns at the same
 step's end that every rank has a plan (the newest version rides along the dense gradient
 reduction, so agreeing costs no extra message); the moved masters' weights and Adam
 state then travel in the background during the next step, whose sync switches every
@@ -18,11 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
 import logging
 import os
 import socket
 import threading
 import time
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -38,9 +43,10 @@ from expertmesh.workers.shaper import LinkShaper
 from expertmesh.workers.spmd import RankSnapshot, SpmdRank
 from expertmesh.workers.wire import WireFormat
 
-__all__ = ["SpmdWorker", "connect_store", "listen_store"]
+__all__ = ["REPORT_LOG_BYTES", "SpmdWorker", "connect_store", "listen_store"]
 
 log = logging.getLogger(__name__)
+REPORT_LOG_BYTES = 64 << 20  # step reports a worker keeps for a restarted controller (about)
 
 
 def listen_store(host: str, timeout_s: float) -> Any:
@@ -56,6 +62,17 @@ def listen_store(host: str, timeout_s: float) -> Any:
 def connect_store(host: str, port: int, timeout_s: float) -> Any:
     """A client of the store :func:`listen_store` opened on ``host:port`` (bounded)."""
     return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _plan_digest(layers: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> str:
+    """sha256 over a plan's per-layer (phy2log, master, route)."""
+    h = hashlib.sha256()
+    for arrays in layers:
+        for x in arrays:
+            a = np.ascontiguousarray(np.asarray(x, np.int64))
+            h.update(str(a.shape).encode())
+            h.update(a.tobytes())
+    return h.hexdigest()
 
 
 def _leave_group(rank: int, timeout_s: float = 10.0) -> None:
@@ -115,6 +132,20 @@ class SpmdWorker:
         self._store: Any = None  # the store this worker listens on for the next group
         self._group_store: Any = None  # the store of the group it is in (kept alive)
         self.loads = LeadLoads(settings, self.topology, rank)  # the DC lead's load windows
+        self.backend = ""
+        # the committed plan as (version, per layer (phy2log, master, route)), the plan being
+        # switched to right now (version, offer) and the newest step reports: what a
+        # restarted controller reads back (controller_view)
+        self._committed: tuple[int, list[Any]] = (
+            0,
+            [(p, m, np.zeros((0, 4), np.int64)) for p, m in placements],
+        )
+        self._switching: tuple[int, Any] | None = None
+        self._digests: dict[int, str] = {}  # version -> sha256 of each plan offered here
+        self.conflicts = 0
+        self._bytes = np.zeros((3, self.topology.num_dcs, self.topology.num_dcs), np.int64)
+        per = 8 * settings.lm.num_layers * settings.lm.num_experts + 4096
+        self._log: deque[dict[str, Any]] = deque(maxlen=max(16, min(1024, REPORT_LOG_BYTES // per)))
 
     def address(self, timeout_s: float = 60.0) -> tuple[str, int]:
         """Open the rendezvous store of a new process group here (the first member's
@@ -152,6 +183,7 @@ class SpmdWorker:
         else:
             self.state.rebind(comm)
         self.loads.joined(comm.leader, comm.my_dc.ranks)
+        self.backend = backend
         return backend
 
     def leave(self) -> None:
@@ -168,9 +200,19 @@ class SpmdWorker:
         rounds: list[list[tuple[int, int, int, int, str]]],
         encoding: Any = None,
     ) -> None:
-        """A prepared plan from the controller; switched to at the next agreed boundary."""
+        """A prepared plan from the controller; switched to at the next agreed boundary (a
+        version already committed here, e.g. sent again by a restarted controller, is
+        ignored)."""
+        digest = _plan_digest(layers)
         with self._lock:
-            self._plans[version] = (layers, rounds, encoding)
+            if self._digests.setdefault(version, digest) != digest:  # never two plans for one
+                self.conflicts += 1  # version: refused (counted; the test of restarts checks)
+                log.error("rank %d: plan %d offered again with other contents", self.rank, version)
+                return
+            if len(self._digests) > 256:
+                del self._digests[min(self._digests)]
+            if version > self._committed[0]:
+                self._plans[version] = (layers, rounds, encoding)
 
     def _offered(self) -> int:
         with self._lock:
@@ -193,6 +235,7 @@ class SpmdWorker:
                 stats = st.train_step(step, offer=self._offered())
                 applied = self._apply(stats.get("switched"))
             except Exception as err:  # a peer died or a link is down: undo, leave the group
+                self._switching = None
                 log.warning("rank %d: step %d failed: %s", self.rank, step, err)
                 snap.restore(st)  # a plan switch commits last, so none happened
                 _leave_group(self.rank)
@@ -204,8 +247,14 @@ class SpmdWorker:
             stats["ray_seconds"] = ray_s  # submitting the previous step's report
             stats.pop("routed", None)
             self.loads.after_step(st, stats)
+            stats["bytes_before"], self._bytes = self._bytes, stats["bytes"]
+            with self._lock:
+                self._log.append(stats)  # before sending: a lost report can be replayed
             t_ray = time.perf_counter()
-            self.controller.step_report.remote(self.rank, stats)  # fire and forget
+            try:  # fire and forget; never waits for (or fails with) the controller
+                self.controller.step_report.remote(self.rank, stats)
+            except Exception as err:
+                log.warning("rank %d: step %d's report not sent: %s", self.rank, step, err)
             ray_s = time.perf_counter() - t_ray
         return {"rank": self.rank, "step": st.step, "version": st.version}
 
@@ -220,6 +269,7 @@ class SpmdWorker:
             version = st.agreed
             with self._lock:
                 layers, rounds, encoding = self._plans[version]
+                self._switching = (version, self._plans[version])  # agreed: it will switch
             wire = WireFormat.of(encoding)
             if self.settings.migration == "background":
                 st.prepare(version, layers, wire)
@@ -231,10 +281,63 @@ class SpmdWorker:
                     "seconds": time.perf_counter() - t0, "boundary_bytes": sent.tolist(),
                 }  # fmt: skip
         if switched is not None:
-            with self._lock:
+            with self._lock:  # what a restarted controller reads back (controller_view)
+                offer = self._plans.get(switched["version"])
+                if offer is not None:
+                    self._committed = (int(switched["version"]), list(offer[0]))
+                self._switching = None
                 for v in [v for v in self._plans if v <= switched["version"]]:
                     del self._plans[v]
         return switched
+
+    # ---- a restarted controller, a resumed run ----
+
+    def controller_view(self) -> dict[str, Any]:
+        """What a restarted controller learns from this worker: the committed plan
+        (version, layers), the plan being switched to now, the offers not switched to yet,
+        the group (members, backend), the last step and the step reports kept."""
+        with self._lock:
+            version, layers = self._committed
+            offers = dict(self._plans)
+            if self._switching is not None:
+                v, offer = self._switching
+                if offer is not None:
+                    offers[v] = offer
+            switching = None if self._switching is None else self._switching[0]
+            reports = list(self._log)
+        st = self.state
+        return {
+            "rank": self.rank,
+            "step": -1 if st is None else st.step,
+            "version": version,
+            "layers": layers,
+            "switching": switching,
+            "offers": offers,
+            "members": [] if st is None else list(st.comm.world.ranks),
+            "backend": self.backend,
+            "reports": reports,
+            "conflicts": self.conflicts,
+        }
+
+    def reports_since(self, step: int) -> list[dict[str, Any]]:
+        """The kept step reports from ``step`` on (a controller missing some asks)."""
+        with self._lock:
+            return [r for r in self._log if r["step"] >= step]
+
+    def resume(self, state: dict[str, Any], seeds: dict[tuple[int, int], Any]) -> None:
+        """Take the state of a checkpoint (:class:`~expertmesh.runtime.resume.ResumeState`):
+        ``state`` as :meth:`export_state` gives it, ``seeds`` every expert this rank holds
+        under its plan; a replica holds its master's weights as the wire rounds them."""
+        wire = state["wire"]
+        rounded = {}
+        for (layer, e), (w, m, v) in seeds.items():
+            master = int(state["layers"][layer][1][e]) // self.topology.slots_per_rank
+            if master != self.rank:
+                w = [torch.as_tensor(np.asarray(t)).to(wire.weights).float().numpy() for t in w]  # noqa: PLW2901
+            rounded[(layer, e)] = (w, m, v)
+        self.refill([], state, rounded)
+        with self._lock:
+            self._committed = (int(state["version"]), list(state["layers"]))
 
     # ---- faults ----
 
@@ -268,6 +371,8 @@ class SpmdWorker:
         )
         if state is None:
             return
+        with self._lock:
+            self._committed = (int(state["version"]), list(state["layers"]))
         dev = self.device
         seeds = seeds or {}
         experts: list[dict[int, Any]] = [{} for _ in st.layers]
@@ -337,6 +442,8 @@ class SpmdWorker:
                 )
         sent = st.apply_plan(version, plan["layers"], plan["rounds"], WireFormat())
         st.experts.wire = WireFormat.of(plan["encoding"])
+        with self._lock:  # what a restarted controller reads back (controller_view)
+            self._committed = (version, list(plan["layers"]))
         return sent
 
     def probe(self, targets: dict[int, tuple[str, int]], timeout_s: float) -> dict[int, bool]:
