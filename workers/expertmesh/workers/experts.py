@@ -178,7 +178,7 @@ class ExpertParallel:
                     for p, f in zip(self.layers[layer].expert(e), ws, strict=True):
                         p.copy_(f)
             return
-        self._switch(pend, masters, fresh, hops)
+        self._switch(pend, masters, fresh, hops, self._hops(old, old))
 
     def _switch(
         self,
@@ -186,8 +186,11 @@ class ExpertParallel:
         masters: dict[tuple[int, int], tuple[Any, State]],
         fresh: dict[tuple[int, int], list[torch.Tensor]],
         hops: list[list[Transfer]],
+        usual: list[list[Transfer]],
     ) -> None:
-        """Commit ``pend`` on this rank: every layer holds the new plan's copies."""
+        """Commit ``pend`` on this rank: every layer holds the new plan's copies. ``hops``:
+        the switch's; ``usual``: the committed plan's own (what a step without a switch
+        sends), to count what the switch added."""
         t0 = time.perf_counter()
         c = self.comm
         for layer, (moe, plan) in enumerate(zip(self.layers, pend.plans, strict=True)):
@@ -201,13 +204,15 @@ class ExpertParallel:
                     raise ValueError(f"rank {c.rank} lacks expert {e} of layer {layer}")
             moe.set_plan(plan, mine)
             self.opt[layer] = {e: st for (lyr, e), (_, st) in masters.items() if lyr == layer}
-        # what the boundary moved for the plan: the refresh's hops to copies the committed
-        # plan did not have (the rest of the refresh runs at every step)
+        # what the boundary moved for the plan: its refresh's bytes beyond those of the
+        # committed plan's refresh, which a step without a switch sends (signed, [D, D])
         per = sum(int(np.prod(t.shape)) for t in self._shapes()) * pend.wire.weights.itemsize
+        usual_per = sum(int(np.prod(t.shape)) for t in self._shapes()) * self.wire.weights.itemsize
         boundary = np.zeros((c.num_dcs, c.num_dcs), np.int64)
-        for layer, e, src, dst, _ in hops[2] + hops[3]:
-            if src == c.rank and not pend.had[layer][dst, e]:
-                boundary[c.rank_dc[src], c.rank_dc[dst]] += per
+        for hop_list, nbytes, sign in ((hops, per, 1), (usual, usual_per, -1)):
+            for _, _, src, dst, _ in hop_list[2] + hop_list[3]:
+                if src == c.rank:
+                    boundary[c.rank_dc[src], c.rank_dc[dst]] += sign * nbytes
         self.wire, self.version, self.pending = pend.wire, pend.version, None
         self.switched = {
             "version": pend.version,
