@@ -170,6 +170,9 @@ def migration_row(label: str, run: SpmdRun) -> dict[str, Any]:
         "median_other_seconds": base,
         "losses": [s.loss for s in run.steps],
         "switch_steps": [s.step for s in sw],
+        "switches_all": [s.switch for s in sw],
+        "boundary_mb_total": sum(s.switch["boundary_bytes"] for s in sw) / 1e6,
+        "background_mb_total": sum(s.switch["background_bytes"] for s in sw) / 1e6,
         "seconds": [s.seconds for s in run.steps],
     }
 
