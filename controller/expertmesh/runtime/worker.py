@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import hashlib
 import logging
 import os
 import socket
 import threading
 import time
-from collections import deque
 from typing import Any
 
 import numpy as np
@@ -37,6 +35,7 @@ import torch.distributed as dist
 
 from expertmesh.planner import Placement, Topology
 from expertmesh.runtime.loads import LeadLoads
+from expertmesh.runtime.worker_resume import REPORT_LOG_BYTES, WorkerResume, plan_digest
 from expertmesh.workers.comm import Comm, pick_backend
 from expertmesh.workers.model import Corpus
 from expertmesh.workers.shaper import LinkShaper
@@ -46,7 +45,6 @@ from expertmesh.workers.wire import WireFormat
 __all__ = ["REPORT_LOG_BYTES", "SpmdWorker", "connect_store", "listen_store"]
 
 log = logging.getLogger(__name__)
-REPORT_LOG_BYTES = 64 << 20  # step reports a worker keeps for a restarted controller (about)
 
 
 def listen_store(host: str, timeout_s: float) -> Any:
@@ -62,17 +60,6 @@ def listen_store(host: str, timeout_s: float) -> Any:
 def connect_store(host: str, port: int, timeout_s: float) -> Any:
     """A client of the store :func:`listen_store` opened on ``host:port`` (bounded)."""
     return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
-
-
-def _plan_digest(layers: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> str:
-    """sha256 over a plan's per-layer (phy2log, master, route)."""
-    h = hashlib.sha256()
-    for arrays in layers:
-        for x in arrays:
-            a = np.ascontiguousarray(np.asarray(x, np.int64))
-            h.update(str(a.shape).encode())
-            h.update(a.tobytes())
-    return h.hexdigest()
 
 
 def _leave_group(rank: int, timeout_s: float = 10.0) -> None:
@@ -103,7 +90,7 @@ def _interface_of(ip: str) -> str | None:
     return None
 
 
-class SpmdWorker:
+class SpmdWorker(WorkerResume):
     """One rank; see the module docstring."""
 
     def __init__(
@@ -133,19 +120,7 @@ class SpmdWorker:
         self._group_store: Any = None  # the store of the group it is in (kept alive)
         self.loads = LeadLoads(settings, self.topology, rank)  # the DC lead's load windows
         self.backend = ""
-        # the committed plan as (version, per layer (phy2log, master, route)), the plan being
-        # switched to right now (version, offer) and the newest step reports: what a
-        # restarted controller reads back (controller_view)
-        self._committed: tuple[int, list[Any]] = (
-            0,
-            [(p, m, np.zeros((0, 4), np.int64)) for p, m in placements],
-        )
-        self._switching: tuple[int, Any] | None = None
-        self._digests: dict[int, str] = {}  # version -> sha256 of each plan offered here
-        self.conflicts = 0
-        self._bytes = np.zeros((3, self.topology.num_dcs, self.topology.num_dcs), np.int64)
-        per = 8 * settings.lm.num_layers * settings.lm.num_experts + 4096
-        self._log: deque[dict[str, Any]] = deque(maxlen=max(16, min(1024, REPORT_LOG_BYTES // per)))
+        self._init_resume(settings, placements)
 
     def address(self, timeout_s: float = 60.0) -> tuple[str, int]:
         """Open the rendezvous store of a new process group here (the first member's
@@ -203,7 +178,7 @@ class SpmdWorker:
         """A prepared plan from the controller; switched to at the next agreed boundary (a
         version already committed here, e.g. sent again by a restarted controller, is
         ignored)."""
-        digest = _plan_digest(layers)
+        digest = plan_digest(layers)
         with self._lock:
             if self._digests.setdefault(version, digest) != digest:  # never two plans for one
                 self.conflicts += 1  # version: refused (counted; the test of restarts checks)
@@ -289,55 +264,6 @@ class SpmdWorker:
                 for v in [v for v in self._plans if v <= switched["version"]]:
                     del self._plans[v]
         return switched
-
-    # ---- a restarted controller, a resumed run ----
-
-    def controller_view(self) -> dict[str, Any]:
-        """What a restarted controller learns from this worker: the committed plan
-        (version, layers), the plan being switched to now, the offers not switched to yet,
-        the group (members, backend), the last step and the step reports kept."""
-        with self._lock:
-            version, layers = self._committed
-            offers = dict(self._plans)
-            if self._switching is not None:
-                v, offer = self._switching
-                if offer is not None:
-                    offers[v] = offer
-            switching = None if self._switching is None else self._switching[0]
-            reports = list(self._log)
-        st = self.state
-        return {
-            "rank": self.rank,
-            "step": -1 if st is None else st.step,
-            "version": version,
-            "layers": layers,
-            "switching": switching,
-            "offers": offers,
-            "members": [] if st is None else list(st.comm.world.ranks),
-            "backend": self.backend,
-            "reports": reports,
-            "conflicts": self.conflicts,
-        }
-
-    def reports_since(self, step: int) -> list[dict[str, Any]]:
-        """The kept step reports from ``step`` on (a controller missing some asks)."""
-        with self._lock:
-            return [r for r in self._log if r["step"] >= step]
-
-    def resume(self, state: dict[str, Any], seeds: dict[tuple[int, int], Any]) -> None:
-        """Take the state of a checkpoint (:class:`~expertmesh.runtime.resume.ResumeState`):
-        ``state`` as :meth:`export_state` gives it, ``seeds`` every expert this rank holds
-        under its plan; a replica holds its master's weights as the wire rounds them."""
-        wire = state["wire"]
-        rounded = {}
-        for (layer, e), (w, m, v) in seeds.items():
-            master = int(state["layers"][layer][1][e]) // self.topology.slots_per_rank
-            if master != self.rank:
-                w = [torch.as_tensor(np.asarray(t)).to(wire.weights).float().numpy() for t in w]  # noqa: PLW2901
-            rounded[(layer, e)] = (w, m, v)
-        self.refill([], state, rounded)
-        with self._lock:
-            self._committed = (int(state["version"]), list(state["layers"]))
 
     # ---- faults ----
 
