@@ -51,11 +51,11 @@ from torch import nn
 from expertmesh.formats import read_topology
 from expertmesh.planner import Topology
 from expertmesh.planner.plan import Migration
+from expertmesh.planner.rounds import migration_rounds
 from expertmesh.planner.static import static_placement
 from expertmesh.v1.convert import ReceivedPlan
 from expertmesh.workers.client import ExpertMeshClient
 from expertmesh.workers.comm import KINDS, Comm, pick_backend
-from expertmesh.workers.engine import migration_rounds
 from expertmesh.workers.experts import ExpertParallel
 from expertmesh.workers.layer import LayerPlan, MoELayer
 

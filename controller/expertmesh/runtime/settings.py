@@ -64,12 +64,6 @@ class RuntimeSettings(BaseModel):
     corpus: str | None = Field(default=None, description="corpus file; None: Python's stdlib")
     corpus_bytes: int = Field(default=4_000_000, ge=1024, description="bytes of stdlib text")
     cpus_per_dc: float = Field(default=1.0, gt=0, description="CPUs each DC's Ray node offers")
-    inline_object_bytes: int = Field(
-        default=4 << 20,
-        ge=0,
-        le=1 << 30,
-        description="packets up to this size travel inline, not through the object store",
-    )
     surfaces: SurfaceSettings | None = Field(
         default=None, description="REST/dashboard/metrics and gRPC from the controller (None: off)"
     )
@@ -107,7 +101,10 @@ class RuntimeSettings(BaseModel):
         "(every_n: every, otherwise 1)",
     )
     step_deadline_s: float = Field(
-        default=0.0, ge=0, description="a late step probes the DC links (faults.py); 0: derived"
+        default=0.0,
+        ge=0,
+        description="timeout of every process group's collectives: a rank waiting longer on a "
+        "dead or cut peer aborts, and the driver probes the DC links (0: GROUP_TIMEOUT_S)",
     )
     probe_timeout_s: float = Field(
         default=1.0, gt=0, le=60, description="connect timeout of a link probe between two DCs"
@@ -171,7 +168,7 @@ class StepResult(BaseModel):
 
 def source_roots() -> str:
     """PYTHONPATH for Ray workers: the source roots this process imports expertmesh from."""
-    import expertmesh.workers.rank as wr
+    import expertmesh.workers.layer as wr
 
     roots = [Path(__file__).resolve().parents[2], Path(wr.__file__).resolve().parents[2]]
     proto = roots[0].parent / "proto"

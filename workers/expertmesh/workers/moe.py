@@ -1,13 +1,10 @@
-"""Pure pieces of the expert-parallel MoE layer (no Ray, no I/O).
+"""Pure pieces of the expert-parallel MoE layer (no Ray, no I/O; :mod:`expertmesh.workers.layer`
+uses them).
 
 - :func:`assign_destinations`: which rank computes each of a source rank's
   top-k assignments, following the committed plan's route.
 - :func:`relay_rank`: the rank of a remote DC that receives a source's WAN
   bundle and fans it out inside that DC (hierarchical dispatch).
-- :func:`expert_compute` / :func:`expert_backward`: one rank's experts on the
-  tokens it received, forward and backward.
-- :func:`reference_moe`: the single-process MoE every distributed result must
-  equal (the correctness oracle).
 - :func:`adam_`: the optimizer step masters (and every rank, for dense weights) run.
 
 Shapes: ``n`` tokens, ``k`` top-k, ``d`` hidden, ``E`` experts, ``R`` ranks,
@@ -16,23 +13,10 @@ Shapes: ``n`` tokens, ``k`` top-k, ``d`` hidden, ``E`` experts, ``R`` ranks,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
-from expertmesh.workers.model import ExpertWeights, expert_forward
-
-__all__ = [
-    "ExpertContext",
-    "adam_",
-    "assign_destinations",
-    "expert_backward",
-    "expert_compute",
-    "largest_remainder",
-    "reference_moe",
-    "relay_rank",
-]
+__all__ = ["adam_", "assign_destinations", "largest_remainder", "relay_rank"]
 
 
 def largest_remainder(total: int, weights: np.ndarray, offset: int = 0) -> np.ndarray:
@@ -105,76 +89,6 @@ def relay_rank(src: int, dc: int, rank_dc: np.ndarray) -> int:
         raise ValueError(f"DC {dc} has no ranks")
     i = int(np.searchsorted(src_ranks, src))
     return int(dst_ranks[i % dst_ranks.size])
-
-
-@dataclass(eq=False)
-class ExpertContext:
-    """What :func:`expert_backward` needs from :func:`expert_compute`."""
-
-    x: torch.Tensor  # [u, d] leaf, requires grad
-    pos: torch.Tensor  # [m] row of x of each assignment
-    w: torch.Tensor  # [m] gate weight of each assignment
-    groups: list[tuple[torch.Tensor, torch.Tensor]]  # per expert: (assignment ids, output)
-
-
-def expert_compute(
-    x: torch.Tensor,
-    pos: torch.Tensor,
-    experts: torch.Tensor,
-    w: torch.Tensor,
-    weights: dict[int, ExpertWeights],
-) -> tuple[torch.Tensor, ExpertContext]:
-    """One rank's experts: ``y[t] = sum over assignments a with pos[a] = t of
-    w[a] * expert_{experts[a]}(x[t])``.
-
-    ``x`` [u, d] distinct tokens received; ``pos``, ``experts``, ``w`` [m] per assignment;
-    ``weights`` the rank's experts (tensors with ``requires_grad``). Returns ``y`` [u, d]
-    (detached) and the context for the backward.
-    """
-    x = x.detach().requires_grad_(True)
-    y = torch.zeros_like(x)
-    groups = []
-    for e in torch.unique(experts).tolist():
-        if e not in weights:
-            raise ValueError(f"tokens for expert {e}, which this rank does not hold")
-        ids = torch.nonzero(experts == e).squeeze(1)
-        out = expert_forward(x[pos[ids]], weights[e])  # [m_e, d]
-        groups.append((ids, out))
-        y.index_add_(0, pos[ids], w[ids, None] * out.detach())
-    return y, ExpertContext(x=x, pos=pos, w=w, groups=groups)
-
-
-def expert_backward(ctx: ExpertContext, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Backward of :func:`expert_compute` for ``g`` [u, d] = dL/dy.
-
-    Accumulates the experts' parameter gradients into their ``.grad`` and returns
-    ``dL/dx`` [u, d] and ``dL/dw`` [m] (per assignment).
-    """
-    gw = torch.zeros_like(ctx.w)
-    outs, grads = [], []
-    for ids, out in ctx.groups:
-        gy = g[ctx.pos[ids]]  # [m_e, d]
-        gw[ids] = (gy * out.detach()).sum(-1)
-        outs.append(out)
-        grads.append(ctx.w[ids, None] * gy)
-    if outs:
-        torch.autograd.backward(outs, grads)
-    gx = ctx.x.grad if ctx.x.grad is not None else torch.zeros_like(ctx.x)
-    return gx, gw
-
-
-def reference_moe(
-    u: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, weights: dict[int, ExpertWeights]
-) -> torch.Tensor:
-    """Single-process MoE: ``y[t] = sum_j w[t, j] * expert_{idx[t, j]}(u[t])``.
-
-    ``u`` [n, d], ``idx`` and ``w`` [n, k]; differentiable in ``u``, ``w`` and the weights.
-    """
-    y = torch.zeros_like(u)
-    for e in torch.unique(idx).tolist():
-        t, j = torch.nonzero(idx == e, as_tuple=True)
-        y = y.index_add(0, t, w[t, j, None] * expert_forward(u[t], weights[e]))
-    return y
 
 
 def adam_(  # noqa: PLR0917

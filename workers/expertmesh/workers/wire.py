@@ -1,10 +1,4 @@
-"""What a packet is on the wire: numpy arrays, and the precision expert streams travel in.
-
-Packets travel between ranks as numpy arrays (pickling a numpy array costs a small
-fraction of pickling a torch tensor). numpy has no bfloat16, so a bfloat16 tensor
-travels as its raw 16-bit pattern (:class:`Bf16Bits`) and is a bfloat16 tensor again on
-arrival; :func:`payload_nbytes` counts what crosses, so the link shaper books the real
-bytes.
+"""The precision expert streams travel in.
 
 :class:`WireFormat` is a plan's transfer encoding
 (:class:`~expertmesh.planner.costmodel.TransferEncoding`) as the runtime applies it to
@@ -19,73 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-import numpy as np
 import torch
 
 from expertmesh.planner.costmodel import TransferEncoding
 
-__all__ = ["Bf16Bits", "WireFormat", "from_wire", "payload_nbytes", "to_wire", "widen"]
+__all__ = ["WireFormat"]
 
 _DTYPES = {4: torch.float32, 2: torch.bfloat16}  # bytes per value on the wire -> dtype
-
-
-@dataclass(frozen=True)
-class Bf16Bits:
-    """A bfloat16 tensor on the wire: ``bits`` int16 with the tensor's shape."""
-
-    bits: np.ndarray
-
-
-def to_wire(obj: Any) -> Any:
-    """A packet with every tensor as a numpy array (only the viewed rows, never the whole
-    storage a view shares); bfloat16 tensors as :class:`Bf16Bits`."""
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach()
-        if t.dtype == torch.bfloat16:
-            return Bf16Bits(t.contiguous().view(torch.int16).numpy())
-        return t.numpy()
-    if isinstance(obj, dict):
-        return {k: to_wire(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [to_wire(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(to_wire(v) for v in obj)
-    return obj
-
-
-def from_wire(obj: Any) -> Any:
-    """Inverse of :func:`to_wire`: arrays back to (writable) tensors."""
-    if isinstance(obj, np.ndarray):
-        return torch.from_numpy(obj if obj.flags.writeable else obj.copy())
-    if isinstance(obj, Bf16Bits):
-        bits = obj.bits if obj.bits.flags.writeable else obj.bits.copy()
-        return torch.from_numpy(bits).view(torch.bfloat16)
-    if isinstance(obj, dict):
-        return {k: from_wire(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [from_wire(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(from_wire(v) for v in obj)
-    return obj
-
-
-def payload_nbytes(obj: Any) -> int:
-    """Bytes of the tensors and arrays in a packet (what crosses the wire)."""
-    if obj is None:
-        return 0
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, np.ndarray):
-        return int(obj.nbytes)
-    if isinstance(obj, Bf16Bits):
-        return int(obj.bits.nbytes)
-    if isinstance(obj, dict):
-        return sum(payload_nbytes(v) for v in obj.values())
-    if isinstance(obj, list | tuple):
-        return sum(payload_nbytes(v) for v in obj)
-    return 8
 
 
 @dataclass(frozen=True)
@@ -134,8 +69,3 @@ class WireFormat:
 
 def _cast(ts: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
     return [t.detach().clone() if t.dtype == dtype else t.detach().to(dtype) for t in ts]
-
-
-def widen(ts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Received expert tensors in float32 (float32 ones unchanged, no copy)."""
-    return [t.float() for t in ts]
