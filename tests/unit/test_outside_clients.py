@@ -3,7 +3,7 @@
 
 The runtime's controller actor builds a :class:`ControllerCore`, attaches its own SQLite
 store and a :class:`Telemetry`, then hands the core to :class:`Surfaces`
-(``runtime/cluster.py: ControllerActor.reset / start_surfaces``); these tests take the same
+(``runtime/controller.py: ControllerActor.reset / start_surfaces``); these tests take the same
 path without Ray.
 """
 

@@ -2,5 +2,6 @@
 
 An entry-level package: it imports :mod:`expertmesh.controller` (the decision core and
 its surfaces) and :mod:`expertmesh.workers` (the data plane), neither of which imports
-the other or Ray. Every Ray call lives in :mod:`expertmesh.runtime.cluster`.
+the other or Ray. Every Ray call of expertmesh lives in this package: the driver
+(:mod:`~expertmesh.runtime.spmd`), the worker and controller actors, and their fault paths.
 """
