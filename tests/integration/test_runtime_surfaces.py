@@ -12,13 +12,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from expertmesh.controller.core import Trigger
 from expertmesh.controller.settings import SurfaceSettings
 from expertmesh.planner import Topology
-from expertmesh.runtime.cluster import Runtime  # the restart test: until the SPMD port lands
 from expertmesh.runtime.settings import RuntimeSettings
 from expertmesh.runtime.spmd import SpmdRuntime
 from expertmesh.workers.model import LMConfig
 
 LM = LMConfig(num_layers=2, num_experts=8, top_k=2, hidden=16, ffn_hidden=16, batch=4, seq_len=32)
-STEPS = 3
+STEPS = 6
 
 
 def _samples(text: str) -> dict[tuple[str, tuple], float]:
@@ -87,24 +86,23 @@ def test_rest_and_metrics_serve_the_runtimes_data() -> None:
 
 
 def test_the_surfaces_come_back_after_a_controller_restart() -> None:
-    """Ray restarts a crashed controller actor; it serves REST again (on new ports when
-    they were picked freely) with the plan it recovered from its store."""
-    settings = _settings()
-    with Runtime(settings) as rt:
+    """Ray restarts a crashed controller actor (here: it exits right after the workers
+    switched to a plan the store does not have yet); it serves REST again (on new ports when
+    they were picked freely) with the plan it learned from the workers."""
+    settings = _settings().model_copy(update={"policy": "eplb"})
+    with SpmdRuntime(settings) as rt:
         assert rt.surfaces is not None
-        rt.run_step()
-        ray.get(rt.controller.inject_crash.remote("committed"))
-        crashed = rt.run_step()  # the controller exits while applying this step's plan
-        after = rt.run_step()  # the first turn after Ray restarted it
+        rt.train(2)
+        ray.get(rt.controller.inject_crash.remote("applied"))
+        rt.train(4)  # the crash, the restart, and steps after it
         status = rt.status()
         with httpx.Client(base_url=rt.surfaces["rest_url"], timeout=10) as http:
             health = http.get("/api/v1/health")
             latest = http.get("/api/v1/plans/latest")
-    assert crashed.error is not None and rt.controller_failures == [crashed.step]
-    assert status["restarted"] and after.error is None
+    assert status["restarted"]
     assert health.status_code == 200
     assert latest.status_code == 200, latest.text
-    assert latest.json()["version"] == status["version"]
+    assert latest.json()["version"] == status["version"] >= 1
 
 
 def test_the_plan_list_and_the_first_plans_migrations() -> None:
@@ -115,7 +113,7 @@ def test_the_plan_list_and_the_first_plans_migrations() -> None:
     settings = _settings().model_copy(update={"policy": "eplb", "policy_settings": {"period": 2}})
     with SpmdRuntime(settings) as rt:
         assert rt.surfaces is not None
-        steps = rt.train(6)
+        steps = rt.train(10)
         status = rt.status()
         with httpx.Client(base_url=rt.surfaces["rest_url"], timeout=10) as http:
             page = http.get("/api/v1/plans").json()

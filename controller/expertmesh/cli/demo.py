@@ -93,7 +93,7 @@ def add_parser(sub: Any) -> None:
         "--microbatches",
         type=int,
         default=1,
-        help="microbatches per optimizer step (default 1; the spmd plane only)",
+        help="microbatches per optimizer step (default 1)",
     )
     p.add_argument("--seq-len", type=int, default=64, help="bytes per sequence")
     p.add_argument("--seed", type=int, default=0)
@@ -135,17 +135,8 @@ def add_parser(sub: Any) -> None:
         "--step-deadline",
         type=float,
         default=0.0,
-        help="spmd: a collective that waits this long for a peer fails (a dead peer, a real "
-        "DC cut; default 0: 60 s); rounds: a late step probes the DC links for a cut "
-        "(default 0: derived from the topology and model)",
-    )
-    p.add_argument(
-        "--data-plane",
-        choices=("spmd", "rounds"),
-        default="spmd",
-        help="spmd (default): every worker runs its own loop over torch.distributed (gloo; "
-        "NCCL on GPUs); rounds: the driver steps the workers through Ray rounds (the earlier "
-        "plane; worker and DC faults are recovered on it only)",
+        help="a collective that waits this long for a peer fails (a dead peer, a real DC cut; "
+        "default 0: 60 s)",
     )
     p.add_argument("--host", help="address REST and gRPC bind to (default 127.0.0.1)")
     p.add_argument(
@@ -199,11 +190,8 @@ def build_settings(args: argparse.Namespace) -> Any:
         raise ValueError(f"--step-deadline must be finite and >= 0, got {args.step_deadline}")
     if args.checkpoint_every < 0 or args.checkpoint_keep < 1:
         raise ValueError("--checkpoint-every must be >= 0 and --checkpoint-keep >= 1")
-    if getattr(args, "resume", None) is not None:
-        if args.data_plane != "spmd":
-            raise ValueError("--resume needs --data-plane spmd")
-        if args.checkpoint_dir is None:
-            args.checkpoint_dir = args.resume
+    if getattr(args, "resume", None) is not None and args.checkpoint_dir is None:
+        args.checkpoint_dir = args.resume
     ckdir = args.checkpoint_dir
     if ckdir is not None and ckdir.exists() and not ckdir.is_dir():
         raise ValueError(f"--checkpoint-dir {args.checkpoint_dir} is not a directory")
@@ -232,7 +220,7 @@ def build_settings(args: argparse.Namespace) -> Any:
 
 def _runtime_settings(args: argparse.Namespace, topo: Topology, lm: Any) -> Any:
     from expertmesh.controller.core import Trigger
-    from expertmesh.runtime.cluster import RuntimeSettings
+    from expertmesh.runtime.settings import RuntimeSettings
 
     return RuntimeSettings(
         topology=topo.to_dict(),
@@ -281,11 +269,9 @@ def _surface_settings(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from expertmesh.runtime.cluster import Runtime
     from expertmesh.runtime.spmd import SpmdRuntime
 
     settings = build_settings(args)
-    spmd = args.data_plane == "spmd"
     resume, steps = _resume(args, settings)
     logging.basicConfig(level=logging.WARNING)
     console = Console()
@@ -302,8 +288,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         rt_args: dict[str, Any] = {"resume": resume} if resume is not None else {}
-        runtime = SpmdRuntime if spmd else Runtime
-        with runtime(settings, address=args.address, **rt_args) as rt:
+        with SpmdRuntime(settings, address=args.address, **rt_args) as rt:
             console.print(
                 f"{'connected to ' + args.address if args.address else 'cluster up'} in {time.perf_counter() - t0:.1f}s; workers on {rt.node_dcs()}"
             )
@@ -318,13 +303,12 @@ def run(args: argparse.Namespace) -> int:
                     f"resumed from {resume.path}: step {resume.step} trained, plan "
                     f"v{resume.version}; {steps} steps to go"
                 )
-            rows = _train(rt, steps, console, spmd=spmd)
+            rows = _train(rt, steps, console)
             status = rt.status()
             summary = _summary(rows, status, settings)
             summary["resumed"] = status.get("resumed")
             summary["controller_outages"] = status.get("controller_outages", [])
-            summary["backend"] = getattr(rt, "backend", "ray-object-store")
-            summary["data_plane"] = args.data_plane
+            summary["backend"] = rt.backend
             console.print(
                 f"trained {len(rows)} steps in {time.perf_counter() - t0:.1f}s: loss "
                 f"{rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}, median step "
@@ -366,7 +350,7 @@ def _interrupt(*_: object) -> None:
     raise KeyboardInterrupt
 
 
-def _train(rt: Any, steps: int, console: Any, *, spmd: bool) -> list[dict[str, Any]]:
+def _train(rt: Any, steps: int, console: Any) -> list[dict[str, Any]]:
     from rich.live import Live
     from rich.table import Table
 
@@ -395,11 +379,7 @@ def _train(rt: Any, steps: int, console: Any, *, spmd: bool) -> list[dict[str, A
                 col._cells.pop(0)
 
     with Live(table, console=console, refresh_per_second=4, transient=False):
-        if spmd:
-            rt.train(steps, on_step=show)
-        else:
-            for _ in range(steps):
-                show(rt.run_step())
+        rt.train(steps, on_step=show)
     return rows
 
 

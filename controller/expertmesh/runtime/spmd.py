@@ -115,7 +115,7 @@ class SpmdRuntime(SpmdMembership, SpmdFaults):
                 ControllerActor, num_cpus=0, max_concurrency=8, max_restarts=CONTROLLER_RESTARTS
             )
             .options(name="controller", label_selector={"dc": dcs[0].name})
-            .remote(s, None if self.address else os.path.join(self._tmp, "plans.sqlite"), spmd=True)
+            .remote(s, None if self.address else os.path.join(self._tmp, "plans.sqlite"))
         )
         self._shaper = (
             os.path.join(self._tmp, "links") if s.shaper and self.address is None else None
@@ -287,6 +287,8 @@ class SpmdRuntime(SpmdMembership, SpmdFaults):
         out["paused_ranks"] = np.flatnonzero(self.paused).tolist()
         out["resumed"] = self.resumed
         out["controller_outages"] = list(self.controller_outages)
+        if out.get("restarted") and self.surfaces is not None:  # free ports: new ones now
+            self.surfaces = self._ask("start_surfaces")
         return out
 
     def metrics(self) -> str:

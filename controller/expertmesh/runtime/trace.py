@@ -3,7 +3,7 @@
 The controller keeps, per recorded step, the load ``[L, R, E]`` every rank reported (the
 gate's exact counts, summed over the step's microbatches: what the controller saw) and,
 per plan it offered, the layers the workers applied and the collectives of its migration
-(:meth:`~expertmesh.runtime.controller.SpmdSteps.take_trace`). At every checkpoint and at
+(:meth:`~expertmesh.runtime.steps.SpmdSteps.take_trace`). At every checkpoint and at
 the end of :meth:`~expertmesh.runtime.spmd.SpmdRuntime.train` the driver takes that and
 rewrites, in ``RuntimeSettings.trace_dir``:
 
