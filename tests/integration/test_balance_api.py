@@ -26,15 +26,21 @@ def _feed(tel: Telemetry, steps: range, seed: int = 0) -> list[dict]:
     rng = np.random.default_rng(seed)
     out = []
     for step in steps:
-        computed = rng.integers(20, 100, (R, L))
+        per_mb = rng.integers(20, 100, (2, R, L))  # two microbatches
+        computed = per_mb.sum(axis=0)
+        ratio = per_mb.max(axis=1) / per_mb.mean(axis=1)  # [2, L]
+        floor = 1.0 + rng.random((2, L)) / 10
         rec = {
-            "imbalance": float(max(computed.max(axis=0) / computed.mean(axis=0))),
+            "imbalance": float(ratio.max()),
             "imbalance_static": float(1.5 + rng.random()),
             "balancedness": [float(computed[:, i].mean() / computed[:, i].max()) for i in range(L)],
             "replicas": int(rng.integers(0, 9)),
             "fanout_bytes": int(rng.integers(0, 10_000)),
             "balance_seconds": float(rng.random() / 100),
             "seconds": float(0.2 + rng.random()),
+            "microbatches": ratio.tolist(),
+            "within_dc": (ratio / floor).tolist(),
+            "floor": floor.tolist(),
         }
         tel.record_balance(step, **rec)
         out.append({"step": step, **rec})
