@@ -1,5 +1,5 @@
 """How the members of a changed membership get from the committed plan to the new one
-(expertmesh.runtime.membership.membership_rounds): only ranks that trained until now
+(expertmesh.planner.rounds.source_rounds): only ranks that trained until now
 send; what none of them holds comes from the checkpoint."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from expertmesh.planner import Placement, Topology
-from expertmesh.runtime.membership import membership_rounds
+from expertmesh.planner.rounds import source_rounds as membership_rounds
 
 TOPO = Topology.generate(2, 2, masters=1, spare=1)  # ranks 0, 1 in DC 0; 2, 3 in DC 1
 

@@ -19,7 +19,7 @@ import numpy as np
 from expertmesh.planner.plan import Migration, Placement
 from expertmesh.planner.topology import Topology
 
-__all__ = ["Move", "migration_rounds", "recovery_rounds"]
+__all__ = ["Move", "migration_rounds", "recovery_rounds", "source_rounds"]
 
 Move = tuple[int, int, int, int, str]  # (layer, expert, src_rank, dst_rank, "w" | "opt")
 
@@ -68,24 +68,35 @@ def migration_rounds(
 def recovery_rounds(
     old: list[Placement], new: list[Placement], live: np.ndarray, topology: Topology
 ) -> tuple[list[list[Move]], list[tuple[int, int, int, str]]]:
-    """The transfers that turn ``old`` into ``new`` after the ranks not ``live`` [R] died.
-
-    A copy ``new`` needs is sent from the nearest live holder in ``old`` (a replica, exact
-    weights); a master whose old master is alive gets its Adam state from it. What no live
-    rank has is listed in the second value as ``(layer, expert, rank, "w" | "opt")``: the
-    weights of an expert with no live copy, and the Adam state of a master whose old master
-    died; the caller restores those from a checkpoint. Returns ``(rounds, restore)``."""
-    if not len(old) == len(new):
-        raise ValueError("old and new need one entry per layer")
+    """The transfers that turn ``old`` into ``new`` after the ranks not ``live`` [R] died:
+    :func:`source_rounds` with the live ranks as sources, refusing a ``new`` with copies on
+    dead ranks."""
     live = np.asarray(live, dtype=bool)
+    for layer, b in enumerate(new):
+        if (b.phy2log[~live] >= 0).any():
+            raise ValueError(f"layer {layer}: the new placement has copies on dead ranks")
+    return source_rounds(old, new, live, topology)
+
+
+def source_rounds(
+    old: list[Placement], new: list[Placement], sources: np.ndarray, topology: Topology
+) -> tuple[list[list[Move]], list[tuple[int, int, int, str]]]:
+    """Transfers that turn ``old`` into ``new`` when only ``sources`` [R] bool may send (the
+    ranks that trained until now: after deaths, a pause or a rejoin).
+
+    A copy ``new`` places on a rank that does not hold it as a source comes from the
+    nearest source holding it in ``old`` (exact weights); a master that moves, or stays on
+    a rank that is not a source, gets its Adam state from its old master when that is a
+    source. What no source has is listed as ``(layer, expert, rank, "w" | "opt")`` for the
+    checkpoint. Returns ``(rounds, restore)`` (at most one round)."""
+    if len(old) != len(new):
+        raise ValueError("old and new need one entry per layer")
+    sources = np.asarray(sources, dtype=bool)
     transfers: list[Move] = []
     restore: list[tuple[int, int, int, str]] = []
     for layer, (a, b) in enumerate(zip(old, new, strict=True)):
-        if (b.phy2log[~live] >= 0).any():
-            raise ValueError(f"layer {layer}: the new placement has copies on dead ranks")
-        have = a.holds() & live[:, None]  # [R, E]
-        want = b.holds()
-        for r, e in zip(*np.nonzero(want & ~have), strict=True):
+        have = a.holds() & sources[:, None]  # [R, E]
+        for r, e in zip(*np.nonzero(b.holds() & ~have), strict=True):
             src = np.flatnonzero(have[:, e])
             if src.size:
                 near = src[np.argmin(topology.distance(src, np.full_like(src, r)))]
@@ -93,8 +104,8 @@ def recovery_rounds(
             else:
                 restore.append((layer, int(e), int(r), "w"))
         am, bm = a.master_rank(), b.master_rank()
-        for e in np.flatnonzero(am != bm).tolist():
-            if live[am[e]]:
+        for e in np.flatnonzero((am != bm) | ~sources[am]).tolist():
+            if sources[am[e]]:
                 transfers.append((layer, e, int(am[e]), int(bm[e]), "opt"))
             else:
                 restore.append((layer, e, int(bm[e]), "opt"))

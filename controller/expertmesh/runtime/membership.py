@@ -5,7 +5,7 @@ paused DC after the heal), the driver re-forms the process groups over the ranks
 take part (the *members*) and asks the controller for a plan on them
 (:meth:`MembershipSteps.membership_plan`): the core plans afresh with the others marked
 dead (no copy on them, no route to them, one master per expert on a member), and
-:func:`membership_rounds` says how the members get there from the committed plan. Only
+:func:`~expertmesh.planner.rounds.source_rounds` says how the members get there from the committed plan. Only
 ranks that trained until now (the *sources*) send: a rejoining rank's copies are stale. A
 copy no source holds, and the Adam state of a master whose old master left, come from the
 newest checkpoint on disk (the ``restore`` list; the driver loads it). Once every member
@@ -23,43 +23,9 @@ import numpy as np
 
 from expertmesh.controller.core import ControllerCore
 from expertmesh.planner import Placement, Topology
+from expertmesh.planner.rounds import source_rounds
 
-__all__ = ["MembershipSteps", "membership_rounds"]
-
-Transfer = tuple[int, int, int, int, str]  # (layer, expert, src_rank, dst_rank, "w" | "opt")
-
-
-def membership_rounds(
-    old: list[Placement], new: list[Placement], sources: np.ndarray, topology: Topology
-) -> tuple[list[list[Transfer]], list[tuple[int, int, int, str]]]:
-    """Transfers that turn ``old`` into ``new`` when only ``sources`` [R] bool may send.
-
-    A copy ``new`` places on a rank that does not hold it as a source comes from the
-    nearest source holding it in ``old`` (exact weights); a master that moves gets its
-    Adam state from its old master when that is a source. What no source has is listed as
-    ``(layer, expert, rank, "w" | "opt")`` for the checkpoint. Returns ``(rounds, restore)``
-    (at most one round)."""
-    if len(old) != len(new):
-        raise ValueError("old and new need one entry per layer")
-    sources = np.asarray(sources, dtype=bool)
-    transfers: list[Transfer] = []
-    restore: list[tuple[int, int, int, str]] = []
-    for layer, (a, b) in enumerate(zip(old, new, strict=True)):
-        have = a.holds() & sources[:, None]  # [R, E]
-        for r, e in zip(*np.nonzero(b.holds() & ~have), strict=True):
-            src = np.flatnonzero(have[:, e])
-            if src.size:
-                near = src[np.argmin(topology.distance(src, np.full_like(src, r)))]
-                transfers.append((layer, int(e), int(near), int(r), "w"))
-            else:
-                restore.append((layer, int(e), int(r), "w"))
-        am, bm = a.master_rank(), b.master_rank()
-        for e in np.flatnonzero((am != bm) | ~sources[am]).tolist():
-            if sources[am[e]]:
-                transfers.append((layer, e, int(am[e]), int(bm[e]), "opt"))
-            else:
-                restore.append((layer, e, int(bm[e]), "opt"))
-    return ([transfers] if transfers else []), restore
+__all__ = ["MembershipSteps"]
 
 
 class MembershipSteps:
@@ -107,7 +73,7 @@ class MembershipSteps:
         new = [lp.placement for lp in pv.layers]
         src = np.zeros(self.topology.num_ranks, bool)
         src[list(sources)] = True
-        rounds, restore = membership_rounds(self.placements, new, src, self.topology)
+        rounds, restore = source_rounds(self.placements, new, src, self.topology)
         self._membership = pv
         return {
             "version": pv.version,
