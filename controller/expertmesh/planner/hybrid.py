@@ -57,7 +57,6 @@ simulator charge.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import ClassVar, Literal, cast
 
 import numpy as np
@@ -68,7 +67,6 @@ from expertmesh.planner.costmodel import (
     ExpertStreams,
     TransferEncoding,
     copy_streams,
-    expected_crossings,
     migration_streams,
     modeled_step,
     transfer_seconds,
@@ -84,6 +82,10 @@ from expertmesh.planner.domainquota import (
     merge_dcs,
     rehome,
 )
+from expertmesh.planner.hybridguard import GuardCosts
+from expertmesh.planner.hybridpairs import DcPairs as _Pairs
+from expertmesh.planner.hybridpairs import HybridInputs as _Inputs
+from expertmesh.planner.hybridpairs import choose_copies as _choose
 from expertmesh.planner.model import ModelSpec
 from expertmesh.planner.partition import DomainDemand, partition_domains
 from expertmesh.planner.plan import Placement
@@ -153,6 +155,15 @@ class HybridSettings(PolicySettings):
         le=100_000,
         description="with domain='auto': the largest domain tried, in DCs",
     )
+    domain_tolerance: float = Field(
+        default=0.05,
+        ge=0.0,
+        le=1.0,
+        description="with domain='auto': a re-plan scores the domain sizes again only when "
+        "its plan holds other experts in some DC than the plan they were last scored on, or "
+        "its estimate has moved by this share (L1 over ranks and experts) or more since; "
+        "0: at every re-plan",
+    )
     domain_cells: int = Field(
         default=1 << 20,
         ge=0,
@@ -165,214 +176,6 @@ class HybridSettings(PolicySettings):
         description="parameter-efficient migration: bytes on the wire per weight and "
         "gradient, changed-bytes-only refresh",
     )
-
-
-@dataclass(frozen=True, eq=False)
-class _Inputs:
-    """What one hybrid solve works on. ``estimate`` [R, E] mean load, ``load`` [R, E] it
-    rounded to tokens (what the guard composes quota on); ``dc_load`` [D, E] estimated
-    assignments from DC d to expert e; ``dc_tokens`` [D] tokens from each DC;
-    ``previous``: the placement running now."""
-
-    topology: Topology
-    model: ModelSpec
-    cfg: HybridSettings
-    estimate: np.ndarray
-    load: np.ndarray
-    dc_load: np.ndarray
-    dc_tokens: np.ndarray
-    previous: Placement | None
-
-
-def _link_time(nbytes: np.ndarray, lat: np.ndarray, bw: np.ndarray) -> np.ndarray:
-    return np.where(nbytes > 0, lat + nbytes / bw, 0.0)
-
-
-class _Pairs:
-    """Every ordered DC pair ``(d, x)``: DC ``d``'s estimated assignments to the experts
-    mastered in DC ``x``, those experts sorted by that load (heaviest first), and the
-    cost-model score of copying the ``j`` heaviest into ``d``, for every ``j``.
-
-    ``mdc`` [E] DC of each master; ``held_before`` [D, E] copies already in place (they
-    cost no copy). Row arrays ([n], one per (pair, expert), sorted by pair then load):
-    ``dc``, ``expert``, ``group`` (pair id), ``j`` (1-based position in the pair).
-    """
-
-    def __init__(self, inp: _Inputs, mdc: np.ndarray, held_before: np.ndarray) -> None:
-        self.inp = inp
-        num_dcs = inp.dc_load.shape[0]
-        d_idx, e_idx = np.nonzero(inp.dc_load > 0)
-        keep = mdc[e_idx] != d_idx
-        d_idx, e_idx = d_idx[keep], e_idx[keep]
-        x_idx = mdc[e_idx]
-        weight = inp.dc_load[d_idx, e_idx]
-        order = np.lexsort((-weight, x_idx, d_idx))
-        self.dc, self.expert = d_idx[order], e_idx[order]
-        x_idx, weight = x_idx[order], weight[order]
-        key = self.dc * num_dcs + x_idx
-        start = np.r_[True, key[1:] != key[:-1]] if key.size else np.zeros(0, bool)
-        self.group = np.cumsum(start) - 1
-        self.first = np.flatnonzero(start)  # [G] first row of each pair
-        self.num_groups = self.first.size
-        self.j = np.arange(self.group.size) - self.first[self.group] + 1
-        self.g_dc, self.g_x = self.dc[self.first], x_idx[self.first]
-        self.total = np.bincount(self.group, weights=weight, minlength=self.num_groups)
-        self.remaining = self.total[self.group] - _cumsum_in(weight, self.group, self.first)
-        cfg, model = inp.cfg, inp.model
-        copy = np.where(
-            held_before[self.dc, self.expert], 0.0, cfg.encoding.copy_bytes(model, False)
-        )
-        self.copy = _cumsum_in(copy / cfg.period, self.group, self.first)  # amortized
-        g_key = self.g_dc * num_dcs + self.g_x
-        rev_key = self.g_x * num_dcs + self.g_dc
-        at = np.minimum(np.searchsorted(g_key, rev_key), max(self.num_groups - 1, 0))
-        self.rev = np.where(g_key[at] == rev_key, at, -1) if self.num_groups else at
-        topo = inp.topology
-        self.bw = topo.dc_gbps[self.g_dc, self.g_x] * 1e9 / 8.0  # [G]
-        self.lat = topo.dc_latency_ms[self.g_dc, self.g_x] / 1e3
-        per = float(cfg.cost.microbatches_per_update)
-        self.w = cfg.encoding.refresh_bytes(model) / per if model.training else 0.0
-        self.g = cfg.encoding.gradient_bytes(model) / per if model.training else 0.0
-
-    def state(self, j_cur: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Per pair under choice ``j_cur`` [G]: crossing bytes and amortized copy bytes."""
-        row = self.first + np.maximum(j_cur, 1) - 1
-        rem = np.where(j_cur > 0, self.remaining[np.minimum(row, self.j.size - 1)], self.total)
-        copy = np.where(j_cur > 0, self.copy[np.minimum(row, self.j.size - 1)], 0.0)
-        return self._bytes(rem, self.g_dc), copy
-
-    def _bytes(self, remaining: np.ndarray, dcs: np.ndarray) -> np.ndarray:
-        k, tb = self.inp.model.top_k, float(self.inp.model.token_bytes)
-        if not self.inp.cfg.cost.hierarchical:  # flat all-to-all: every assignment crosses
-            return np.asarray(remaining, dtype=np.float64) * tb
-        return expected_crossings(self.inp.dc_tokens[dcs], remaining, k) * tb
-
-    def options(self, j_cur: np.ndarray | None) -> dict[str, np.ndarray]:
-        """Score every prefix of every pair, the reverse pair held at ``j_cur`` [G]
-        (``None``: each pair alone, as if the reverse pair sent nothing).
-
-        Returns option rows sorted by (pair, j): ``group``, ``j``, ``cost`` (seconds),
-        ``expert`` (-1 for j = 0), ``dc``; and ``group_dc`` [G]."""
-        if j_cur is None:
-            z = np.zeros(self.num_groups)
-            rev: tuple[np.ndarray, np.ndarray, np.ndarray] = (z, z.astype(np.int64), z)
-            return self._options(rev)
-        xb, cb = self.state(j_cur)
-        has_rev = self.rev >= 0
-        rv = np.maximum(self.rev, 0)
-        rev_x = np.where(has_rev, xb[rv], 0.0)  # reverse pair's crossing bytes
-        rev_j = np.where(has_rev, j_cur[rv], 0)
-        rev_c = np.where(has_rev, cb[rv], 0.0)
-        return self._options((rev_x, rev_j, rev_c))
-
-    def _options(self, rev: tuple[np.ndarray, np.ndarray, np.ndarray]) -> dict[str, np.ndarray]:
-        gids = np.arange(self.num_groups)
-        cost0 = self._score(self._bytes(self.total, self.g_dc), 0, 0.0, gids, rev)
-        costj = self._score(
-            self._bytes(self.remaining, self.dc), self.j, self.copy, self.group, rev
-        )
-        o_group = np.concatenate([gids, self.group])
-        o_j = np.concatenate([np.zeros(self.num_groups, np.int64), self.j])
-        o_cost = np.concatenate([cost0, costj])
-        o_exp = np.concatenate([np.full(self.num_groups, -1), self.expert])
-        o = np.lexsort((o_j, o_group))
-        return {
-            "group": o_group[o],
-            "j": o_j[o],
-            "cost": o_cost[o],
-            "expert": o_exp[o],
-            "dc": self.g_dc[o_group[o]],
-            "group_dc": self.g_dc,
-        }
-
-    def _score(
-        self,
-        x: np.ndarray,
-        j: np.ndarray | int,
-        copy: np.ndarray | float,
-        gi: np.ndarray,
-        rev: tuple[np.ndarray, np.ndarray, np.ndarray],
-    ) -> np.ndarray:
-        """docs/cost-model.md restricted to the two links of one DC pair: ``x`` crossing
-        bytes of this pair's tokens, ``j`` copies (``copy`` amortized copy bytes)."""
-        bw, lat = self.bw[gi], self.lat[gi]
-        rx, rj, rc = rev[0][gi], rev[1][gi], rev[2][gi]
-        tok = np.maximum(_link_time(x, lat, bw), _link_time(rx, lat, bw))
-        both = x + rx
-        if not self.inp.model.training:
-            return np.maximum(2 * tok, (both + np.maximum(copy, rc)) / bw)
-        w, g = self.w, self.g
-        if self.inp.cfg.cost.microbatches_per_update == 1:
-            tail = np.maximum(_link_time(x + rj * g, lat, bw), _link_time(rx + j * g, lat, bw))
-        else:
-            tail = tok
-        chain = 3 * tok + tail
-        out_link = 2 * both + j * g + rj * w + rc  # d -> x
-        in_link = 2 * both + j * w + copy + rj * g  # x -> d
-        return np.maximum(chain, np.maximum(out_link, in_link) / bw)
-
-
-def _cumsum_in(v: np.ndarray, group: np.ndarray, first: np.ndarray) -> np.ndarray:
-    """Inclusive prefix sums of ``v`` [n] restarting at each group's first row."""
-    if v.size == 0:
-        return v.astype(np.float64)
-    c = np.cumsum(v, dtype=np.float64)
-    return c - (c[first] - v[first])[group]
-
-
-def _choose(opts: dict[str, np.ndarray], free: np.ndarray) -> np.ndarray:
-    """[G] copies per pair: each pair's fastest prefix, or, in a DC without the slots for
-    all of them, the fewest copies that keep every pair of the DC under the smallest
-    feasible threshold (bisection per DC over the DC's option costs)."""
-    group, j, cost, odc = opts["group"], opts["j"], opts["cost"], opts["dc"]
-    group_dc = opts["group_dc"]
-    num_groups = group_dc.size
-    if num_groups == 0:
-        return np.zeros(0, np.int64)
-    starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
-    # fastest prefix per pair (ties: fewer copies; options are sorted by j)
-    best = np.full(num_groups, np.inf)
-    np.minimum.at(best, group, cost)
-    is_best = cost <= best[group] * (1 + 1e-12)
-    pick = np.full(num_groups, np.iinfo(np.int64).max)
-    np.minimum.at(pick, group[is_best], j[is_best])
-    num_dcs = free.size
-    need = np.bincount(group_dc, weights=pick, minlength=num_dcs)
-    tight = need > free
-    if not tight.any():
-        return pick
-
-    def minimal_j(thr: np.ndarray) -> np.ndarray:
-        ok = cost <= thr[odc]
-        jj = np.where(ok, j, np.iinfo(np.int64).max)
-        return np.minimum.reduceat(jj, starts)
-
-    # per tight DC, bisection over its sorted option costs
-    sel = tight[odc]
-    c_dc, c_cost = odc[sel], cost[sel]
-    srt = np.lexsort((c_cost, c_dc))
-    c_dc, c_cost = c_dc[srt], c_cost[srt]
-    seg_start = np.searchsorted(c_dc, np.arange(num_dcs), "left")
-    seg_end = np.searchsorted(c_dc, np.arange(num_dcs), "right")
-    lo, hi = seg_start.copy(), seg_end - 1  # index of candidate thresholds
-    big = np.iinfo(np.int64).max
-    while True:
-        active = tight & (lo < hi)
-        if not active.any():
-            break
-        mid = (lo + hi) // 2
-        thr = np.full(num_dcs, np.inf)
-        thr[active] = c_cost[mid[active]]
-        mj = minimal_j(thr)
-        over = np.bincount(group_dc, weights=np.where(mj == big, 1e18, mj), minlength=num_dcs)
-        feasible = over <= free
-        hi = np.where(active & feasible, mid, hi)
-        lo = np.where(active & ~feasible, mid + 1, lo)
-    thr = np.full(num_dcs, np.inf)
-    thr[tight] = c_cost[np.maximum(hi[tight], seg_start[tight])]
-    mj = minimal_j(thr)
-    out = np.where(tight[group_dc], np.where(mj == big, 0, mj), pick)
-    return out.astype(np.int64)
 
 
 def plan_hybrid(
@@ -421,22 +224,25 @@ def plan_hybrid(
         if np.array_equal(j_new, j_cur):
             break
         j_cur = j_new
+    # the plan to beat: the running one, else plain EP on the masters; a new plan must be
+    # faster by min_gain (on an estimate, a hair's gain is noise and costs a migration)
+    keep = previous if previous is not None else _masters_only(masters)
+    if cfg.inside == "quota":
+        keep = rehome(keep, load, topology)  # last microbatch's replicas are not the plan
+    guard = GuardCosts(inp, _guard_cost)  # equal candidates scored once, hopeless ones not at all
+    keep_cost = guard(keep)
     pair_sets = [_replicas(pairs, jc) for jc in _unique(choices)]
     pair_plans = [_build(inp, masters, move, mdc, reps) for reps in pair_sets]
-    pair_costs = [_guard_cost(inp, c) for c in pair_plans]
+    pair_costs = guard.scores(pair_plans)  # the fastest of them exactly: fills build on it
     best = pair_sets[int(np.argmin(pair_costs))]
     candidates = pair_plans + [
         _build(inp, masters, move, mdc, _fill(inp, mdc, best, f)) for f in cfg.fill
     ]
     empty = np.zeros(0, np.int64)
     candidates.append(_build(inp, masters, move, mdc, (empty, empty)))
-    costs = pair_costs + [_guard_cost(inp, c) for c in candidates[len(pair_plans) :]]
-    # the plan to beat: the running one, else plain EP on the masters; a new plan must be
-    # faster by min_gain (on an estimate, a hair's gain is noise and costs a migration)
-    keep = previous if previous is not None else _masters_only(masters)
-    if cfg.inside == "quota":
-        keep = rehome(keep, load, topology)  # last microbatch's replicas are not the plan
-    keep_cost = _guard_cost(inp, keep)
+    # a candidate above the bar to beat, or above a faster one, cannot be the answer
+    bar = min((1.0 - cfg.min_gain) * keep_cost, *pair_costs)
+    costs = pair_costs + guard.scores(candidates[len(pair_plans) :], bar)
     i = int(np.argmin(costs))
     if costs[i] > (1.0 - cfg.min_gain) * keep_cost:
         return keep
@@ -687,6 +493,10 @@ class HybridPolicy(Policy):
         #: the slow loop's solve runs beside training and is not in it
         self.microbatch_seconds = 0.0
         self._size = 1  # the domain, in DCs, chosen at the last re-plan
+        #: what the domain sizes were last scored on: (estimate [R, E], holder sets [D, E])
+        self._scored: tuple[np.ndarray, np.ndarray] | None = None
+        #: the domains of ``_size`` on the last topology: (topology, size, merged or None)
+        self._merged: tuple[Topology, int, Topology | None] | None = None
         #: [R] the domain of each rank in the last ``place`` (copies inside one are the
         #: microbatch's)
         self.copy_domain: np.ndarray | None = None
@@ -729,9 +539,10 @@ class HybridPolicy(Policy):
             base, estimate = self._plan(ctx, prev)
             if self.cfg.inside == "split":
                 return base
-            self._size = choose_domain(estimate, base, t, ctx.model, self.cfg, before=before)
+            if self._domain_stale(estimate, base, t):
+                self._size = choose_domain(estimate, base, t, ctx.model, self.cfg, before=before)
         t0 = time.process_time()
-        dom = merge_dcs(t, self._size) if self._size > 1 else None
+        dom = self._domains(t)
         if base is None or dom is not None:
             base = rehome(cast(Placement, base or prev), ctx.load, dom or t)
         sol, traffic, _ = compose(ctx.load, base, t, ctx.model, self.cfg, before=before, domain=dom)
@@ -739,6 +550,33 @@ class HybridPolicy(Policy):
         self.copy_domain = (dom or t).rank_dc
         self.microbatch_seconds = time.process_time() - t0
         return sol.placement
+
+    def _domain_stale(self, estimate: np.ndarray, base: Placement, topology: Topology) -> bool:
+        """Whether this re-plan scores the domain sizes (:func:`choose_domain`) again: a fixed
+        ``domain`` always (it only checks it); ``"auto"`` when the plan ``base`` holds other
+        experts in some DC than the plan they were last scored on, or the estimate [R, E]
+        has moved by ``domain_tolerance`` (L1 share) or more since (0: always). The scores of the
+        sizes move with the estimate and the holder sets; between windows of the same
+        traffic they move by the sampling noise (about 2% L1 at 8,192 tokens per rank)."""
+        if self.cfg.domain != "auto":
+            return True
+        holds = dc_holds(base, topology)
+        seen = self._scored
+        if seen is not None and seen[0].shape == estimate.shape and np.array_equal(seen[1], holds):
+            moved = float(np.abs(estimate - seen[0]).sum())
+            if moved < self.cfg.domain_tolerance * max(float(np.abs(seen[0]).sum()), 1.0):
+                return False
+        self._scored = (estimate.copy(), holds)
+        return True
+
+    def _domains(self, topology: Topology) -> Topology | None:
+        """The domains of the chosen size on ``topology`` (``None``: each DC), merged once
+        per topology and size."""
+        m = self._merged
+        if m is None or m[0] is not topology or m[1] != self._size:
+            dom = merge_dcs(topology, self._size) if self._size > 1 else None
+            self._merged = m = (topology, self._size, dom)
+        return m[2]
 
     def _plan(self, ctx: PolicyContext, prev: Placement | None) -> tuple[Placement, np.ndarray]:
         """The slow loop: :func:`plan_hybrid` on the history window (never this load)."""

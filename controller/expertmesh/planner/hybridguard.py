@@ -1,0 +1,122 @@
+"""The guard of ``hybrid``'s slow loop (:mod:`expertmesh.planner.hybrid`, step 4) without
+scoring what cannot win: a lower bound of a candidate's modeled step from its holder sets
+alone, and the candidates scored in the order of that bound, each distinct one once."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from expertmesh.planner.costmodel import copy_streams, expected_crossings, replica_streams
+from expertmesh.planner.domainquota import dc_holds, remote_holder
+from expertmesh.planner.hybridpairs import HybridInputs
+from expertmesh.planner.plan import Placement
+
+__all__ = ["GuardCosts", "guard_bound"]
+
+
+class GuardCosts:
+    """:func:`~expertmesh.planner.hybrid.guard_cost` of one solve's candidates, each distinct placement (``phy2log``
+    and ``master``) scored once (the guard's candidates often coincide: a fill share that
+    finds no free slot, a pair choice equal to plain EP, the running plan), and
+    :meth:`scores`: a list of candidates scored where their :func:`guard_bound` says
+    they can win."""
+
+    def __init__(self, inp: HybridInputs, cost: Callable[[HybridInputs, Placement], float]) -> None:
+        self.inp, self.cost = inp, cost
+        self.seen: dict[tuple[object, ...], float] = {}
+
+    def __call__(self, cand: Placement) -> float:
+        key = self._key(cand)
+        if key not in self.seen:
+            self.seen[key] = self.cost(self.inp, cand)
+        return self.seen[key]
+
+    @staticmethod
+    def _key(cand: Placement) -> tuple[object, ...]:
+        return (cand.phy2log.shape, cand.phy2log.dtype.str, cand.phy2log.tobytes(),
+                cand.master.tobytes())  # fmt: skip
+
+    def scores(self, cands: list[Placement], ceiling: float = np.inf) -> list[float]:
+        """Each candidate's :func:`~expertmesh.planner.hybrid.guard_cost`, or ``inf`` for one whose lower bound is
+        above ``ceiling`` or above the cost of one scored before it (lowest bound first):
+        such a candidate is never the list's fastest, nor does it tie with it, so
+        ``argmin`` of the result is ``argmin`` of the exact costs wherever that is at most
+        ``ceiling``."""
+        bounds = [-np.inf if self._key(c) in self.seen else guard_bound(self.inp, c) for c in cands]
+        out = [np.inf] * len(cands)
+        best = ceiling
+        for i in np.argsort(bounds, kind="stable").tolist():
+            if bounds[i] > best:
+                continue
+            out[i] = self(cands[i])
+            best = min(best, out[i])
+        return out
+
+
+def guard_bound(inp: HybridInputs, cand: Placement) -> float:
+    """A lower bound of :func:`~expertmesh.planner.hybrid.guard_cost` for ``inside="quota"`` (``-inf`` otherwise) from
+    what the candidate's holder sets fix before quota runs: the tokens that cross between
+    DCs (every DC pair's crossings, whatever the balance inside DCs) and the mean compute.
+    The chain of :func:`~expertmesh.planner.costmodel.step_cost` with every phase at that
+    floor: dispatch and combine at their busiest pair link plus the message overhead,
+    compute at the mean rank's tokens, no port, no expert stream and no late copy (each
+    only adds); times ``1 - 1e-9`` for rounding. A few array passes instead of a
+    :func:`~expertmesh.planner.hybrid.compose`."""
+    if inp.cfg.inside != "quota":
+        return -np.inf
+    topology, model, cost = inp.topology, inp.model, inp.cfg.cost
+    load = inp.load
+    rank_dc, num_dcs = topology.rank_dc, topology.num_dcs
+    holds = dc_holds(cand, topology)  # [D, E]
+    v_dc = np.nonzero(holds.T)[1]  # [V] the DC of every held (d, e), by expert then DC
+    to_v = remote_holder(holds, rank_dc)  # [R, E]
+    r, e = np.nonzero(np.where(holds[rank_dc], 0, load))
+    if (to_v[r, e] < 0).any():
+        return -np.inf  # an expert with load and no copy: compose says why
+    pair = np.bincount(
+        rank_dc[r] * num_dcs + v_dc[to_v[r, e]], weights=load[r, e], minlength=num_dcs**2
+    ).reshape(num_dcs, num_dcs)  # [D, D] assignments from DC a to copies in DC b
+    np.fill_diagonal(pair, 0.0)
+    a, b = np.nonzero(pair > 0)
+    k = model.top_k
+    if cost.hierarchical and k > 1:
+        dc_tokens = np.bincount(rank_dc, weights=load.sum(axis=1), minlength=num_dcs) / k
+        x = expected_crossings(dc_tokens[a], pair[a, b], k)
+    else:
+        x = pair[a, b]
+    nbytes = x * float(model.token_bytes)
+    bw = topology.dc_gbps * 1e9 / 8.0
+    lat = topology.dc_latency_ms / 1e3
+    msg = cost.message_seconds * cost.pipeline_chunks
+    disp = float(np.max(lat[a, b] + nbytes / bw[a, b], initial=0.0)) + msg
+    comb = float(np.max(lat[b, a] + nbytes / bw[b, a], initial=0.0)) + msg
+    mean = float(load.sum()) / topology.num_ranks
+    fwd = mean * 2.0 * model.expert_params / cost.flops_per_second
+    chunks = cost.pipeline_chunks
+    chain = _pipe_floor((disp, fwd, comb), chunks)
+    if model.training:
+        chain += _pipe_floor((disp, 2.0 * fwd, comb), chunks)
+    # the resource bound on the WAN links: tokens of both phases (both passes when
+    # training) and the expert bytes that cross, which the holder sets fix too: one sync
+    # per (expert, remote DC) (in-DC replicas add none) and the copies from ``previous``
+    crossing = np.zeros((num_dcs, num_dcs))
+    crossing[a, b] = nbytes
+    link = (2.0 if model.training else 1.0) * (crossing + crossing.T)
+    streams = replica_streams(cand, topology, model, cost, inp.cfg.encoding)
+    if inp.previous is not None:
+        streams = streams + copy_streams(
+            inp.previous, cand, topology, model, encoding=inp.cfg.encoding,
+            scale=1.0 / inp.cfg.period,
+        )  # fmt: skip
+    np.add.at(
+        link, (streams.pair_src, streams.pair_dst), streams.pair_tail + streams.pair_background
+    )
+    resource = float(np.max(np.where(link > 0, link / bw, 0.0), initial=0.0))
+    return max(chain, resource) * (1.0 - 1e-9)
+
+
+def _pipe_floor(parts: tuple[float, float, float], chunks: int) -> float:
+    longest = max(parts)
+    return longest + (sum(parts) - longest) / chunks

@@ -1,0 +1,166 @@
+"""hybrid's slow loop does less work without deciding otherwise: the guard's lower bound,
+the candidates it skips, and the domain sizes scored again only when the estimate moves."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import expertmesh.planner.hybrid as hybrid
+import expertmesh.planner.hybridguard as hybridguard
+from expertmesh.planner import ModelSpec, Topology, make_policy
+from expertmesh.planner.costmodel import CostSettings
+from expertmesh.planner.hybrid import HybridSettings, plan_hybrid
+from expertmesh.planner.policy import PolicyContext
+from expertmesh.planner.runner import plan_layer
+from expertmesh.planner.static import static_placement
+
+
+def _case(seed: int, gbps: float, dcs: int):
+    topo = Topology.generate(dcs, 4, masters=2, spare=2, inter_dc_gbps=gbps, inter_dc_latency_ms=5)
+    rng = np.random.default_rng(seed)
+    num_experts = topo.num_ranks * 2
+    p = rng.dirichlet(np.full(num_experts, 0.3))
+    load = rng.multinomial(4096, p, size=topo.num_ranks)  # top-2, skewed
+    base = static_placement(topo.num_ranks, topo.slots_per_rank, num_experts, 2)
+    return topo, load, base
+
+
+def _solve(topo, load, base, model, cfg, previous=None):
+    return plan_hybrid(load.astype(float), base, topo, model, cfg, previous=previous)
+
+
+_CASES = dict(
+    seed=st.integers(0, 10_000),
+    gbps=st.sampled_from([0.05, 1.0, 10.0, 400.0]),
+    dcs=st.sampled_from([2, 3]),
+    ffn=st.sampled_from([1, 256, 8192]),
+    training=st.booleans(),
+    hierarchical=st.booleans(),
+    again=st.booleans(),
+)
+
+
+def _setup(seed, gbps, dcs, ffn, training, hierarchical):
+    topo, load, base = _case(seed, gbps, dcs)
+    model = ModelSpec(
+        num_experts=base.master.size, top_k=2, hidden=512, ffn_hidden=ffn, training=training
+    )
+    cfg = HybridSettings(cost=CostSettings(hierarchical=hierarchical, flops_per_second=1e13))
+    return topo, load, base, model, cfg
+
+
+@settings(max_examples=25, deadline=None)
+@given(**_CASES)
+def test_the_guard_bound_is_below_the_cost_of_every_candidate(
+    monkeypatch_module, seed, gbps, dcs, ffn, training, hierarchical, again
+):
+    topo, load, base, model, cfg = _setup(seed, gbps, dcs, ffn, training, hierarchical)
+    seen = []
+    cost = hybrid._guard_cost
+
+    def checked(inp, cand):
+        c = cost(inp, cand)
+        seen.append((hybridguard.guard_bound(inp, cand), c))
+        return c
+
+    monkeypatch_module.setattr(hybrid, "_guard_cost", checked)
+    prev = _solve(topo, load, base, model, cfg)
+    if again:  # a second re-plan from a running plan: copies from it are charged too
+        _solve(topo, np.roll(load, 1, axis=1), prev, model, cfg, previous=prev)
+    assert seen
+    for bound, c in seen:
+        assert bound <= c, (bound, c)
+
+
+@settings(max_examples=25, deadline=None)
+@given(**_CASES)
+def test_skipping_candidates_by_the_bound_picks_what_scoring_all_picks(
+    monkeypatch_module, seed, gbps, dcs, ffn, training, hierarchical, again
+):
+    topo, load, base, model, cfg = _setup(seed, gbps, dcs, ffn, training, hierarchical)
+    plans = []
+    for bounded in (True, False):
+        with monkeypatch_module.context() as m:
+            if not bounded:  # no bound: every candidate scored
+                m.setattr(hybridguard, "guard_bound", lambda inp, cand: -np.inf)
+            first = _solve(topo, load, base, model, cfg)
+            second = _solve(topo, np.roll(load, 1, axis=1), first, model, cfg, previous=first)
+            plans.append((first, second) if again else (first,))
+    for a, b in zip(*plans, strict=True):
+        assert np.array_equal(a.phy2log, b.phy2log)
+        assert np.array_equal(a.master, b.master)
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as m:
+        yield m
+
+
+# ---- the domain sizes are scored again only when the estimate moved ----
+
+_MODEL = ModelSpec(num_experts=16, top_k=2, ffn_hidden=16384)
+_COST = CostSettings(flops_per_second=1e14)
+
+
+def _skewed() -> np.ndarray:
+    """DC 0 ten times as busy as the others: a domain of 4 DCs spreads it (400 Gbit/s)."""
+    load = np.zeros((16, 16), np.int64)
+    for r in range(16):
+        d = r // 4
+        load[r, 4 * d : 4 * d + 4] = 20000 if d == 0 else 2000
+    load[0:4, 0] = 60000
+    return load
+
+
+def _even() -> np.ndarray:
+    """Every DC as busy, each on its own experts: nothing to gain beyond a DC."""
+    load = np.zeros((16, 16), np.int64)
+    for r in range(16):
+        d = r // 4
+        load[r, 4 * d : 4 * d + 4] = 2000
+    return load
+
+
+def _run(loads: list[np.ndarray], tolerance: float, monkeypatch) -> tuple[list[int], int]:
+    topo = Topology.generate(4, 4, masters=1, spare=2, inter_dc_gbps=400, inter_dc_latency_ms=1)
+    calls = []
+    choose = hybrid.choose_domain
+
+    def counted(*args, **kw):
+        calls.append(1)
+        return choose(*args, **kw)
+
+    monkeypatch.setattr(hybrid, "choose_domain", counted)
+    pol = make_policy(
+        "hybrid",
+        {"cost": _COST.model_dump(), "move_masters": False, "period": 1, "window": 1,
+         "domain_tolerance": tolerance},
+    )  # fmt: skip
+    prev, sizes = None, []
+    for t, load in enumerate(loads):
+        hist = loads[t - 1][None] if t else np.zeros((0, 16, 16), np.int64)
+        ctx = PolicyContext(topology=topo, model=_MODEL, step=t, layer=0, load=load,
+                            history=hist, previous=prev)  # fmt: skip
+        prev = plan_layer(pol, ctx)
+        sizes.append(pol.domain_size)
+    return sizes, len(calls)
+
+
+def test_the_domain_is_kept_while_the_estimate_stays_and_scored_when_it_moves(monkeypatch):
+    loads = [_skewed()] * 4 + [_even()] * 3
+    sizes, calls = _run(loads, 0.05, monkeypatch)
+    # step 0 guesses an even load (domain 1); from step 1 on the skewed window: 4; the
+    # window turns even at step 5 (it lags the load by one step): 1 again
+    assert sizes == [1, 4, 4, 4, 4, 1, 1], sizes
+    # scored at step 0, at step 1 (the first real window), at step 5 (the window moved);
+    # steps 2-4 and 6 see the same window and the same holder sets
+    assert calls == 3, calls
+
+
+def test_tolerance_zero_scores_the_domain_at_every_replan(monkeypatch):
+    loads = [_skewed()] * 4 + [_even()] * 3
+    sizes, calls = _run(loads, 0.0, monkeypatch)
+    assert sizes == [1, 4, 4, 4, 4, 1, 1], sizes
+    assert calls == len(loads)
