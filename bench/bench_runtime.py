@@ -24,18 +24,23 @@ every row is a fresh runtime on it (new workers, initial weights, same seed).
    row's. ``hybrid-bf16``: replica weights and gradients travel in bfloat16.
 3. **Prediction**: ``expertmesh sim replay`` of the trace.npz and plans.npz every row's
    runtime wrote (``--trace-dir``/``<D>dc-<speed>-<policy>/``) with the constants of
-   ``--trace-dir``/``cal-<D>dc.yaml``: ``planner.stepmodel.spmd_step_cost`` per step,
-   ``a * tokens + c * collectives + crossing collectives * latency + busiest pair's
-   bytes / bandwidth``, the collectives from the plan each step ran on, its bytes between
-   DCs as the workers counted them, ``a`` and ``c`` calibrated per DC count on static
-   over free links (1e4 Gbit/s, 0 ms) at the full batch and a quarter of it. Median
-   predicted vs median measured; beside it the workers' own counts (collectives, seconds
-   waiting in the link shaper) against the model's.
+   ``--trace-dir``/``cal-<D>dc-<speed>.yaml``: ``planner.stepmodel.spmd_step_cost`` per
+   step, ``a * tokens + c * collectives + crossing collectives * latency + per crossing
+   collective its busiest pair's bytes / bandwidth, summed``, the collectives from the
+   plan each step ran on (a background plan switch: one transfer of the moved masters
+   and a sync that switches), the bytes of every collective as the workers counted them;
+   ``a`` and ``c`` calibrated per group (DC count and bandwidth) on static over free
+   links (1e4 Gbit/s, 0 ms) at the full batch and a quarter of it, one run of each just
+   before and one just after the group, their steps pooled (the machine's drift over
+   the group hits the constants as it hits the rows). Median predicted vs median
+   measured; beside it the workers' own counts (collectives, seconds waiting in the
+   link shaper) against the model's.
 4. Tokens per second per worker: tokens a rank trains per step over the median step.
 
     make bench-runtime      # or: python bench/bench_runtime.py [--quick] [--json out.json]
     expertmesh sim replay --trace out/bench-runtime/2dc-1gbps-hybrid/trace.npz \
-        --plan out/bench-runtime/2dc-1gbps-hybrid/plans.npz --calibration out/bench-runtime/cal-2dc.yaml
+        --plan out/bench-runtime/2dc-1gbps-hybrid/plans.npz \
+        --calibration out/bench-runtime/cal-2dc-1gbps.yaml
 """
 
 from __future__ import annotations
@@ -186,32 +191,67 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             free = topology(dcs, FREE_GBPS, 0.0, lm.num_experts)
             if args.warmup:
                 run_spmd(settings(free, small, "static", args), 2)  # warm-up: not used
-            full_run = run_spmd(settings(free, lm, "static", args), args.calib_steps)
-            small_run = run_spmd(settings(free, small, "static", args), args.calib_steps)
-            cal = calibrate(full_run, small_run)
-            cal.write(root / f"cal-{dcs}dc.yaml")
-            if cal.small_median >= cal.full_median:
-                print(
-                    f"WARNING: {dcs} DCs calibration failed its check: the quarter batch's "
-                    f"median step ({cal.small_median:.3f}s) is not below the full batch's "
-                    f"({cal.full_median:.3f}s), so a = 0; the machine was busy",
-                    flush=True,
+
+            def calibration_runs(free: Topology = free) -> tuple[SpmdRun, SpmdRun]:
+                return (
+                    run_spmd(settings(free, lm, "static", args), args.calib_steps),
+                    run_spmd(settings(free, small, "static", args), args.calib_steps),
                 )
-            out["calibrations"].append({"dcs": dcs, **cal.__dict__, "load": os.getloadavg()[0]})
-            print(
-                f"{dcs} DCs calibration (static, free links): median step {cal.full_median:.3f}s "
-                f"at batch {lm.batch}, {cal.small_median:.3f}s at {small.batch} -> a = "
-                f"{cal.seconds_per_token * 1e6:.1f} us/token, c = "
-                f"{cal.collective_seconds * 1e3:.2f} ms x {cal.collectives} collectives "
-                f"(load {os.getloadavg()[0]:.1f}); {root / f'cal-{dcs}dc.yaml'}",
-                flush=True,
-            )
+
+            before = calibration_runs()
             policies = args.policies_3dc if dcs >= 3 and args.policies_3dc else args.policies
             labels = [p for p in policies if p.removesuffix("-bf16") in have]
             for gbps in args.gbps:
-                out["groups"].append(_group(dcs, gbps, lm, labels, args, cal))
+                runs = _group_runs(dcs, gbps, lm, labels, args)
+                after = calibration_runs()  # the next group's "before"
+                cal = calibrate([before[0], after[0]], [before[1], after[1]])
+                name = f"cal-{dcs}dc-{_speed(gbps)}.yaml"
+                cal.write(root / name)
+                info = _calibration_info(dcs, gbps, cal, before, after, lm, small)
+                out["calibrations"].append(info)
+                print(
+                    f"{dcs} DCs {fmt_gbps(gbps)} calibration (static, free links, before and "
+                    f"after the group): median step {cal.full_median:.3f}s at batch {lm.batch} "
+                    f"({info['full_medians'][0]:.3f}, {info['full_medians'][1]:.3f}), "
+                    f"{cal.small_median:.3f}s at {small.batch} -> a = "
+                    f"{cal.seconds_per_token * 1e6:.1f} us/token, c = "
+                    f"{cal.collective_seconds * 1e3:.2f} ms x {cal.collectives} collectives "
+                    f"(load {info['load']:.1f}); {root / name}",
+                    flush=True,
+                )
+                if cal.small_median >= cal.full_median:
+                    print(
+                        f"WARNING: {dcs} DCs calibration failed its check: the quarter "
+                        f"batch's median step ({cal.small_median:.3f}s) is not below the full "
+                        f"batch's ({cal.full_median:.3f}s), so a = 0; the machine was busy",
+                        flush=True,
+                    )
+                out["groups"].append(_group(dcs, gbps, runs, cal, name))
                 _save(out, args)  # what is measured so far, should the run be cut short
+                before = after
     return out
+
+
+def _calibration_info(
+    dcs: int,
+    gbps: float,
+    cal: Calibration,
+    before: tuple[SpmdRun, SpmdRun],
+    after: tuple[SpmdRun, SpmdRun],
+    lm: LMConfig,
+    small: LMConfig,
+) -> dict[str, Any]:
+    """The group's constants and each calibration run's own median (the drift over it)."""
+    return {
+        "dcs": dcs,
+        "gbps": gbps,
+        **cal.__dict__,
+        "batch": lm.batch,
+        "small_batch": small.batch,
+        "full_medians": [before[0].median("seconds"), after[0].median("seconds")],
+        "small_medians": [before[1].median("seconds"), after[1].median("seconds")],
+        "load": os.getloadavg()[0],
+    }
 
 
 def old_plane() -> list[dict[str, Any]]:
@@ -232,19 +272,20 @@ def _save(out: dict[str, Any], args: argparse.Namespace) -> None:
         args.json.write_text(json.dumps({**out, "partial": True}, indent=1))
 
 
-def _group(
-    dcs: int,
-    gbps: float,
-    lm: LMConfig,
-    labels: list[str],
-    args: argparse.Namespace,
-    cal: Calibration,
-) -> dict[str, Any]:
+def _group_runs(
+    dcs: int, gbps: float, lm: LMConfig, labels: list[str], args: argparse.Namespace
+) -> dict[str, SpmdRun]:
     topo = topology(dcs, gbps, args.latency_ms, lm.num_experts)
     runs: dict[str, SpmdRun] = {}
     for label in labels:
         where = args.trace_dir / f"{dcs}dc-{_speed(gbps)}-{label}"
         runs[label] = run_spmd(settings(topo, lm, label, args), args.steps, where)
+    return runs
+
+
+def _group(
+    dcs: int, gbps: float, runs: dict[str, SpmdRun], cal: Calibration, cal_name: str
+) -> dict[str, Any]:
     static = runs.get("static")
     rows = []
     for label, run in runs.items():
@@ -252,7 +293,10 @@ def _group(
         r["policy"] = label
         rows.append(r)
         print(f"  {dcs} DCs {fmt_gbps(gbps):>11} {_line(r)}", flush=True)
-    return {"dcs": dcs, "gbps": gbps, "rows": rows, "load": os.getloadavg()[0]}
+    return {
+        "dcs": dcs, "gbps": gbps, "rows": rows, "load": os.getloadavg()[0],
+        "calibration": cal_name,
+    }  # fmt: skip
 
 
 def _line(r: dict[str, Any]) -> str:
@@ -292,10 +336,17 @@ def markdown(result: dict[str, Any]) -> str:
             )
     lines += _replay_table(result)
     lines += _overhead_table(result)
-    lines += ["", "Calibration (static, free links, same run):", ""]
     lines += [
-        f"- {c['dcs']} DCs: median step {c['full_median']:.3f} s (full batch), "
-        f"{c['small_median']:.3f} s (quarter) -> a = {c['seconds_per_token'] * 1e6:.1f} "
+        "",
+        "Calibration (static, free links, one run per batch size just before and one just "
+        "after each group, their steps pooled):",
+        "",
+    ]
+    lines += [
+        f"- {c['dcs']} DCs, {fmt_gbps(c['gbps'])}: median step {c['full_median']:.3f} s "
+        f"(full batch; {c['full_medians'][0]:.3f} before, {c['full_medians'][1]:.3f} after), "
+        f"{c['small_median']:.3f} s (quarter; {c['small_medians'][0]:.3f}, "
+        f"{c['small_medians'][1]:.3f}) -> a = {c['seconds_per_token'] * 1e6:.1f} "
         f"us per token, c = {c['collective_seconds'] * 1e3:.2f} ms per collective "
         f"({c['collectives']} per static step; load {c['load']:.1f})"
         for c in result["calibrations"]
@@ -384,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
         "--trace-dir",
         type=Path,
         default=REPO / "out" / "bench-runtime",
-        help="each row's trace.npz and plans.npz (<D>dc-<speed>-<policy>/) and cal-<D>dc.yaml",
+        help="each row's trace.npz and plans.npz (<D>dc-<speed>-<policy>/) and its group's "
+        "cal-<D>dc-<speed>.yaml",
     )
     p.add_argument(
         "--quick", action="store_true", help="smoke run: 2 DCs, 20 Mbit/s, static + hybrid"

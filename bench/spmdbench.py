@@ -191,21 +191,33 @@ def predict(run: SpmdRun, cal: Calibration) -> list[float]:
     return [float(x) for x in replay_run(run, cal.constants()).predicted]
 
 
-def calibrate(full: SpmdRun, small: SpmdRun, skip: int = 1) -> Calibration:
-    """``a`` and ``c`` from two static runs on free links that differ only in batch size:
-    ``T = a * tokens + c * collectives + links`` at both sizes (same collectives)."""
-    ranks = Topology.from_dict(full.settings.topology).num_ranks
+def calibrate(
+    full: SpmdRun | list[SpmdRun], small: SpmdRun | list[SpmdRun], skip: int = 1
+) -> Calibration:
+    """``a`` and ``c`` from static runs on free links that differ only in batch size:
+    ``T = a * tokens + c * collectives + links`` at both sizes (same collectives). Several
+    runs of a size (``bench_runtime.py``: one before and one after a group of rows, so
+    that the machine's drift over the group hits the constants as it hits the rows) pool
+    their measured steps: the median step of each size over all of its runs."""
+    fulls = full if isinstance(full, list) else [full]
+    smalls = small if isinstance(small, list) else [small]
+    ranks = Topology.from_dict(fulls[0].settings.topology).num_ranks
     zero = Constants(seconds_per_token=0.0, collective_seconds=0.0, ranks=ranks)
 
-    def residual(run: SpmdRun) -> tuple[float, int]:
-        res = replay_run(run, zero, skip)  # latency and transfer only
-        links = statistics.median(res.predicted[skip:])
-        n = statistics.median(res.counts["collectives"][skip:].tolist())
-        return run.median("seconds", skip) - links, int(n)
+    def residual(runs: list[SpmdRun]) -> tuple[float, float, int]:
+        """(median step, median step less its links, collectives of a step)"""
+        steps, rest, colls = [], [], []
+        for run in runs:
+            res = replay_run(run, zero, skip)  # latency and transfer only
+            seconds = [float(s.seconds or 0.0) for s in run.measured(skip)]
+            steps += seconds
+            rest += [x - float(p) for x, p in zip(seconds, res.predicted[skip:], strict=True)]
+            colls += res.counts["collectives"][skip:].tolist()
+        return statistics.median(steps), statistics.median(rest), int(statistics.median(colls))
 
-    tf, n = residual(full)
-    ts, _ = residual(small)
-    dt = tokens_per_rank(full.settings) - tokens_per_rank(small.settings)
+    full_median, tf, n = residual(fulls)
+    small_median, ts, _ = residual(smalls)
+    dt = tokens_per_rank(fulls[0].settings) - tokens_per_rank(smalls[0].settings)
     a = max((tf - ts) / dt, 0.0)
-    c = max((tf - a * tokens_per_rank(full.settings)) / n, 0.0)
-    return Calibration(a, c, full.median("seconds", skip), small.median("seconds", skip), n, ranks)
+    c = max((tf - a * tokens_per_rank(fulls[0].settings)) / n, 0.0)
+    return Calibration(a, c, full_median, small_median, n, ranks)

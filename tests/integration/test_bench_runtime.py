@@ -46,13 +46,17 @@ def test_bench_runtime_quick(repo, tmp_path, capsys):
         assert all(p > 0 for p in r["predicted"])
     (cal,) = result["calibrations"]
     assert cal["collectives"] > 0 and cal["full_median"] > 0 and cal["small_median"] > 0
+    # one calibration run of each batch size before the group and one after, pooled
+    assert len(cal["full_medians"]) == 2 and len(cal["small_medians"]) == 2
+    assert min(cal["full_medians"]) <= cal["full_median"] <= max(cal["full_medians"])
+    assert group["calibration"] == "cal-2dc-20mbps.yaml"
     # each row's prediction is `expertmesh sim replay` of the trace its runtime wrote
     from expertmesh.cli.main import main
 
     row = traces / "2dc-20mbps-hybrid"
     assert rows["hybrid"]["trace_dir"] == str(row)
     args = ["sim", "replay", "--trace", str(row / "trace.npz"), "--plan", str(row / "plans.npz"),
-            "--calibration", str(traces / "cal-2dc.yaml")]  # fmt: skip
+            "--calibration", str(traces / "cal-2dc-20mbps.yaml")]  # fmt: skip
     capsys.readouterr()
     assert main(args) == 0
     out = capsys.readouterr().out

@@ -46,15 +46,17 @@ def _reference_counts(ranks: int) -> np.ndarray:
     return out
 
 
+@pytest.mark.parametrize("migration", ["background", "boundary"])
 def test_the_runtime_writes_its_trace_and_plans_and_replay_reads_them(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], migration: str
 ) -> None:
+    """``background`` (the runtime's default): a switch's moved masters travel during the
+    switch step, whose sync switches; ``boundary``: the migration rounds run after it."""
     topo = Topology.generate(2, 2, masters=2, spare=2).with_inter_dc(0.5, 2.0)
     settings = RuntimeSettings(
         topology=topo.to_dict(), lm=LM, policy="hybrid", trigger=Trigger(mode="every_n", every=2),
         balance=False, corpus_bytes=200_000, checkpoint_every=3, trace_dir=str(tmp_path),
-        migration="boundary",  # the step model counts a switch's migration rounds after it
-        load_reports="rank",  # plans after steps 0, 2, 4: the last step runs on the final plan
+        migration=migration, load_reports="rank",  # plans after steps 0, 2, 4: the last step runs on the final plan
     )  # fmt: skip
     at_checkpoint: list[int] = []
 
@@ -105,12 +107,26 @@ def test_the_runtime_writes_its_trace_and_plans_and_replay_reads_them(
     out = capsys.readouterr().out
     assert "hybrid: predicted median step" in out and "measured" in out
     # the step model's collectives are the ones the workers issued, step by step (a plan
-    # switch's migration runs after the step's report: the workers count it in the next)
+    # switch's transfers start after the step's report: the workers count them in the
+    # next; background, that is the switch step, boundary, the step after it)
     mig = {int(v): c for v, c in plan.meta["migration_collectives"].items()}
     res = replay(trace.load, meta, plan.phy2log, plan.master, plan.route, migration=mig,
                  calibration=Calibration(seconds_per_token=0, collective_seconds=0))  # fmt: skip
-    model = res.counts["collectives"] - res.counts["migration"]
-    model[1:] += res.counts["migration"][:-1]
-    assert res.counts["migration"].sum() > 0
+    model = res.counts["collectives"].copy()
+    if migration == "boundary":
+        assert res.counts["migration"].sum() > 0
+        model -= res.counts["migration"]
+        model[1:] += res.counts["migration"][:-1]
     assert meta.model_extra is not None
     assert model[1:].tolist() == meta.model_extra["collectives"][1:]
+    # the bytes of every collective that crossed add up to the step's bytes per kind and
+    # DC pair, and the replay's transfer is their busiest pairs summed
+    assert len(meta.collective_bytes) == STEPS
+    for t, colls in enumerate(meta.collective_bytes):
+        per_kind = np.zeros((3, 2, 2), np.int64)
+        for kind, m in colls:
+            per_kind[kind] += np.asarray(m)
+        np.testing.assert_array_equal(per_kind, meta.bytes_by_pair[t])
+    assert all(colls for colls in meta.collective_bytes)  # static's tokens cross every step
+    moved = sum(np.asarray(m).sum() for colls in meta.collective_bytes for k, m in colls if k == 2)
+    assert moved > 0  # hybrid's plans moved masters or copies between DCs

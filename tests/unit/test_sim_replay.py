@@ -33,10 +33,12 @@ def _home_plan() -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     return [(phy2log, master, route)] * LM.num_layers
 
 
-def _trace(steps=3, switch_at=2, balance=False) -> RunTrace:
+def _trace(steps=3, switch_at=2, balance=False, migration="boundary") -> RunTrace:
     """A run of ``steps`` steps, static until ``switch_at``, then the home plan (version 1);
     with ``balance`` the fast loop fetches replica weights in the last step."""
-    s = RuntimeSettings(topology=TOPO.to_dict(), lm=LM, policy="hybrid", balance=balance)
+    s = RuntimeSettings(
+        topology=TOPO.to_dict(), lm=LM, policy="hybrid", balance=balance, migration=migration
+    )
     tr = RunTrace(s)
     tr.plans[1] = (_home_plan(), (3, 1))
     rng = np.random.default_rng(0)
@@ -100,6 +102,65 @@ def test_each_step_is_the_spmd_step_model_of_the_plan_it_ran():
     assert res.measured_median == pytest.approx(0.55)  # the first step is left out
     assert res.predicted_median == pytest.approx(np.median(want[1:]))
     assert res.error == pytest.approx(res.predicted_median / 0.55 - 1)
+
+
+def test_a_background_switch_is_one_transfer_in_the_step_and_the_sync_switches():
+    """The runtime's default: the moved masters travel on one background all-to-all during
+    the switch step (the workers count it in that step's report: its bytes are that step's)
+    and the step's sync sends gradients to the new masters and refreshes the new copies."""
+    tr = _trace(migration="background")
+    res = _replay(tr)
+    tokens, lat = 2 * 16 * 2, 0.010
+    static_total, static_cross = 2 * 2 * 10 + 3, 2 * 2 * 5 + 1
+    home_total, home_cross = 2 * 2 * 5 + 3 + 2, 1 + 2
+    # step 1 switches: no master moves (no background transfer); its refresh fills the
+    # home plan's copies (the WAN weights hop), its gradients stay with static's holders
+    switch_total, switch_cross = static_total + 1, static_cross + 1
+    assert res.counts["collectives"].tolist() == [static_total, switch_total, home_total]
+    assert res.counts["crossing"].tolist() == [static_cross, switch_cross, home_cross]
+    assert res.counts["migration"].tolist() == [0, 0, 0]
+    want_1 = 1e-4 * tokens + 2e-3 * switch_total + lat * switch_cross + 2_060_000 / BW
+    # step 2: its own report's 4 MB a -> b of migration is its own (background)
+    want_2 = 1e-4 * tokens + 2e-3 * home_total + lat * home_cross + 4_050_000 / BW
+    np.testing.assert_allclose(res.predicted[1:], [want_1, want_2], rtol=1e-12)
+    # a plan that moves a master: one more collective (latency hidden in the step) ...
+    moved = _home_plan()
+    # expert 2's master from rank 2 (DC 1) to its copy on rank 0 (DC 0), slot 1
+    moved[0] = (moved[0][0], np.array([0, 2, 1, 6]), moved[0][2])
+    tr.plans[1] = (moved, (5, 2))
+    res = _replay(tr)
+    assert res.counts["migration"].tolist() == [0, 1, 0]
+    # ... and the switch step's gradients of expert 2 go over the WAN to its new master
+    assert res.counts["collectives"][1] == switch_total + 1 + 1
+    assert res.counts["crossing"][1] == switch_cross + 1
+
+
+def test_bytes_per_collective_sum_their_busiest_pairs():
+    """With the workers' bytes per crossing collective, each collective takes its busiest
+    pair over the bandwidth and the step the sum (pairs run in parallel only inside one
+    collective): two collectives loading opposite directions cost both, not the larger."""
+    tr = _trace(migration="background")
+    a_to_b, b_to_a = [[0, 1_000_000], [0, 0]], [[0, 0], [3_000_000, 0]]
+    tr.crossed = {0: [(0, a_to_b), (0, b_to_a)], 1: [(1, a_to_b)], 2: [(2, b_to_a), (1, a_to_b)]}
+    res = _replay(tr)
+    by_step = _replay(_trace(migration="background"))
+    np.testing.assert_allclose(
+        res.parts["transfer"], [4_000_000 / BW, 1_000_000 / BW, 4_000_000 / BW], rtol=1e-12
+    )
+    np.testing.assert_allclose(
+        res.predicted - res.parts["transfer"], by_step.predicted - by_step.parts["transfer"]
+    )
+    # boundary switches: a migration transfer counted in step 2's report is step 1's
+    tr.settings = tr.settings.model_copy(update={"migration": "boundary"})
+    res = _replay(tr)
+    np.testing.assert_allclose(
+        res.parts["transfer"], [4_000_000 / BW, 4_000_000 / BW, 1_000_000 / BW], rtol=1e-12
+    )
+    load, meta, plans, _ = tr.arrays()
+    meta["collective_bytes"] = meta["collective_bytes"][:2]
+    with pytest.raises(ValueError, match="collective bytes of 2 steps"):
+        replay(load, RuntimeMeta(**meta), plans["phy2log"], plans["master"], plans["route"],
+               migration={1: (3, 1)}, calibration=CAL)  # fmt: skip
 
 
 def test_migration_collectives_count_rounds_and_kinds():

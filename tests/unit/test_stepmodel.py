@@ -61,6 +61,13 @@ def test_sync_hops_follow_the_copies():
         inter_dc=Link(8, 10.0),
     )
     assert sync_hops([two], big) == (False, True, True, False)  # one rank: no in-DC hop
+    # a background switch: gradients from the old holders to the new plan's masters, fresh
+    # weights to the new plan's holders; expert 1's master moves to rank 0 (DC a), where
+    # static had no copy of it: its gradient crosses from b, its weights go nowhere
+    moved = Placement(np.array([[0, 1], [-1, -1]], np.int32), np.array([0, 1]))
+    assert sync_hops([STATIC], TOPO, [moved]) == (False, True, False, False)
+    assert sync_hops([STATIC], TOPO, [REPLICA]) == (False, False, True, False)
+    assert sync_hops([REPLICA], TOPO, [STATIC]) == (False, True, False, False)
 
 
 def test_spmd_step_cost_adds_compute_software_latency_and_the_busiest_pair():
@@ -82,3 +89,9 @@ def test_spmd_step_cost_adds_compute_software_latency_and_the_busiest_pair():
         spmd_step_cost(
             TOPO, coll, np.zeros(3), tokens_per_rank=0, seconds_per_token=0, collective_seconds=0
         )
+    # per collective: each its busiest pair, summed (a -> b 2 ms then b -> a 1 ms: 3 ms)
+    split = np.array([[[0.0, 2e6], [0.0, 0.0]], [[0.0, 0.0], [1e6, 0.0]]])
+    per = spmd_step_cost(
+        TOPO, coll, split, tokens_per_rank=0, seconds_per_token=0, collective_seconds=0
+    )
+    assert per.transfer == pytest.approx(0.003)

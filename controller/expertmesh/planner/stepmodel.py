@@ -72,19 +72,34 @@ class SpmdCollectives:
         )
 
 
-def sync_hops(placements: Sequence[Placement], topology: Topology) -> tuple[bool, ...]:
-    """Which of the expert sync's four hops carry anything under ``placements`` (per layer):
-    replica gradients to the DC's lead holder, lead holders' gradients to a master in
-    another DC, the master's fresh weights back over the WAN, and inside the DC."""
-    in_dc = wan = False
-    for p in placements:
-        holds = p.holds()  # [R, E]
-        master_dc = topology.rank_dc[p.master_rank()]  # [E]
-        for d in range(topology.num_dcs):
-            copies = holds[topology.rank_dc == d].sum(axis=0)  # [E]
-            in_dc = in_dc or bool((copies >= 2).any())
-            wan = wan or bool(((copies >= 1) & (master_dc != d)).any())
-    return (in_dc, wan, wan, in_dc)
+def sync_hops(
+    placements: Sequence[Placement],
+    topology: Topology,
+    new: Sequence[Placement] | None = None,
+) -> tuple[bool, ...]:
+    """Which of the expert sync's four hops carry anything (``ExpertParallel._hops``), per
+    layer: replica gradients from ``placements``' holders to their DC's lead (the master
+    when the DC has it, else the DC's lowest holder), the leads' gradients over the WAN to
+    the master, the master's fresh weights back over the WAN to ``new``'s holders, and
+    inside the DC. ``new``: the plan a background switch commits at this step's sync (its
+    masters receive the gradients, its holders the refresh); None: ``placements``."""
+    new = placements if new is None else new
+    hops = [False, False, False, False]
+    for a, b in zip(placements, new, strict=True):
+        m = b.master_rank()  # [E]
+        mdc = topology.rank_dc[m]
+        experts = np.arange(m.size)
+        # gradients from a's holders (hops 0: in DC, 1: WAN), weights to b's (3: in DC, 2: WAN)
+        for holds, dc_hop, wan_hop in ((a.holds(), 0, 1), (b.holds(), 3, 2)):  # [R, E]
+            mine = holds[m, experts]  # whether the master holds e under this plan
+            for d in range(topology.num_dcs):
+                copies = holds[topology.rank_dc == d].sum(axis=0)  # [E]
+                here = mdc == d
+                # in the DC: a holder other than the DC's lead
+                in_dc = np.where(here, copies - mine > 0, copies >= 2)
+                hops[dc_hop] = hops[dc_hop] or bool(in_dc.any())
+                hops[wan_hop] = hops[wan_hop] or bool((~here & (copies > 0)).any())
+    return tuple(hops)
 
 
 @dataclass(frozen=True)
@@ -95,7 +110,9 @@ class SpmdStepTime:
     compute: float
     software: float  # per-collective cost times the collectives
     latency: float  # crossing collectives times the pair latency
-    transfer: float  # the busiest DC pair's bytes over its bandwidth
+    transfer: (
+        float  # per crossing collective its busiest DC pair's bytes over its bandwidth, summed
+    )
     collectives: SpmdCollectives
 
 
@@ -112,7 +129,7 @@ def spmd_step_cost(
 
     ```
     T = a * tokens_per_rank + c * collectives.total
-        + collectives.crossing * L + max_ab bytes_ab / B_ab
+        + collectives.crossing * L + sum_c max_ab bytes_cab / B_ab
     ```
 
     ``a`` (``seconds_per_token``: compute and intra-DC copies per token a rank trains)
@@ -120,22 +137,26 @@ def spmd_step_cost(
     crosses or not) are machine constants, calibrated on static EP over free links.
     Every crossing collective waits for its slowest pair's latency ``L`` (the largest
     inter-DC latency; the link shaper books each send on its DC pair's bucket and the
-    sender waits for arrival), and the step's bytes between DCs (``pair_bytes`` [D, D]:
-    tokens, weights and migration a -> b) pass at the pair's bandwidth ``B``; the busiest
-    pair bounds it (pairs run in parallel, a pair's sends queue in its bucket).
+    sender waits for arrival). Bytes: ``pair_bytes`` [C, D, D], what each of the step's
+    ``C`` crossing collectives sent a -> b (tokens, weights, migration): the collectives
+    run one after another, and within one the pairs run in parallel while a pair's sends
+    queue in its bucket, so each collective takes its busiest pair's bytes over that
+    pair's bandwidth ``B`` and the step the sum. [D, D] (the step's bytes, not split by
+    collective) is read as one collective: the busiest pair of the step's total, a lower
+    bound of the sum.
     """
     num_dcs = topology.num_dcs
     nbytes = np.asarray(pair_bytes, dtype=np.float64)
-    if nbytes.shape != (num_dcs, num_dcs) or (nbytes < 0).any():
-        raise ValueError(f"pair_bytes must be [{num_dcs}, {num_dcs}] and >= 0")
+    if nbytes.ndim == 2:
+        nbytes = nbytes[None]
+    if nbytes.ndim != 3 or nbytes.shape[1:] != (num_dcs, num_dcs) or (nbytes < 0).any():
+        raise ValueError(f"pair_bytes must be [C, {num_dcs}, {num_dcs}] or [D, D] and >= 0")
     if min(tokens_per_rank, seconds_per_token, collective_seconds) < 0:
         raise ValueError("tokens, seconds per token and per collective must be >= 0")
     off = ~np.eye(num_dcs, dtype=bool)
     lat = float(topology.dc_latency_ms[off].max()) / 1e3 if num_dcs > 1 else 0.0
-    busy = (nbytes > 0) & off
-    transfer = (
-        float(np.max(nbytes[busy] / (topology.dc_gbps[busy] * 1e9 / 8.0))) if busy.any() else 0.0
-    )
+    per_second = np.where(off, topology.dc_gbps * 1e9 / 8.0, np.inf)  # [D, D] bytes/s
+    transfer = float(np.sum(np.max(np.where(off, nbytes / per_second, 0.0), axis=(1, 2))))
     compute = seconds_per_token * tokens_per_rank
     software = collective_seconds * collectives.total
     latency = lat * collectives.crossing

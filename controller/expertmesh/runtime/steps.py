@@ -64,7 +64,7 @@ class SpmdSteps:
         self._spmd_lock = threading.Lock()
         self._static_owner = initial_placements(self.topology, self.settings.lm)[0].master_rank()
         if not hasattr(self, "_trace"):  # kept across a re-formed group (recovery)
-            self._trace: dict[str, dict[int, Any]] = {"load": {}, "plans": {}, "counters": {}}
+            self._trace: dict[str, dict[int, Any]] = _empty_trace()
         self.loads = LoadIngest(self.core, self.settings)
         for r in range(self.topology.num_ranks):
             self.telemetry.set_worker_state(r, r in self._members)
@@ -129,6 +129,9 @@ class SpmdSteps:
             r: (int(reports[r].get("collectives", 0)), float(reports[r].get("shaped_seconds", 0)))
             for r in ranks
         }
+        self._trace["crossed"][step] = crossed_by_collective(
+            {r: reports[r].get("crossed", []) for r in ranks}, self.topology.rank_dc
+        )
         static = np.zeros((num_layers, self.topology.num_ranks), np.int64)
         for layer in range(num_layers):
             np.add.at(static[layer], self._static_owner, load[layer])
@@ -244,11 +247,12 @@ class SpmdSteps:
 
     def take_trace(self) -> dict[str, dict[int, Any]]:
         """What the run trained on since the last call (runtime/trace.py): per step the load
-        ``[L, R, E]`` the ranks reported and their cumulative counters (collectives issued,
-        seconds waiting in the link shaper), per plan offered its layers and migration
+        ``[L, R, E]`` the ranks reported, their cumulative counters (collectives issued,
+        seconds waiting in the link shaper) and the bytes each crossing collective sent
+        (:func:`crossed_by_collective`), per plan offered its layers and migration
         collectives."""
         with self._spmd_lock:
-            out, self._trace = self._trace, {"load": {}, "plans": {}, "counters": {}}
+            out, self._trace = self._trace, _empty_trace()
             return out
 
     def load_windows(self) -> dict[str, Any]:
@@ -270,6 +274,25 @@ class SpmdSteps:
         self._maybe_repair()
         with self._spmd_lock:
             return [r for r in self._results if r["step"] >= step]
+
+
+def _empty_trace() -> dict[str, dict[int, Any]]:
+    return {"load": {}, "plans": {}, "counters": {}, "crossed": {}}
+
+
+def crossed_by_collective(
+    per_rank: dict[int, list[Any]], rank_dc: np.ndarray
+) -> list[tuple[int, list[list[int]]]]:
+    """The members' crossing sends of one step's report (``Comm.take_crossed``: per rank
+    ``(group, number, kind, [D] bytes)``) summed per collective: ``(kind, [D, D] bytes
+    a -> b)``, in the order of (group, number)."""
+    num_dcs = int(np.max(rank_dc)) + 1
+    got: dict[tuple[str, int], tuple[int, np.ndarray]] = {}
+    for r, rows in per_rank.items():
+        for group, n, kind, to_dc in rows:
+            _, m = got.setdefault((str(group), int(n)), (int(kind), np.zeros((num_dcs,) * 2)))
+            m[int(rank_dc[r])] += np.asarray(to_dc, dtype=np.float64)
+    return [(k, m.astype(np.int64).tolist()) for _, (k, m) in sorted(got.items())]
 
 
 def last_line(err: BaseException) -> str:

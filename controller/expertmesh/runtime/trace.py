@@ -10,8 +10,9 @@ rewrites, in ``RuntimeSettings.trace_dir``:
 - ``trace.npz`` (README: Interchange formats): ``load`` int64 ``[T, L, R, E]`` of the
   steps in order, ``meta`` a :class:`~expertmesh.sim.replay.RuntimeMeta`: the topology,
   the model's sizes, policy, microbatches, tokens per rank, and per step its number, plan
-  version, measured end-to-end seconds, bytes between DCs as the workers counted them and
-  replica weights the fast loop fetched;
+  version, measured end-to-end seconds, bytes between DCs as the workers counted them (per
+  DC pair and kind, and per collective that crossed: ``collective_bytes``), the switch
+  mode (``migration``) and replica weights the fast loop fetched;
 - ``plans.npz``: per step the plan it ran on (``phy2log`` ``[T, L, R, S]``, ``master``
   ``[T, L, E]``; ``route`` rows ``(step, layer, src, expert, dst, tokens)`` are the plan's
   route, whose shares split the step's tokens, not counts of the step), ``meta`` with
@@ -65,6 +66,7 @@ class RunTrace:
         self.steps: dict[int, StepResult] = {}
         self.load: dict[int, np.ndarray] = {}
         self.counters: dict[int, dict[int, tuple[int, float]]] = {}  # cumulative, per rank
+        self.crossed: dict[int, list[tuple[int, list[list[int]]]]] = {}  # per collective
         self.plans: dict[int, tuple[Layers, tuple[int, int]]] = {}
         initial = initial_placements(self.topology, settings.lm)
         empty = np.zeros((0, 4), np.int64)
@@ -79,6 +81,7 @@ class RunTrace:
             got = ray.get(controller.take_trace.remote(), timeout=60)
             self.load.update(got["load"])
             self.counters.update(got.get("counters", {}))
+            self.crossed.update(got.get("crossed", {}))
             self.plans.update(got["plans"])
             self.steps.update((r.step, r) for r in rows)
             if directory:
@@ -134,6 +137,11 @@ class RunTrace:
             "step_seconds": [float(r.seconds or r.step_seconds) for r in rows],
             "train_seconds": [float(r.step_seconds) for r in rows],
             "bytes_by_pair": [r.bytes_by_pair for r in rows],
+            # per step, every collective that crossed DCs: (kind, [D, D] bytes a -> b)
+            # (empty when some step lacks them: the replay falls back to bytes_by_pair)
+            "collective_bytes": [self.crossed[t] for t in steps]
+            if all(t in self.crossed for t in steps)
+            else [],
             "fanout_bytes": [int(r.fanout_bytes) for r in rows],
             "collectives": collectives,
             "shaped_seconds": shaped,

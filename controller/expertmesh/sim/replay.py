@@ -28,7 +28,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -83,6 +83,18 @@ class RuntimeMeta(BaseModel):
     )
     bytes_by_pair: list[list[list[list[int]]]] = Field(
         description="[T, 3, D, D] tokens, weights and migration bytes between DCs per step"
+    )
+    collective_bytes: list[list[tuple[int, list[list[int]]]]] = Field(
+        default_factory=list,
+        description="per step, every collective that crossed DCs in the order issued per "
+        "group: (kind: 0 tokens, 1 weights, 2 migration; [D, D] bytes a -> b); a plan "
+        "switch's transfers count in the step after the one they were started in",
+    )
+    migration: Literal["background", "boundary"] = Field(
+        default="boundary",
+        description="how plans were switched (RuntimeSettings.migration): background (the "
+        "moved masters travel during the switch step, its sync switches) or boundary (the "
+        "migration rounds run after the step)",
     )
     fanout_bytes: list[int] = Field(
         default_factory=list, description="replica weights the fast loop fetched per step"
@@ -179,17 +191,36 @@ def replay(
     )
     tokens = meta.tokens_per_rank * meta.microbatches
     rank_dc = np.asarray(topology.rank_dc)
+    per_coll = _collective_bytes(meta, num_steps, d)
+    background = meta.migration == "background"
     parts = {k: np.zeros(num_steps) for k in ("compute", "software", "latency", "transfer")}
     counts = {k: np.zeros(num_steps, np.int64) for k in ("collectives", "crossing", "migration")}
     out = np.zeros(num_steps)
+
+    def placements_of(t: int) -> list[Placement]:
+        return [Placement(phy2log[t, layer], master[t, layer]) for layer in range(num_layers)]
+
     for t in range(num_steps):
-        placements = [Placement(phy2log[t, layer], master[t, layer]) for layer in range(num_layers)]
+        placements = placements_of(t)
         cross = [
             LayerPlan(placements[layer], route[bounds[i] : bounds[i + 1], 2:]).crosses(rank_dc)
             for layer, i in ((layer, t * num_layers + layer) for layer in range(num_layers))
         ]
         mig = (0, 0)  # the plan switch at the step's end: its migration's collectives
-        if t + 1 < num_steps and versions[t + 1] != versions[t]:
+        hops = sync_hops(placements, topology)
+        switch = t + 1 < num_steps and versions[t + 1] != versions[t]
+        if switch and background:
+            # the moved masters' state travelled during this step on one background
+            # all-to-all (its latency hidden by the step; its bytes queue on the links) and
+            # this step's sync switched: gradients to the new masters, refresh of new copies
+            new = placements_of(t + 1)
+            moved = any(
+                (a.master_rank() != b.master_rank()).any()
+                for a, b in zip(placements, new, strict=True)
+            )
+            mig = (int(moved), 0)
+            hops = sync_hops(placements, topology, new)
+        elif switch:
             mig = tuple(migration[versions[t + 1]])  # type: ignore[assignment]
         fetch = bool(meta.fanout_bytes and meta.fanout_bytes[t] > 0)
         coll = SpmdCollectives.of(
@@ -198,13 +229,20 @@ def replay(
             num_dcs=d,
             balance=meta.balance,
             fetch=[fetch] * num_layers,  # per step, not per layer: an upper bound
-            hops=sync_hops(placements, topology),
+            hops=hops,
             migration=int(mig[0]),
             migration_cross=int(mig[1]),
         )
-        # the step's tokens and weights, and the migration after it (which the workers
-        # count in the next step's report)
-        nbytes = by[t, 0] + by[t, 1] + (by[t + 1, 2] if t + 1 < num_steps else 0.0)
+        # the step's tokens and weights and its plan switch's migration: background, the
+        # transfer started after the step before (the workers count it in this step's
+        # report); boundary, the rounds after this step (counted in the next step's)
+        later = t + 1 if not background else t
+        if per_coll is not None:
+            own = [m for k, m in per_coll[t] if k != _MIGRATION]
+            moves = [m for k, m in per_coll[later] if k == _MIGRATION] if later < num_steps else []
+            nbytes = np.asarray(own + moves, dtype=np.float64).reshape(-1, d, d)
+        else:
+            nbytes = by[t, 0] + by[t, 1] + (by[later, 2] if later < num_steps else 0.0)
         st = spmd_step_cost(
             topology, coll, nbytes, tokens_per_rank=tokens,
             seconds_per_token=calibration.seconds_per_token,
@@ -216,3 +254,22 @@ def replay(
         counts["collectives"][t], counts["crossing"][t] = coll.total, coll.crossing
         counts["migration"][t] = int(mig[0])
     return Replay(out, np.asarray(meta.step_seconds, dtype=np.float64), parts, counts, skip)
+
+
+_MIGRATION = 2  # the kind index of a plan switch's transfers (workers/comm.py KINDS)
+
+
+def _collective_bytes(meta: RuntimeMeta, num_steps: int, d: int) -> list[Any] | None:
+    """``meta.collective_bytes`` checked (None when the trace has none: a trace written
+    before the workers counted bytes per collective)."""
+    got = meta.collective_bytes
+    if not got:
+        return None
+    if len(got) != num_steps:
+        raise ValueError(f"meta has collective bytes of {len(got)} steps for {num_steps}")
+    for step in got:
+        for kind, m in step:
+            a = np.asarray(m)
+            if not 0 <= kind <= _MIGRATION or a.shape != (d, d) or (a < 0).any():
+                raise ValueError(f"collective bytes must be (kind 0-2, [{d}, {d}] >= 0)")
+    return got

@@ -50,6 +50,7 @@ class Group:
 
     ranks: list[int]
     pg: Any = None
+    name: str = "world"  # which group: collectives on one name are counted in one sequence
     index: dict[int, int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -94,7 +95,7 @@ class Comm:
                 if ranks.size
                 else None
             )
-            self.dcs.append(Group(ranks.tolist(), pg) if ranks.size else None)
+            self.dcs.append(Group(ranks.tolist(), pg, "dc") if ranks.size else None)
         self.dcs_aux: list[Group | None] = []  # a second group per DC: background transfers
         for ranks in self.dc_ranks:
             pg = (
@@ -102,16 +103,24 @@ class Comm:
                 if ranks.size
                 else None
             )
-            self.dcs_aux.append(Group(ranks.tolist(), pg) if ranks.size else None)
+            self.dcs_aux.append(Group(ranks.tolist(), pg, "dc_aux") if ranks.size else None)
         # a second world group: a new plan's weights move on it in the background while the
         # world group carries the step's tokens (ExpertParallel.prepare)
-        self.world_aux = Group(members, _new_group(list(range(len(members))), timeout_s))
+        self.world_aux = Group(
+            members, _new_group(list(range(len(members))), timeout_s), "world_aux"
+        )
         leaders = [int(r[0]) for r in self.dc_ranks if r.size]
-        self.leaders = Group(leaders, _new_group([self.world.index[r] for r in leaders], timeout_s))
+        self.leaders = Group(
+            leaders, _new_group([self.world.index[r] for r in leaders], timeout_s), "leaders"
+        )
         self.shaper = shaper
         self.bytes = np.zeros((len(KINDS), self.num_dcs, self.num_dcs), np.int64)
         self.shaped_seconds = 0.0
         self.collectives = 0
+        self._seq: dict[str, int] = {}  # collectives issued per group name
+        # this rank's crossing sends per collective, until taken (take_crossed): (group
+        # name, the collective's number on it, kind, [D] bytes to each DC)
+        self.crossed: list[tuple[str, int, int, list[int]]] = []
 
     @property
     def my_dc(self) -> Group:
@@ -133,19 +142,46 @@ class Comm:
 
     # ---- shaping ----
 
-    def charge(self, kind: str, nbytes_to: dict[int, int], *, wait: bool = True) -> float:
+    def _issue(self, group: Group) -> tuple[str, int]:
+        """Count one collective on ``group``: its key ``(group name, number on it)``, the
+        same on every member (every member issues a group's collectives in one order)."""
+        self.collectives += 1
+        n = self._seq.get(group.name, 0)
+        self._seq[group.name] = n + 1
+        return group.name, n
+
+    def take_crossed(self) -> list[tuple[str, int, int, list[int]]]:
+        """This rank's crossing sends per collective since the last call: ``(group name,
+        collective number, kind index, [D] bytes to each DC)`` (a step's report carries
+        them; the controller sums the members' into each collective's [D, D])."""
+        out, self.crossed = self.crossed, []
+        return out
+
+    def charge(
+        self,
+        kind: str,
+        nbytes_to: dict[int, int],
+        *,
+        wait: bool = True,
+        key: tuple[str, int] | None = None,
+    ) -> float:
         """Count and shape this rank's sends: ``nbytes_to`` expertmesh rank -> bytes. Waits
         until the crossing ones would have arrived over their DC pair's link (``wait=False``:
-        books them and returns that clock time; the caller waits later, :meth:`settle`)."""
+        books them and returns that clock time; the caller waits later, :meth:`settle`).
+        ``key``: the collective they belong to (:meth:`_issue`), kept in :attr:`crossed`."""
         k = KINDS.index(kind)
         arrive = 0.0
+        to_dc = [0] * self.num_dcs
         for q, nbytes in nbytes_to.items():
             b = int(self.rank_dc[q])
             if nbytes <= 0 or b == self.dc:
                 continue
             self.bytes[k, self.dc, b] += nbytes
+            to_dc[b] += int(nbytes)
             if self.shaper is not None:
                 arrive = max(arrive, self.shaper.reserve(self.dc, b, nbytes))
+        if key is not None and any(to_dc):
+            self.crossed.append((key[0], key[1], k, to_dc))
         if wait:
             self.settle(arrive)
         return arrive
@@ -171,9 +207,9 @@ class Comm:
                 f"splits {send}/{recv} do not fit {x.numel()} elements, {group.size} ranks"
             )
         size = x.element_size()
-        self.charge(kind, {q: s * size for q, s in zip(group.ranks, send, strict=True)})
+        key = self._issue(group)
+        self.charge(kind, {q: s * size for q, s in zip(group.ranks, send, strict=True)}, key=key)
         out = torch.empty(sum(recv), dtype=x.dtype, device=x.device)
-        self.collectives += 1
         if group.size == 1:
             out.copy_(x)
             return out
@@ -197,14 +233,14 @@ class Comm:
         if len(send) != group.size or len(recv) != group.size or sum(send) != x.numel():
             raise ValueError(f"splits {send}/{recv} do not fit {x.numel()} elements")
         size = x.element_size()
+        key = self._issue(group)
         arrive = self.charge(
             kind, {q: s * size for q, s in zip(group.ranks, send, strict=True)},
-            wait=shaped is None,
+            wait=shaped is None, key=key,
         )  # fmt: skip
         if shaped is not None:
             shaped.append(arrive)
         out = torch.empty(sum(recv), dtype=x.dtype, device=x.device)
-        self.collectives += 1
         if group.size == 1:
             out.copy_(x)
             return out, None
@@ -246,8 +282,8 @@ class Comm:
             return [x]
         parts = [torch.empty_like(x) for _ in range(group.size)]
         nbytes = x.numel() * x.element_size()
-        self.charge(kind, {q: nbytes for q in group.ranks if q != self.rank})
-        self.collectives += 1
+        key = self._issue(group)
+        self.charge(kind, {q: nbytes for q in group.ranks if q != self.rank}, key=key)
         dist.all_gather(parts, x.contiguous(), group=group.pg)
         total = parts[0].clone()
         for p in parts[1:]:
@@ -264,8 +300,8 @@ class Comm:
             return t.cpu().numpy()[None]
         parts = [torch.empty_like(t) for _ in range(group.size)]
         nbytes = t.numel() * t.element_size()
-        self.charge(kind, {q: nbytes for q in group.ranks if q != self.rank})
-        self.collectives += 1
+        key = self._issue(group)
+        self.charge(kind, {q: nbytes for q in group.ranks if q != self.rank}, key=key)
         dist.all_gather(parts, t, group=group.pg)
         return torch.stack(parts).cpu().numpy()
 
@@ -273,18 +309,18 @@ class Comm:
         """``x`` of expertmesh rank ``src`` to every member of ``group``, in place."""
         if group.size == 1:
             return
+        key = self._issue(group)
         if self.rank == src:
             nbytes = x.numel() * x.element_size()
-            self.charge(kind, {q: nbytes for q in group.ranks if q != src})
-        self.collectives += 1
+            self.charge(kind, {q: nbytes for q in group.ranks if q != src}, key=key)
         dist.broadcast(x, src=self.world.index[src], group=group.pg)
 
     def barrier_min(self, value: int) -> int:
         """The smallest ``value`` over the world (every rank gets the same answer)."""
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        self.collectives += 1
+        key = self._issue(self.world)
         if self.world.size > 1:
-            self.charge("weights", {q: 8 for q in self.world.ranks if q != self.rank})
+            self.charge("weights", {q: 8 for q in self.world.ranks if q != self.rank}, key=key)
             dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
 

@@ -231,6 +231,9 @@ class SpmdRank:
             "bytes": c.bytes.copy(),  # [3, D, D] cumulative, by KINDS
             "shaped_seconds": c.shaped_seconds,
             "collectives": c.collectives,
+            # crossing sends per collective since the last step's stats (Comm.crossed): a
+            # plan switch after this report (prepare or apply_plan) counts in the next
+            "crossed": c.take_crossed(),
             "version": self._ran,  # the plan the step's tokens were routed by
             "switched": self.experts.switched,  # a plan this step's sync switched to
             "seconds": dict(self.seconds),
