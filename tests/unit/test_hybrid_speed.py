@@ -164,3 +164,88 @@ def test_tolerance_zero_scores_the_domain_at_every_replan(monkeypatch):
     sizes, calls = _run(loads, 0.0, monkeypatch)
     assert sizes == [1, 4, 4, 4, 4, 1, 1], sizes
     assert calls == len(loads)
+
+
+# ---- compose skips scoring the plan without replicas when its floor is above ----
+
+
+@settings(max_examples=30, deadline=None)
+@given(**_CASES)
+def test_the_floor_without_replicas_is_below_its_modeled_step(
+    seed, gbps, dcs, ffn, training, hierarchical, again
+):
+    from expertmesh.planner.costmodel import modeled_step
+    from expertmesh.planner.domainquota import at_home, domain_quota, domain_traffic, rehome
+
+    topo, load, base, model, cfg = _setup(seed, gbps, dcs, ffn, training, hierarchical)
+    plan = _solve(topo, load, base, model, cfg) if again else rehome(base, load, topo)
+    balanced = domain_quota(load, plan, topo)
+    plain = at_home(balanced, plan, topo)
+    traffic = domain_traffic(load, balanced, topo, model.top_k)
+    floor = hybridguard.plain_floor(plain, traffic, topo, model, cfg.cost)
+    own = domain_traffic(load, plain, topo, model.top_k)
+    step = modeled_step(topo, model, own, plain.placement, settings=cfg.cost)
+    assert floor <= step.seconds, (floor, step.seconds)
+
+
+def _compose_ref(load, base, topo, model, cfg, before):
+    """compose's choice scoring both options, as it did before the floor."""
+    from expertmesh.planner.costmodel import modeled_step, transfer_seconds
+    from expertmesh.planner.domainquota import at_home, domain_quota, domain_traffic
+
+    def score(sol):
+        copies = hybrid._replica_copies(sol, before, topo, model, cfg.encoding)
+        traffic = domain_traffic(load, sol, topo, model.top_k)
+        step = modeled_step(topo, model, traffic, sol.placement, settings=cfg.cost,
+                            encoding=cfg.encoding, extra=copies)  # fmt: skip
+        late = transfer_seconds(copies, topo) - step.phases.get("dispatch", 0.0)
+        return step.seconds + max(0.0, late)
+
+    balanced = domain_quota(load, base, topo)
+    if balanced.replicas[0].size == 0:
+        return balanced, score(balanced), False
+    plain = at_home(balanced, base, topo)
+    a, b = score(plain), score(balanced)
+    return (plain, a, True) if a <= b else (balanced, b, False)
+
+
+@settings(max_examples=40, deadline=None)
+@given(  # fast links and expensive copies too: there the plan without replicas wins
+    **_CASES | dict(gbps=st.sampled_from([0.05, 10.0, 400.0, 3200.0]),
+                    ffn=st.sampled_from([1, 256, 8192, 65536]))
+)  # fmt: skip
+def test_compose_with_the_floor_is_compose_scoring_both(
+    seed, gbps, dcs, ffn, training, hierarchical, again
+):
+    from expertmesh.planner.domainquota import rehome
+
+    topo, load, base, model, cfg = _setup(seed, gbps, dcs, ffn, training, hierarchical)
+    plan = _solve(topo, load, base, model, cfg)
+    before = plan.holds() if again else None
+    for b in (rehome(plan, load, topo), rehome(base, load, topo)):
+        sol, _, cost = hybrid.compose(load, b, topo, model, cfg, before=before)
+        ref, ref_cost, plain_won = _compose_ref(load, b, topo, model, cfg, before)
+        assert cost == pytest.approx(ref_cost, rel=1e-12)
+        assert np.array_equal(sol.placement.phy2log, ref.placement.phy2log)
+
+
+def test_compose_keeps_the_plan_without_replicas_where_it_wins():
+    # the equality above means something where the unreplicated plan can win: a copy moves
+    # 100 MB to save the compute of a few tokens (and some skewed loads still replicate)
+    from expertmesh.planner.domainquota import rehome
+
+    topo = Topology.generate(2, 4, masters=2, spare=2, inter_dc_gbps=3200, inter_dc_latency_ms=0)
+    model = ModelSpec(num_experts=8, top_k=2, hidden=256, ffn_hidden=65536)
+    base = static_placement(topo.num_ranks, topo.slots_per_rank, 8, 2)
+    won = []
+    for seed, scale in [(s, x) for s in range(4) for x in (1, 2000)]:
+        load = np.random.default_rng(seed).integers(0, 10, size=(topo.num_ranks, 8)) * scale
+        load[:, 0] *= 5  # skewed: quota alone would replicate expert 0
+        b = rehome(base, load, topo)
+        cfg = HybridSettings()
+        sol, _, cost = hybrid.compose(load, b, topo, model, cfg)
+        ref, ref_cost, plain_won = _compose_ref(load, b, topo, model, cfg, None)
+        assert cost == pytest.approx(ref_cost, rel=1e-12)
+        assert np.array_equal(sol.placement.phy2log, ref.placement.phy2log)
+        won.append(plain_won)
+    assert any(won) and not all(won), won

@@ -82,7 +82,7 @@ from expertmesh.planner.domainquota import (
     merge_dcs,
     rehome,
 )
-from expertmesh.planner.hybridguard import GuardCosts
+from expertmesh.planner.hybridguard import GuardCosts, plain_floor
 from expertmesh.planner.hybridpairs import DcPairs as _Pairs
 from expertmesh.planner.hybridpairs import HybridInputs as _Inputs
 from expertmesh.planner.hybridpairs import choose_copies as _choose
@@ -417,7 +417,10 @@ def compose(
     balanced = option(domain_quota(load, base, dom))
     if balanced[0].replicas[0].size == 0:
         return balanced  # no replica needed
-    plain = option(at_home(balanced[0], base, dom))
+    at = at_home(balanced[0], base, dom)
+    if dom is topology and plain_floor(at, balanced[1], topology, model, cfg.cost) > balanced[2]:
+        return balanced  # without replicas it cannot be as fast: not scored
+    plain = option(at)
     return plain if plain[2] <= balanced[2] else balanced  # ties: no replicas
 
 

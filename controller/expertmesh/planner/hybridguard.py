@@ -8,12 +8,20 @@ from collections.abc import Callable
 
 import numpy as np
 
-from expertmesh.planner.costmodel import copy_streams, expected_crossings, replica_streams
-from expertmesh.planner.domainquota import dc_holds, remote_holder
+from expertmesh.planner.costmodel import (
+    CostSettings,
+    copy_streams,
+    crossings,
+    expected_crossings,
+)
+from expertmesh.planner.domainquota import DomainSolution, dc_holds, remote_holder
 from expertmesh.planner.hybridpairs import HybridInputs
+from expertmesh.planner.model import ModelSpec
 from expertmesh.planner.plan import Placement
+from expertmesh.planner.topology import Topology
+from expertmesh.planner.traffic import TokenTraffic
 
-__all__ = ["GuardCosts", "guard_bound"]
+__all__ = ["GuardCosts", "chain_floor", "guard_bound", "plain_floor"]
 
 
 class GuardCosts:
@@ -56,14 +64,14 @@ class GuardCosts:
 
 
 def guard_bound(inp: HybridInputs, cand: Placement) -> float:
-    """A lower bound of :func:`~expertmesh.planner.hybrid.guard_cost` for ``inside="quota"`` (``-inf`` otherwise) from
-    what the candidate's holder sets fix before quota runs: the tokens that cross between
-    DCs (every DC pair's crossings, whatever the balance inside DCs) and the mean compute.
-    The chain of :func:`~expertmesh.planner.costmodel.step_cost` with every phase at that
-    floor: dispatch and combine at their busiest pair link plus the message overhead,
-    compute at the mean rank's tokens, no port, no expert stream and no late copy (each
-    only adds); times ``1 - 1e-9`` for rounding. A few array passes instead of a
-    :func:`~expertmesh.planner.hybrid.compose`."""
+    """A lower bound of :func:`~expertmesh.planner.hybrid.guard_cost` for ``inside="quota"``
+    (``-inf`` otherwise) from what the candidate's holder sets fix before quota runs: the
+    tokens that cross between DCs (every DC pair's crossings, whatever the balance inside
+    DCs), the mean compute, and the expert bytes that cross. :func:`chain_floor` at the
+    mean rank's tokens, or the WAN links' resource bound: tokens of both phases (both
+    passes when training), one sync per (expert, remote DC) (in-DC replicas add none) and
+    the copies from ``previous``; no port and no late copy (each only adds). A few array
+    passes instead of a :func:`~expertmesh.planner.hybrid.compose`."""
     if inp.cfg.inside != "quota":
         return -np.inf
     topology, model, cost = inp.topology, inp.model, inp.cfg.cost
@@ -87,34 +95,78 @@ def guard_bound(inp: HybridInputs, cand: Placement) -> float:
     else:
         x = pair[a, b]
     nbytes = x * float(model.token_bytes)
-    bw = topology.dc_gbps * 1e9 / 8.0
-    lat = topology.dc_latency_ms / 1e3
-    msg = cost.message_seconds * cost.pipeline_chunks
-    disp = float(np.max(lat[a, b] + nbytes / bw[a, b], initial=0.0)) + msg
-    comb = float(np.max(lat[b, a] + nbytes / bw[b, a], initial=0.0)) + msg
     mean = float(load.sum()) / topology.num_ranks
-    fwd = mean * 2.0 * model.expert_params / cost.flops_per_second
-    chunks = cost.pipeline_chunks
-    chain = _pipe_floor((disp, fwd, comb), chunks)
-    if model.training:
-        chain += _pipe_floor((disp, 2.0 * fwd, comb), chunks)
-    # the resource bound on the WAN links: tokens of both phases (both passes when
-    # training) and the expert bytes that cross, which the holder sets fix too: one sync
-    # per (expert, remote DC) (in-DC replicas add none) and the copies from ``previous``
+    chain = chain_floor((a, b, nbytes), mean, topology, model, cost)
     crossing = np.zeros((num_dcs, num_dcs))
     crossing[a, b] = nbytes
     link = (2.0 if model.training else 1.0) * (crossing + crossing.T)
-    streams = replica_streams(cand, topology, model, cost, inp.cfg.encoding)
+    if model.training:  # replica sync: weights out of the master's DC, gradients back
+        mdc = rank_dc[cand.master_rank()]  # [E]
+        d, ex = np.nonzero(holds & (np.arange(num_dcs)[:, None] != mdc[None, :]))
+        per = float(cost.microbatches_per_update)
+        enc = inp.cfg.encoding
+        np.add.at(link, (mdc[ex], d), enc.refresh_bytes(model) / per)
+        np.add.at(link, (d, mdc[ex]), enc.gradient_bytes(model) / per)
     if inp.previous is not None:
-        streams = streams + copy_streams(
+        moved = copy_streams(
             inp.previous, cand, topology, model, encoding=inp.cfg.encoding,
             scale=1.0 / inp.cfg.period,
         )  # fmt: skip
-    np.add.at(
-        link, (streams.pair_src, streams.pair_dst), streams.pair_tail + streams.pair_background
-    )
+        np.add.at(link, (moved.pair_src, moved.pair_dst), moved.pair_background)
+    bw = topology.dc_gbps * 1e9 / 8.0
     resource = float(np.max(np.where(link > 0, link / bw, 0.0), initial=0.0))
     return max(chain, resource) * (1.0 - 1e-9)
+
+
+def chain_floor(
+    pairs: tuple[np.ndarray, np.ndarray, np.ndarray],
+    tokens: float,
+    topology: Topology,
+    model: ModelSpec,
+    cost: CostSettings,
+) -> float:
+    """A floor of the chain of :func:`~expertmesh.planner.costmodel.step_cost`: dispatch and
+    combine at their busiest WAN link plus the message overhead, compute at ``tokens``
+    on the busiest rank, no port and no replica gradient on the tail; times ``1 - 1e-9``
+    for rounding. ``pairs``: ``(src DC, dst DC, bytes)`` [P] each, the token bytes that
+    cross each ordered DC pair in one phase (one row per pair)."""
+    a, b, nbytes = pairs
+    keep = nbytes > 0
+    a, b, nbytes = a[keep], b[keep], nbytes[keep]
+    bw = topology.dc_gbps * 1e9 / 8.0
+    lat = topology.dc_latency_ms / 1e3
+    chunks = cost.pipeline_chunks
+    msg = cost.message_seconds * chunks
+    disp = float(np.max(lat[a, b] + nbytes / bw[a, b], initial=0.0)) + msg
+    comb = float(np.max(lat[b, a] + nbytes / bw[b, a], initial=0.0)) + msg
+    fwd = tokens * 2.0 * model.expert_params / cost.flops_per_second
+    chain = _pipe_floor((disp, fwd, comb), chunks)
+    if model.training:
+        chain += _pipe_floor((disp, 2.0 * fwd, comb), chunks)
+    return chain * (1.0 - 1e-9)
+
+
+def plain_floor(
+    plain: DomainSolution,
+    traffic: TokenTraffic,
+    topology: Topology,
+    model: ModelSpec,
+    cost: CostSettings,
+) -> float:
+    """A lower bound of what :func:`~expertmesh.planner.hybrid.compose` scores ``plain`` (a
+    solution without replicas, :func:`~expertmesh.planner.domainquota.at_home`) at, from
+    ``traffic``: the traffic of the solution with replicas on the same holder sets inside
+    each DC (its DC pairs are plain's: the holder sets fix them). :func:`chain_floor` with
+    compute at plain's busiest rank (every virtual expert at its home)."""
+    x = crossings(traffic, model.top_k, cost.hierarchical) * float(model.token_bytes)
+    busiest = np.bincount(plain.home, weights=plain.demand.astype(np.float64))
+    return chain_floor(
+        (traffic.pair_src, traffic.pair_dst, x),
+        float(busiest.max(initial=0.0)),
+        topology,
+        model,
+        cost,
+    )
 
 
 def _pipe_floor(parts: tuple[float, float, float], chunks: int) -> float:
