@@ -224,7 +224,7 @@ def test_compose_with_the_floor_is_compose_scoring_both(
     before = plan.holds() if again else None
     for b in (rehome(plan, load, topo), rehome(base, load, topo)):
         sol, _, cost = hybrid.compose(load, b, topo, model, cfg, before=before)
-        ref, ref_cost, plain_won = _compose_ref(load, b, topo, model, cfg, before)
+        ref, ref_cost, _ = _compose_ref(load, b, topo, model, cfg, before)
         assert cost == pytest.approx(ref_cost, rel=1e-12)
         assert np.array_equal(sol.placement.phy2log, ref.placement.phy2log)
 
