@@ -412,6 +412,19 @@ def _overhead_table(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _commit() -> str:
+    """The checkout's commit (``?`` outside git)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+    return out.stdout.strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--dcs", default="2,3", help="DC counts (default 2,3)")
@@ -455,10 +468,17 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     logging.basicConfig(level=logging.WARNING)
     t0, load0 = time.perf_counter(), os.getloadavg()
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
     result = bench(args)
     result["seconds"] = time.perf_counter() - t0
     result["load_avg"] = [list(load0), list(os.getloadavg())]
     result["args"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    result["record"] = {  # docs/results.md's runtime table reads it (bench/results_runtime.py)
+        "command": "python bench/bench_runtime.py "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+        "commit": _commit(),
+        "started_utc": started,
+    }
     result["markdown"] = markdown(result)
     print()
     print(result["markdown"])

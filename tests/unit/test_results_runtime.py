@@ -1,0 +1,52 @@
+"""docs/results.md's runtime table (bench/results_runtime.py) from a recorded bench run:
+every row says holds or does not with its ratio, the count is of those rows."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import results_runtime
+
+
+def _row(policy: str, measured: float, predicted: float) -> dict:
+    return {
+        "policy": policy,
+        "median_seconds": measured,
+        "predicted_seconds": predicted,
+        "predicted_over_measured": predicted / measured,
+    }
+
+
+def test_each_row_holds_or_not_with_its_ratio(tmp_path: Path) -> None:
+    run = {
+        "groups": [
+            {"dcs": 2, "gbps": 1.0, "rows": [_row("static", 0.4, 0.44), _row("hybrid", 0.2, 0.3)]},
+            {"dcs": 3, "gbps": 0.02, "rows": [_row("eplb", 1.0, 0.84)]},
+        ],
+        "seconds": 500.0,
+        "load_avg": [[2.5, 1, 1], [3.25, 1, 1]],
+        "record": {"command": "make bench-runtime", "commit": "abcdef0123", "started_utc": "x"},
+    }
+    path = tmp_path / results_runtime.RECORD
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(run))
+    text = "\n".join(results_runtime.section(tmp_path))
+    assert "**Prediction within 15% of the measured median step: 1 of 3 rows**" in text
+    assert "| 2 | 1 Gbit/s | static | 0.400 | 0.440 | 1.10 | holds |" in text
+    assert "| 2 | 1 Gbit/s | hybrid | 0.200 | 0.300 | 1.50 | does not hold |" in text
+    assert "| 3 | 20 Mbit/s | eplb | 1.000 | 0.840 | 0.84 | does not hold |" in text
+    assert "abcdef0" in text and "2.50 at the start, 3.25 at the end" in text
+
+
+def test_without_a_record_the_section_says_so(tmp_path: Path) -> None:
+    text = "\n".join(results_runtime.section(tmp_path))
+    assert "## The simulator against the runtime" in text
+    assert "is missing" in text
+    with pytest.raises(StopIteration):
+        next(line for line in text.splitlines() if line.startswith("| "))
