@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
 import os
 import subprocess
@@ -105,6 +106,7 @@ def scale_run(out: Path, steps: int, dcs: int, policies: list[str]) -> dict[str,
     run = _child(args, "scale run")
     rows = list(csv.DictReader((out / "steps.csv").open()))
     return run | {
+        "breakdown": json.loads((out / "cpu.json").read_text()),
         "cmd": " ".join(["expertmesh", *args]).replace(str(out), "OUT"),
         "dcs": dcs,
         "steps": steps,
@@ -426,11 +428,12 @@ def write_doc(
             "process just",
             f"before it runs: the CPU is {scale['dcs'] // 8} x (trace + five policies x "
             f"{scale['steps']} steps planned",
-            "and costed on 64 ranks). The policies' solve seconds (the solve column below: "
-            "placing,",
-            f"and routing where rows are built) sum to {_solves(scale):.0f} s of the "
-            f"{scale['cpu']:.0f} s; the rest is",
-            "trace generation, the cost model of every step and the simulator's bookkeeping.",
+            "and costed on 64 ranks). Where the CPU goes, measured in the run (`OUT/cpu.json`:",
+            "CPU seconds of the trace generation and of each policy's steps; a policy's solve is",
+            "its placing (and routing where rows are built), the solve column below; its cost",
+            "model is the rest of its steps: traffic, streams, migration plan, step cost):",
+            "",
+            *_breakdown(scale),
             "",
             scale["summary"].split("\n", 2)[-1].strip(),
             "",
@@ -469,9 +472,18 @@ def write_doc(
     path.write_text("\n".join(lines))
 
 
-def _solves(run: dict[str, Any]) -> float:
-    """CPU seconds every policy spent solving in a scale run (its steps.csv rows)."""
-    return sum(float(r["solve_seconds"]) for r in run["rows"])
+def _breakdown(run: dict[str, Any]) -> list[str]:
+    """The scale run's CPU by part (its ``cpu.json``) as a markdown table."""
+    b = run["breakdown"]
+    pols = b["policies"]
+    parts = [("trace generation", b["trace"])]
+    parts += [(f"{n}: solve", v["solve"]) for n, v in pols.items()]
+    parts += [(f"{n}: cost model and bookkeeping", v["cost"]) for n, v in pols.items()]
+    rest = run["cpu"] - sum(v for _, v in parts)
+    parts.append(("the rest: start-up (imports), combining the groups, writing", rest))
+    out = ["| part | CPU s | share |", "|---|---:|---:|"]
+    out += [f"| {name} | {v:.1f} | {v / run['cpu']:.0%} |" for name, v in parts]
+    return out
 
 
 def _loadavg() -> str:

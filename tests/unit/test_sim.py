@@ -408,3 +408,24 @@ def test_cli_generated_world_runs_ep_groups_by_default(tmp_path, capsys):
     assert code == 0 and "EP groups" not in (tmp_path / "b" / "summary.md").read_text()
     code, _, err = _run([*base, "--ep-dcs", "3", "--out", str(tmp_path / "c")], capsys)
     assert code == 2 and "--ep-dcs 3" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("ep_dcs", ["8", "16"])  # two EP groups, and one plan of every DC
+def test_cli_writes_where_the_cpu_went(tmp_path, capsys, ep_dcs):
+    import csv
+    import json
+
+    args = ["sim", "--dcs", "16", "--ranks-per-dc", "2", "--masters", "2", "--experts", "32",
+            "--top-k", "2", "--hidden", "256", "--ffn-hidden", "64", "--steps", "3",
+            "--ep-dcs", ep_dcs, "--policies", "static,quota,hybrid",
+            "--no-progress", "--out", str(tmp_path)]  # fmt: skip
+    code, out, _ = _run(args, capsys)
+    assert code == 0 and "cpu.json" in out
+    cpu = json.loads((tmp_path / "cpu.json").read_text())
+    assert cpu["trace"] > 0
+    assert set(cpu["policies"]) == {"static", "quota", "hybrid"}
+    rows = list(csv.DictReader((tmp_path / "steps.csv").open()))
+    for name, part in cpu["policies"].items():
+        solve = sum(float(r["solve_seconds"]) for r in rows if r["policy"] == name)
+        assert part["solve"] == pytest.approx(solve, abs=2e-3)  # the solve column, summed
+        assert part["cost"] > 0  # every step is costed, which takes some CPU

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
 import sys
 import time
@@ -33,6 +34,7 @@ from expertmesh.sim.engine import LoadSource, SimResult, dense_source, simulate
 from expertmesh.sim.groups import auto_group_dcs, simulate_groups
 from expertmesh.sim.replay import Calibration, RuntimeMeta, replay
 from expertmesh.sim.report import (
+    cpu_breakdown,
     plot_speedup,
     plot_step_times,
     summary_rows,
@@ -241,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
     if groups > 1:
         return _run_groups(args, topo, groups, policies, settings)
     source: LoadSource
+    trace_cpu = 0.0  # CPU seconds generating the trace
     if args.trace is not None:
         trace = read_trace(args.trace)
         load, meta = trace.load, trace.meta
@@ -255,8 +258,12 @@ def run(args: argparse.Namespace) -> int:
             settings_ = spec.settings(topo.num_ranks, model)
         except ValidationError as err:
             raise UsageError(f"trace: {err.errors()[0]['msg']}") from None
+        t0 = time.process_time()
         source = dense_source(generate_trace(settings_).load)
-    return _simulate_and_write(args, topo, model, source, policies=policies, settings=settings)
+        trace_cpu = time.process_time() - t0
+    return _simulate_and_write(
+        args, topo, model, source, policies=policies, settings=settings, trace_cpu=trace_cpu
+    )
 
 
 def _groups(args: argparse.Namespace, topo: Topology) -> int:
@@ -295,9 +302,14 @@ def _run_groups(
     model = _model(args, args.layers, args.experts or 256, {})
     spec = _trace_spec(args)
 
+    trace_cpu = [0.0]  # CPU seconds generating the groups' traces
+
     def make(g: int) -> LoadSource:
+        t0 = time.process_time()
         s = spec.model_copy(update={"seed": spec.seed + g}).settings(group.num_ranks, model)
-        return dense_source(generate_trace(s).load)
+        out = dense_source(generate_trace(s).load)
+        trace_cpu[0] += time.process_time() - t0
+        return out
 
     try:
         first: LoadSource | None = make(0)  # bad trace settings fail before anything runs
@@ -321,9 +333,12 @@ def _run_groups(
         )  # fmt: skip
     finally:
         bar.close()
-    _write_run(result, args.out, topo, model)
+    _write_run(result, args.out, topo, model, trace_cpu[0])
     print(summary_table(result))
-    print(f"wrote {args.out}/steps.csv, summary.md, step_times.png ({result.wall_seconds:.1f} s)")
+    print(
+        f"wrote {args.out}/steps.csv, summary.md, step_times.png, cpu.json "
+        f"({result.wall_seconds:.1f} s)"
+    )
     return 0
 
 
@@ -349,6 +364,7 @@ def _simulate_and_write(
     *,
     policies: list[str],
     settings: dict[str, dict[str, Any]],
+    trace_cpu: float = 0.0,
 ) -> int:
     cost = _cost(args)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -359,14 +375,20 @@ def _simulate_and_write(
         )
     finally:
         bar.close()
-    _write_run(result, args.out, topo, model)
+    _write_run(result, args.out, topo, model, trace_cpu)
     print(summary_table(result))
-    print(f"wrote {args.out}/steps.csv, summary.md, step_times.png ({result.wall_seconds:.1f} s)")
+    print(
+        f"wrote {args.out}/steps.csv, summary.md, step_times.png, cpu.json "
+        f"({result.wall_seconds:.1f} s)"
+    )
     return 0
 
 
-def _write_run(result: SimResult, out: Path, topo: Topology, model: ModelSpec) -> None:
+def _write_run(
+    result: SimResult, out: Path, topo: Topology, model: ModelSpec, trace_cpu: float
+) -> None:
     write_steps_csv(result, out / "steps.csv")
+    (out / "cpu.json").write_text(json.dumps(cpu_breakdown(result, trace_cpu), indent=1) + "\n")
     title = (
         f"{topo.num_dcs} DCs x {topo.num_ranks // topo.num_dcs} ranks, {model.num_experts} experts"
     )

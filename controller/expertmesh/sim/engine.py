@@ -101,6 +101,9 @@ class PolicyRun:
     name: str
     rows: list[StepRow] = field(default_factory=list)
     skipped: str | None = None
+    #: CPU seconds of this policy's steps in the simulator: its solves (``solve_seconds``)
+    #: plus the cost model and bookkeeping of every step
+    cpu_seconds: float = 0.0
 
     def total(self, column: str) -> float:
         return float(sum(getattr(r, column) for r in self.rows))
@@ -252,8 +255,10 @@ def simulate(
         for st in states:
             if st.run.skipped is not None:
                 continue
+            t0 = time.process_time()
             try:
                 st.run.rows.append(_step(st, world, t, step_load))
+                st.run.cpu_seconds += time.process_time() - t0
             except ValueError as err:
                 st.run.skipped = f"failed at step {t}: {err}"
                 log.warning("policy %s stopped at step %d: %s", st.name, t, err)

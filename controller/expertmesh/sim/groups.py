@@ -105,7 +105,7 @@ def simulate_groups(
             continue
         steps = min(len(p.rows) for p in parts)
         rows = [_combine([p.rows[t] for p in parts], dp) for t in range(steps)]
-        runs.append(PolicyRun(name, rows=rows))
+        runs.append(PolicyRun(name, rows=rows, cpu_seconds=sum(p.cpu_seconds for p in parts)))
     return SimResult(runs, wall, num_groups=num_groups, dp_seconds=dp)
 
 

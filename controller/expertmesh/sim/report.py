@@ -11,6 +11,7 @@ from typing import Any
 from expertmesh.sim.engine import COLUMNS, SimResult
 
 __all__ = [
+    "cpu_breakdown",
     "plot_heatmap",
     "plot_speedup",
     "plot_step_times",
@@ -58,6 +59,22 @@ def summary_rows(result: SimResult, baseline: str = "static") -> list[dict[str, 
             }
         )
     return out
+
+
+def cpu_breakdown(result: SimResult, trace_seconds: float) -> dict[str, Any]:
+    """Where a run's CPU went (``cpu.json``): ``trace_seconds`` generating traces, and per
+    policy ``solve`` (its solves, the solve column) and ``cost`` (the cost model and the
+    simulator's bookkeeping of its steps: the rest of its CPU). The process's CPU beyond
+    these is start-up, combining groups and writing."""
+    runs = {
+        r.name: {
+            "solve": round(r.total("solve_seconds"), 3),
+            "cost": round(r.cpu_seconds - r.total("solve_seconds"), 3),
+        }
+        for r in result.runs
+        if r.skipped is None
+    }
+    return {"trace": round(trace_seconds, 3), "policies": runs}
 
 
 def _gb(x: float) -> str:
