@@ -171,17 +171,25 @@ class SpmdRuntime(SpmdMembership, SpmdFaults):
         self, steps: int, on_step: Callable[[StepResult], None] | None = None
     ) -> list[StepResult]:
         """Every worker trains ``steps`` steps on its own, in chunks of ``checkpoint_every``
-        with the checkpoint written between them; a step that fails because a worker died
+        with a checkpoint of each chunk's end; a step that fails because a worker died
         runs again after :meth:`recover`. ``on_step`` sees each recorded step as the
-        controller records it. Returns the steps in order."""
+        controller records it. Returns the steps in order.
+
+        The workers hand back their state at a chunk's end with the chunk's result (the
+        masters, and one rank's dense state and plan), so the next chunk starts at once
+        and the driver writes that checkpoint and the trace while it trains: only the
+        last chunk's are on the run's wall time (while a probed cut lasts, the chunks run
+        one after another as before: the members may change between them)."""
         target = self.step + steps
         out: list[StepResult] = []
         every = self.settings.checkpoint_every or steps
+        running: tuple[list[Any], int, int] | None = None  # a chunk already submitted
         while self.step < target:
-            self.probe_before_chunk()  # while a probed cut lasts: healed yet?
-            n = min(every, target - self.step)
+            if running is None:
+                self.probe_before_chunk()  # while a probed cut lasts: healed yet?
+                running = self._submit(min(every, target - self.step))
             try:
-                out += self._chunk(n, on_step)
+                got, ends = self._chunk(running, on_step)
             except WorkersFailed as failed:
                 rows = self._results_since(self.step + 1, CONTROLLER_WAIT_S) or []
                 for row in rows:
@@ -193,22 +201,43 @@ class SpmdRuntime(SpmdMembership, SpmdFaults):
                 self.step = failed.failed_at - 1
                 self.retried_steps.append(failed.failed_at)
                 self.recover(failed)
+                running = None
                 continue
-            self.take_checkpoint()
+            out += got
+            running = None
+            if self.step < target and self.probed_up.all() and _has_state(ends):
+                running = self._submit(min(every, target - self.step))  # trains meanwhile
+            self.take_checkpoint(ends if _has_state(ends) else None)
             self.trace.record(self.controller, out, self.settings.trace_dir)
         return out
 
-    def _chunk(self, steps: int, on_step: Callable[[StepResult], None] | None) -> list[StepResult]:
+    def _submit(self, steps: int) -> tuple[list[Any], int, int]:
+        """Start the next ``steps`` steps on every live worker: ``(refs, first step,
+        steps)``. The first live worker hands back its state at the end, every worker its
+        masters (:meth:`take_checkpoint`), when there is a checkpoint directory."""
         start = self.step + 1
-        refs = [w.run.remote(start, steps) for w in self.live_workers()]
+        keep = self.checkpoints is not None
+        refs = [
+            w.run.remote(start, steps, ("state" if i == 0 else "masters") if keep else "")
+            for i, w in enumerate(self.live_workers())
+        ]
+        return refs, start, steps
+
+    def _chunk(
+        self, running: tuple[list[Any], int, int], on_step: Callable[[StepResult], None] | None
+    ) -> tuple[list[StepResult], list[dict[str, Any]]]:
+        """Wait for the chunk :meth:`_submit` started: its recorded steps and what each
+        worker returned at its end."""
+        refs, start, steps = running
         seen: list[StepResult] = []
+        ends: list[dict[str, Any]] = []
         pending = refs
         deadline: float | None = None
         while len(seen) < steps:
             if pending:
                 _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.25)
                 if not pending:
-                    self._check(refs, start)
+                    ends = self._check(refs, start)
                     deadline = time.monotonic() + RESULT_WAIT_S
             elif deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"the controller recorded {len(seen)} of {steps} steps")
@@ -230,13 +259,18 @@ class SpmdRuntime(SpmdMembership, SpmdFaults):
                 seen.append(result)
                 if on_step is not None:
                     on_step(result)
+        if pending:  # every step recorded before the workers returned: wait for them
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=RESULT_WAIT_S)
+            ends = [] if pending else self._check(refs, start)
         self.step = start + steps - 1
-        return seen
+        return seen, ends
 
-    def _check(self, refs: list[Any], start: int) -> None:
-        """``WorkersFailed`` when a worker died or returned a failed step."""
+    def _check(self, refs: list[Any], start: int) -> list[dict[str, Any]]:
+        """What the workers returned; ``WorkersFailed`` when a worker died or returned a
+        failed step."""
         failed: list[int] = []
         errors = []
+        got = []
         for ref in refs:
             try:
                 res = ray.get(ref)
@@ -246,8 +280,10 @@ class SpmdRuntime(SpmdMembership, SpmdFaults):
             if "failed_at" in res:
                 failed.append(int(res["failed_at"]))
                 errors.append(f"rank {res['rank']}: {res['error']}")
+            got.append(res)
         if errors:
             raise WorkersFailed(min(failed, default=start), "; ".join(errors)[:1000])
+        return got
 
     def _results_since(self, step: int, timeout: float) -> list[dict[str, Any]] | None:
         """The controller's recorded steps from ``step`` on; None while it is down
@@ -306,6 +342,11 @@ class SpmdRuntime(SpmdMembership, SpmdFaults):
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
+
+
+def _has_state(ends: list[dict[str, Any]]) -> bool:
+    """Whether the workers' chunk results carry a whole checkpoint (:meth:`SpmdRuntime._submit`)."""
+    return bool(ends) and all("masters" in e for e in ends) and any("state" in e for e in ends)
 
 
 def lost_step(step: int, backend: str) -> StepResult:

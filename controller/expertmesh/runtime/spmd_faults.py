@@ -72,19 +72,26 @@ class SpmdFaults:
         """The workers of the ranks taking part (a paused one's masters are stale)."""
         return self.workers
 
-    def take_checkpoint(self) -> None:
+    def take_checkpoint(self, ends: list[dict[str, Any]] | None = None) -> None:
         """Every master's weights and Adam state to the checkpoint directory (a failed
-        gather or write keeps the previous one)."""
+        gather or write keeps the previous one). ``ends``: what the workers returned at
+        the end of the chunk just run (``SpmdWorker.run``: every worker's masters, one's
+        dense state and plan, taken at that step boundary); None: gathered from them now
+        (they must not be training)."""
         if self.checkpoints is None:
             return
         t0 = time.perf_counter()
-        try:
-            live = self.live_workers()
-            state = ray.get(live[0].export_state.remote())  # dense, plan, counters
-            parts = ray.get([w.masters.remote() for w in live])
-        except ray.exceptions.RayActorError:
-            log.warning("checkpoint after step %d skipped: a worker died", self.step)
-            return
+        if ends is not None:
+            state = next(e["state"] for e in ends if "state" in e)
+            parts = [e["masters"] for e in ends]
+        else:
+            try:
+                live = self.live_workers()
+                state = ray.get(live[0].export_state.remote())  # dense, plan, counters
+                parts = ray.get([w.masters.remote() for w in live])
+            except ray.exceptions.RayActorError:
+                log.warning("checkpoint after step %d skipped: a worker died", self.step)
+                return
         experts: dict[tuple[int, int], Any] = {}
         for part in parts:
             experts.update(part)

@@ -193,9 +193,10 @@ class SpmdWorker(WorkerResume):
         with self._lock:
             return max(self._plans, default=0)
 
-    def run(self, start: int, steps: int) -> dict[str, Any]:
+    def run(self, start: int, steps: int, keep: str = "") -> dict[str, Any]:
         """Train steps ``start .. start + steps - 1``; each step's report goes to the
-        controller as it ends. Returns how far it got."""
+        controller as it ends. Returns how far it got and what a checkpoint of the last
+        step takes from this rank (``keep``: "masters", or "state": masters, dense, plan)."""
         st = self.state
         if st is None:
             raise RuntimeError("join a process group before running")
@@ -231,7 +232,9 @@ class SpmdWorker(WorkerResume):
             except Exception as err:
                 log.warning("rank %d: step %d's report not sent: %s", self.rank, step, err)
             ray_s = time.perf_counter() - t_ray
-        return {"rank": self.rank, "step": st.step, "version": st.version}
+        out: dict[str, Any] = {"rank": self.rank, "step": st.step, "version": st.version}
+        out |= {"masters": st.masters()} if keep else {}
+        return out | ({"state": st.export_state()} if keep == "state" else {})
 
     def _apply(self, switched: dict[str, Any] | None) -> dict[str, Any] | None:
         """After a step: the plan its sync switched to (background migration), else, when
