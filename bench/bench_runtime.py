@@ -435,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--latency-ms", type=float, default=LATENCY_MS, help="inter-DC latency")
     p.add_argument("--policies", default=",".join(POLICIES))
-    p.add_argument("--steps", type=int, default=10, help="steps per row (the first not measured)")
+    p.add_argument("--steps", type=int, default=16, help="steps per row (the first not measured)")
     p.add_argument("--warmup", action="store_true", help="one unused run before calibrating")
     p.add_argument("--every", type=int, default=3, help="steps between plans")
     p.add_argument("--calib-steps", type=int, default=8, help="steps of each calibration run")
