@@ -89,7 +89,7 @@ bench-balance: setup ## balancing: quota solve ms at 8/16/64 ranks, replica econ
 	$(PY) bench/bench_balance.py
 	$(PY) bench/bench_balance_train.py --json $(OUT)/bench-balance-train.json
 
-results: setup ## docs/results.md: simulator sweeps (bandwidth, DCs, regimes, dispatch, FEPLB), 1,000-DC run and plan, growth (9-11 min on 2 idle cores)
+results: setup ## docs/results.md: simulator sweeps (bandwidth, DCs, regimes, dispatch, FEPLB), 1,000-DC run and plan, growth (7.5-11 min on 2 idle cores)
 	$(PY) bench/results.py
 
 bench-runtime: setup ## runtime (SPMD plane over gloo): Ray overhead (old plane: recorded), every policy vs static at 2-3 DCs x 1 Gbit/s-20 Mbit/s vs sim replay of each row's trace, tokens/s
