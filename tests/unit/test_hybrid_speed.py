@@ -249,3 +249,38 @@ def test_compose_keeps_the_plan_without_replicas_where_it_wins():
         assert np.array_equal(sol.placement.phy2log, ref.placement.phy2log)
         won.append(plain_won)
     assert any(won) and not all(won), won
+
+
+def test_each_layer_keeps_its_own_domain(monkeypatch):
+    # one policy plans every layer (as the runner and the controller do): layer 0 skewed
+    # (a domain of 4 DCs), layer 1 even (a DC); each re-plan keeps that layer's choice
+    topo = Topology.generate(4, 4, masters=1, spare=2, inter_dc_gbps=400, inter_dc_latency_ms=1)
+    calls = []
+    choose = hybrid.choose_domain
+
+    def counted(*args, **kw):
+        calls.append(1)
+        return choose(*args, **kw)
+
+    monkeypatch.setattr(hybrid, "choose_domain", counted)
+    sizes = {}
+    for tol in (0.05, 0.0):
+        calls.clear()
+        pol = make_policy(
+            "hybrid",
+            {"cost": _COST.model_dump(), "move_masters": False, "period": 1, "window": 1,
+             "domain_tolerance": tol},
+        )  # fmt: skip
+        prev = [None, None]
+        got = []
+        for t in range(5):
+            for layer, load in enumerate((_skewed(), _even())):
+                hist = load[None] if t else np.zeros((0, 16, 16), np.int64)
+                ctx = PolicyContext(topology=topo, model=_MODEL, step=t, layer=layer, load=load,
+                                    history=hist, previous=prev[layer])  # fmt: skip
+                prev[layer] = plan_layer(pol, ctx)
+                got.append(pol.domain_size)
+        sizes[tol] = (got, len(calls))
+    assert sizes[0.05][0] == sizes[0.0][0]
+    assert sizes[0.0][0][2:] == [4, 1] * 4  # from step 1 on, each layer its own
+    assert sizes[0.0][1] == 10 and sizes[0.05][1] == 4  # scored at steps 0 and 1 only

@@ -496,8 +496,9 @@ class HybridPolicy(Policy):
         #: the slow loop's solve runs beside training and is not in it
         self.microbatch_seconds = 0.0
         self._size = 1  # the domain, in DCs, chosen at the last re-plan
-        #: what the domain sizes were last scored on: (estimate [R, E], holder sets [D, E])
-        self._scored: tuple[np.ndarray, np.ndarray] | None = None
+        #: per layer, what the domain sizes were last scored on and chose: (estimate [R, E],
+        #: holder sets [D, E], size)
+        self._scored: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}
         #: the domains of ``_size`` on the last topology: (topology, size, merged or None)
         self._merged: tuple[Topology, int, Topology | None] | None = None
         #: [R] the domain of each rank in the last ``place`` (copies inside one are the
@@ -542,8 +543,7 @@ class HybridPolicy(Policy):
             base, estimate = self._plan(ctx, prev)
             if self.cfg.inside == "split":
                 return base
-            if self._domain_stale(estimate, base, t):
-                self._size = choose_domain(estimate, base, t, ctx.model, self.cfg, before=before)
+            self._size = self._domain(ctx, estimate, base, before)
         t0 = time.process_time()
         dom = self._domains(t)
         if base is None or dom is not None:
@@ -554,23 +554,28 @@ class HybridPolicy(Policy):
         self.microbatch_seconds = time.process_time() - t0
         return sol.placement
 
-    def _domain_stale(self, estimate: np.ndarray, base: Placement, topology: Topology) -> bool:
-        """Whether this re-plan scores the domain sizes (:func:`choose_domain`) again: a fixed
-        ``domain`` always (it only checks it); ``"auto"`` when the plan ``base`` holds other
-        experts in some DC than the plan they were last scored on, or the estimate [R, E]
-        has moved by ``domain_tolerance`` (L1 share) or more since (0: always). The scores of the
-        sizes move with the estimate and the holder sets; between windows of the same
-        traffic they move by the sampling noise (about 2% L1 at 8,192 tokens per rank)."""
-        if self.cfg.domain != "auto":
-            return True
-        holds = dc_holds(base, topology)
-        seen = self._scored
-        if seen is not None and seen[0].shape == estimate.shape and np.array_equal(seen[1], holds):
+    def _domain(
+        self, ctx: PolicyContext, estimate: np.ndarray, base: Placement, before: np.ndarray | None
+    ) -> int:
+        """The domain size of this re-plan (:func:`choose_domain`), scored again only when
+        needed: a fixed ``domain`` always (it only checks it); ``"auto"`` when this layer's
+        plan ``base`` holds other experts in some DC than the plan the sizes were last scored
+        on, or its estimate [R, E] has moved by ``domain_tolerance`` (L1 share) or more since
+        (0: always); else the size chosen then. The scores of the sizes move with the
+        estimate and the holder sets; between windows of the same traffic they move by the
+        sampling noise (about 2% L1 at 8,192 tokens per rank)."""
+        t = ctx.topology
+        holds = dc_holds(base, t) if self.cfg.domain == "auto" else None
+        seen = self._scored.get(ctx.layer)
+        same = seen is not None and seen[0].shape == estimate.shape
+        if holds is not None and seen is not None and same and np.array_equal(seen[1], holds):
             moved = float(np.abs(estimate - seen[0]).sum())
             if moved < self.cfg.domain_tolerance * max(float(np.abs(seen[0]).sum()), 1.0):
-                return False
-        self._scored = (estimate.copy(), holds)
-        return True
+                return seen[2]
+        size = choose_domain(estimate, base, t, ctx.model, self.cfg, before=before)
+        if holds is not None:
+            self._scored[ctx.layer] = (estimate.copy(), holds, size)
+        return size
 
     def _domains(self, topology: Topology) -> Topology | None:
         """The domains of the chosen size on ``topology`` (``None``: each DC), merged once
