@@ -14,6 +14,7 @@ from expertmesh.planner.hybrid import HybridSettings, plan_hybrid
 from expertmesh.planner.policy import PolicyContext
 from expertmesh.planner.runner import plan_layer
 from expertmesh.planner.static import static_placement
+from tests.unit.test_hybrid import _dom_load
 
 
 def _case(seed: int, gbps: float, dcs: int):
@@ -64,10 +65,11 @@ def test_the_guard_bound_is_below_the_cost_of_every_candidate(
         seen.append((hybridguard.guard_bound(inp, cand), c))
         return c
 
-    monkeypatch_module.setattr(hybrid, "_guard_cost", checked)
-    prev = _solve(topo, load, base, model, cfg)
-    if again:  # a second re-plan from a running plan: copies from it are charged too
-        _solve(topo, np.roll(load, 1, axis=1), prev, model, cfg, previous=prev)
+    with monkeypatch_module.context() as m:  # undone after each example
+        m.setattr(hybrid, "_guard_cost", checked)
+        prev = _solve(topo, load, base, model, cfg)
+        if again:  # a second re-plan from a running plan: copies from it are charged too
+            _solve(topo, np.roll(load, 1, axis=1), prev, model, cfg, previous=prev)
     assert seen
     for bound, c in seen:
         assert bound <= c, (bound, c)
@@ -106,12 +108,7 @@ _COST = CostSettings(flops_per_second=1e14)
 
 def _skewed() -> np.ndarray:
     """DC 0 ten times as busy as the others: a domain of 4 DCs spreads it (400 Gbit/s)."""
-    load = np.zeros((16, 16), np.int64)
-    for r in range(16):
-        d = r // 4
-        load[r, 4 * d : 4 * d + 4] = 20000 if d == 0 else 2000
-    load[0:4, 0] = 60000
-    return load
+    return _dom_load()
 
 
 def _even() -> np.ndarray:
@@ -123,9 +120,12 @@ def _even() -> np.ndarray:
     return load
 
 
-def _run(loads: list[np.ndarray], tolerance: float, monkeypatch) -> tuple[list[int], int]:
-    topo = Topology.generate(4, 4, masters=1, spare=2, inter_dc_gbps=400, inter_dc_latency_ms=1)
-    calls = []
+_TOPO_400 = dict(inter_dc_gbps=400, inter_dc_latency_ms=1)
+
+
+def _count_choices(monkeypatch) -> list[int]:
+    """A list that grows by one at every :func:`choose_domain` call."""
+    calls: list[int] = []
     choose = hybrid.choose_domain
 
     def counted(*args, **kw):
@@ -133,11 +133,21 @@ def _run(loads: list[np.ndarray], tolerance: float, monkeypatch) -> tuple[list[i
         return choose(*args, **kw)
 
     monkeypatch.setattr(hybrid, "choose_domain", counted)
-    pol = make_policy(
+    return calls
+
+
+def _period_one(tolerance: float):
+    return make_policy(
         "hybrid",
         {"cost": _COST.model_dump(), "move_masters": False, "period": 1, "window": 1,
          "domain_tolerance": tolerance},
     )  # fmt: skip
+
+
+def _run(loads: list[np.ndarray], tolerance: float, monkeypatch) -> tuple[list[int], int]:
+    topo = Topology.generate(4, 4, masters=1, spare=2, **_TOPO_400)
+    calls = _count_choices(monkeypatch)
+    pol = _period_one(tolerance)
     prev, sizes = None, []
     for t, load in enumerate(loads):
         hist = loads[t - 1][None] if t else np.zeros((0, 16, 16), np.int64)
@@ -254,23 +264,12 @@ def test_compose_keeps_the_plan_without_replicas_where_it_wins():
 def test_each_layer_keeps_its_own_domain(monkeypatch):
     # one policy plans every layer (as the runner and the controller do): layer 0 skewed
     # (a domain of 4 DCs), layer 1 even (a DC); each re-plan keeps that layer's choice
-    topo = Topology.generate(4, 4, masters=1, spare=2, inter_dc_gbps=400, inter_dc_latency_ms=1)
-    calls = []
-    choose = hybrid.choose_domain
-
-    def counted(*args, **kw):
-        calls.append(1)
-        return choose(*args, **kw)
-
-    monkeypatch.setattr(hybrid, "choose_domain", counted)
+    topo = Topology.generate(4, 4, masters=1, spare=2, **_TOPO_400)
+    calls = _count_choices(monkeypatch)
     sizes = {}
     for tol in (0.05, 0.0):
         calls.clear()
-        pol = make_policy(
-            "hybrid",
-            {"cost": _COST.model_dump(), "move_masters": False, "period": 1, "window": 1,
-             "domain_tolerance": tol},
-        )  # fmt: skip
+        pol = _period_one(tol)
         prev = [None, None]
         got = []
         for t in range(5):
