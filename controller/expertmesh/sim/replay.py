@@ -5,19 +5,22 @@ The runtime writes, for a training run (``expertmesh.runtime.trace``; ``make dem
 
 - ``trace.npz``: ``load`` int64 ``[T, L, R, E]`` (the gate's exact counts of each step as
   the controller saw them), ``meta`` a :class:`RuntimeMeta` (topology, model sizes,
-  policy, microbatches, tokens per rank, and per step its plan version, measured
-  end-to-end seconds, bytes between DCs as the workers counted them, replica weights the
-  fast loop fetched);
+  policy, microbatches, tokens per rank, how plans were switched, and per step its plan
+  version, measured end-to-end seconds, bytes between DCs as the workers counted them,
+  per DC pair and per collective that crossed, replica weights the fast loop fetched);
 - ``plans.npz``: per step the plan it ran on (``phy2log``, ``master``, ``route`` rows
   ``(step, layer, src, expert, dst, tokens)``: the plan's route, whose shares split the
   step's tokens) and, in its meta, each version's migration collectives.
 
 :func:`replay` models every step with :func:`~expertmesh.planner.stepmodel.spmd_step_cost`
 (docs/cost-model.md, "A training step of the SPMD data plane"): the collectives the
-step's plan issues (which layers let tokens cross DCs, the expert sync's hops, the
-migration of a plan switch at the step's end, the fast loop's exchanges), the step's
-bytes between DCs, and the machine constants of :class:`Calibration` (``make
-bench-runtime`` writes them: ``out/cal-<D>dc.yaml``). What it takes as given, not
+step's plan issues (which layers let tokens cross DCs, the expert sync's hops, a plan
+switch: in the background, the moved masters' transfer during the switch step and a sync
+from the old plan's holders to the new plan's masters and copies; at the boundary, the
+migration rounds after the step; the fast loop's exchanges), the bytes of each collective
+that crossed DCs (each takes its busiest pair's time, the step their sum), and the
+machine constants of :class:`Calibration` (``make bench-runtime`` writes them:
+``out/bench-runtime/cal-<D>dc-<speed>.yaml``). What it takes as given, not
 predicted: the bytes (the trace's counts; the load alone does not say how many distinct
 tokens a rank sends to a DC) and whether the fast loop fetched replicas in a step. Pure:
 the CLI (``expertmesh sim replay``) reads the files.
