@@ -42,6 +42,7 @@ def section(root: Path) -> list[str]:
     ratios = [r["predicted_over_measured"] for _, r in rows]
     rec = run.get("record", {})
     lines += [
+        "",
         f"Recorded by `{rec.get('command', 'make bench-runtime')}` at commit "
         f"{rec.get('commit', '?')[:7]}, {rec.get('started_utc', '?')} UTC, "
         f"{run['seconds']:.0f} s; load average (1 min, 2 cores) "
@@ -49,7 +50,8 @@ def section(root: Path) -> list[str]:
         f"(`{RECORD}`; docs/benchmarks.md, Runtime, has every column and the analysis).",
         "",
         f"**Prediction within 15% of the measured median step: {sum(held)} of {len(rows)} "
-        f"rows** (predicted / measured {min(ratios):.2f}-{max(ratios):.2f}).",
+        f"rows** (predicted / measured {min(ratios):.2f}-{max(ratios):.2f}; a row holds when "
+        "the unrounded ratio is within 0.85-1.15).",
         "",
         "| DCs | inter-DC | policy | measured s/step | predicted s/step | predicted / measured "
         "| within 15% |",
@@ -58,7 +60,7 @@ def section(root: Path) -> list[str]:
     for (g, r), ok in zip(rows, held, strict=True):
         lines.append(
             f"| {g['dcs']} | {_gbps(g['gbps'])} | {r['policy']} | {r['median_seconds']:.3f} "
-            f"| {r['predicted_seconds']:.3f} | {r['predicted_over_measured']:.2f} "
+            f"| {r['predicted_seconds']:.3f} | {r['predicted_over_measured']:.3f} "
             f"| {'holds' if ok else 'does not hold'} |"
         )
     return [*lines, ""]

@@ -38,9 +38,9 @@ def test_each_row_holds_or_not_with_its_ratio(tmp_path: Path) -> None:
     path.write_text(json.dumps(run))
     text = "\n".join(results_runtime.section(tmp_path))
     assert "**Prediction within 15% of the measured median step: 1 of 3 rows**" in text
-    assert "| 2 | 1 Gbit/s | static | 0.400 | 0.440 | 1.10 | holds |" in text
-    assert "| 2 | 1 Gbit/s | hybrid | 0.200 | 0.300 | 1.50 | does not hold |" in text
-    assert "| 3 | 20 Mbit/s | eplb | 1.000 | 0.840 | 0.84 | does not hold |" in text
+    assert "| 2 | 1 Gbit/s | static | 0.400 | 0.440 | 1.100 | holds |" in text
+    assert "| 2 | 1 Gbit/s | hybrid | 0.200 | 0.300 | 1.500 | does not hold |" in text
+    assert "| 3 | 20 Mbit/s | eplb | 1.000 | 0.840 | 0.840 | does not hold |" in text
     assert "abcdef0" in text and "2.50 at the start, 3.25 at the end" in text
 
 
