@@ -12,9 +12,15 @@ to one CPU core (its peak RSS is its own):
 - ``windows, core``: each DC's aggregator output, one ``WindowReport`` per DC per layer per
   window of ``--window`` steps, through ``ControllerCore.report_windows`` (one call per DC):
   as ``L`` reports, or as one ``WindowBlock`` of the DC's ``L`` layers.
+  The ``[R, E]`` window means are made when a plan or query first asks
+  (``WindowMean``), not at ingestion: their cost, once per window for every layer, is
+  printed apart ("means on demand").
 - ``windows, gRPC``: the same over ``ReportWindows``, one message per DC per window: ``L``
   ``WindowReport`` messages with varint counts (the wire format before ``DcWindowReport``),
-  or one ``DcWindowReport`` with the counts as packed little-endian bytes.
+  or one ``DcWindowReport`` with the counts as packed little-endian bytes: int64 (the form
+  before ``count_width``) or the narrowest width that holds them (what the client sends
+  now: uint16 here); and, for a regional aggregator, ``--dcs-per-message`` DCs'
+  ``DcWindowReport``s in one message.
 
 Per step = the window's time / ``--window``. "CPU s/step" is the controller process's CPU
 time (every thread) over the ingestion, per step. Simulated ranks: loads are random
@@ -102,7 +108,9 @@ def _result(core: ControllerCore, wall: float, cpu: float, steps: int, **kw: Any
         "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "received": core.reports_received,
         "rejected": core.reports_rejected,
-        "complete": sum(len(core._windows[i]) > 0 for i in range(core.model.num_layers)),
+        "complete": sum(
+            core.layer_newest_step(i) is not None for i in range(core.model.num_layers)
+        ),
         "newest": [core.layer_newest_step(i) for i in range(core.model.num_layers)],
         **kw,
     }
@@ -153,6 +161,10 @@ def _windows_core(a: dict[str, Any], how: str, out: Any) -> None:
     steps = a["windows"] * a["window"]
     res = _result(core, wall, cpu, steps, sent=sent, accepted=accepted)
     res["rank_reports"] = core.windows_in.rank_reports
+    t0 = time.perf_counter()
+    for layer in range(a["layers"]):  # what the first plan (or query) of a window makes
+        core.loads.newest(layer)
+    res["means_seconds"] = time.perf_counter() - t0
     out.put(res)
 
 
@@ -195,11 +207,18 @@ def _client(target: str, kind: str, a: dict[str, Any], go: Any, out: Any) -> Non
             for w in range(a["windows"])
         ]
         method, resp_type = "ReportWindows", pb.ReportWindowsResponse
-    else:  # one message per DC per window: one DcWindowReport, counts as packed bytes
-        rounds = [
-            [convert.windows_to_msg([b]).SerializeToString() for b in _blocks(a, w, rng)]
-            for w in range(a["windows"])
-        ]
+    else:  # one DcWindowReport per DC per window, counts as packed bytes
+        width = pb.COUNT_WIDTH_INT64 if kind == "block64" else None  # None: the narrowest
+        per = a["dcs_per_message"] if kind == "region" else 1
+        rounds = []
+        for w in range(a["windows"]):
+            blocks: list[Any] = _blocks(a, w, rng)
+            rounds.append(
+                [
+                    convert.windows_to_msg(blocks[i : i + per], width=width).SerializeToString()
+                    for i in range(0, len(blocks), per)
+                ]
+            )
         method, resp_type = "ReportWindows", pb.ReportWindowsResponse
 
     async def run() -> None:
@@ -319,11 +338,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--windows", type=int, default=2, help="windows ingested per run")
     ap.add_argument("--rank-steps", type=int, default=1, help="steps of per-rank reports")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--dcs-per-message", type=int, default=10, help="DCs per message of a regional aggregator"
+    )
     ap.add_argument("--no-grpc", action="store_true", help="core paths only")
     ap.add_argument("--only", default="", help="run only the paths whose name contains this")
     args = ap.parse_args(argv)
     a = {k: getattr(args, k) for k in
-         ("dcs", "ranks_per_dc", "layers", "experts", "window", "windows", "rank_steps")}  # fmt: skip
+         ("dcs", "ranks_per_dc", "layers", "experts", "window", "windows", "rank_steps",
+          "dcs_per_message")}  # fmt: skip
     load = os.getloadavg()
     print(f"ingestion: {a['dcs']} DCs x {a['ranks_per_dc']} ranks x {a['layers']} layers, "
           f"E={a['experts']}, aggregation window {a['window']} steps; each configuration in a "
@@ -338,11 +361,21 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_grpc:
         configs.insert(2, ("per-rank, gRPC ReportLoad", _over_grpc, (a, "rank"), False))
         configs.append(("windows, gRPC, L WindowReports", _over_grpc, (a, "window"), True))
+        configs.append(("windows, gRPC, DcWindowReport int64", _over_grpc, (a, "block64"), True))
         configs.append(("windows, gRPC, DcWindowReport", _over_grpc, (a, "block"), True))
+        configs.append(
+            (
+                f"windows, gRPC, {a['dcs_per_message']} DCs a message",
+                _over_grpc,
+                (a, "region"),
+                True,
+            )
+        )
     configs = [c for c in configs if args.only in c[0]]
-    print(f"{'path':<34}{'s/step':>9}{'CPU s/step':>12}{'vs per-rank':>13}{'peak RSS MB':>13}"
+    print(f"{'path':<38}{'s/step':>9}{'CPU s/step':>12}{'vs per-rank':>13}{'peak RSS MB':>13}"
           f"{'sent':>9}{'rejected':>10}  reconciles")  # fmt: skip
     ok, base = True, None
+    means: list[tuple[str, float]] = []
     for name, fn, fargs, windows in configs:
         runs = [_spawn(fn, *fargs) for _ in range(args.repeats)]
         wall = statistics.median(r["wall_per_step"] for r in runs)
@@ -351,8 +384,13 @@ def main(argv: list[str] | None = None) -> int:
         base = base or wall
         good = all(_ok(r, a, windows) for r in runs)
         ok &= good
-        print(f"{name:<34}{wall:>9.3f}{cpu:>12.3f}{wall / base:>12.3f}x{rss:>13.0f}"
+        if "means_seconds" in runs[0]:
+            means.append((name, statistics.median(r["means_seconds"] for r in runs)))
+        print(f"{name:<38}{wall:>9.3f}{cpu:>12.3f}{wall / base:>12.3f}x{rss:>13.0f}"
               f"{runs[-1]['sent']:>9}{runs[-1]['rejected']:>10}  {'yes' if good else 'NO'}")  # fmt: skip
+    for name, sec in means:
+        print(f"means on demand after {name!r}: {sec:.3f} s for the {a['layers']} layers' "
+              f"[R, E] means of a window (once per window: {sec / a['window']:.3f} s/step)")  # fmt: skip
     agg = aggregator_cost(a)
     ok &= agg["exact"]
     print(f"one DC's aggregator (its own process, not the controller's): "

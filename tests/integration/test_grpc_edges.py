@@ -78,7 +78,7 @@ def test_garbage_bytes_are_invalid_argument_one_line_and_counted(live, caplog, m
             received + counted,
             rejected + counted,
         )
-        assert core.committed.version == version and not core._pending
+        assert core.committed.version == version and not core.loads._pending
     # and it keeps serving: a valid message over the same raw channel
     ok = ch.unary_unary(f"{SERVICE}/GetPlan")(b"", timeout=10)
     assert isinstance(ok, bytes) and ok

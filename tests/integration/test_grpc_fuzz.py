@@ -241,7 +241,7 @@ def _report_stream_example(live: Live, kind: str, data: st.DataObject) -> tuple[
     for layer in range(L):
         newest = core.layer_newest_step(layer)
         assert newest == windows[layer] or newest == live.next_step - 1
-    assert len(core._pending) <= L * core.settings.max_pending_steps
+    assert len(core.loads._pending) <= L * core.settings.max_pending_steps
     _still_serving(live)
     return len(messages), bad_at
 
@@ -270,14 +270,14 @@ def test_far_future_steps_cannot_grow_memory(live: Live) -> None:
     for i in range(core.settings.max_pending_steps + extra):
         code, _ = _call(live, [[_good(base + i, 1, 0)]])
         assert code == grpc.StatusCode.OK
-    assert sum(1 for k in core._pending if k[1] == 1) == core.settings.max_pending_steps
+    assert sum(1 for k in core.loads._pending if k[1] == 1) == core.settings.max_pending_steps
     assert core.pending_dropped >= dropped + extra
-    assert (base, 1) not in core._pending  # the oldest went first
+    assert (base, 1) not in core.loads._pending  # the oldest went first
     live.next_step = base + core.settings.max_pending_steps + extra
     # completing a newer step frees the older partial loads of the layer
     code, resp = _call(live, [[_good(live.next_step, 1, r) for r in range(R)]])
     assert code == grpc.StatusCode.OK and resp.completed == 1
-    assert sum(1 for k in core._pending if k[1] == 1) == 0
+    assert sum(1 for k in core.loads._pending if k[1] == 1) == 0
     live.next_step += 1
     _still_serving(live)
 

@@ -70,7 +70,7 @@ def _snapshot(core: ControllerCore, s: Surfaces) -> dict[str, Any]:
         "committed": core.committed.version if core.committed else None,
         "settings": core.settings.model_dump(),
         "windows": [(len(core.window(layer)), core.layer_newest_step(layer)) for layer in range(L)],
-        "pending": sorted(core._pending),
+        "pending": sorted(core.loads._pending),
         "stored": s.store.count(),
         "stored_settings": s.store.load_settings(),
         "applied": core.reports_received - core.reports_rejected,

@@ -141,7 +141,7 @@ def test_writes_need_the_token_on_both_surfaces():
             with pytest.raises(grpc.RpcError) as err:
                 stub.ReportLoad(iter([msg]), metadata=md, timeout=10)
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        assert not core._pending and core.reports_rejected == core.reports_received == 6
+        assert not core.loads._pending and core.reports_rejected == core.reports_received == 6
         # reads need none; with the token the writes go through
         assert httpx.get(f"{s.rest_url}/api/v1/policy").status_code == 200
         ok = {"Authorization": f"Bearer {TOKEN}"}
@@ -174,7 +174,10 @@ def test_near_miss_tokens_are_refused_on_both_surfaces():
                     iter([msg]), metadata=(("authorization", f"Bearer {sent}"),), timeout=10
                 )
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, sent
-        assert not core._pending and core.reports_rejected == core.reports_received == 2 * len(near)
+        assert (
+            not core.loads._pending
+            and core.reports_rejected == core.reports_received == 2 * len(near)
+        )
         # the control: the token itself goes through on both
         ok = (("authorization", f"Bearer {TOKEN}"),)
         assert stub.ReportLoad(iter([msg]), metadata=ok, timeout=10).accepted == 1

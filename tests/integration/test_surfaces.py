@@ -84,7 +84,7 @@ def test_bad_grpc_reports_are_refused_counted_and_change_nothing(live, report):
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details()
         # the first good report stays; the bad one and the one after it are rejected
         assert core.reports_received == 3 and core.reports_rejected == 2
-        assert core.window(0).shape[0] == 0 and list(core._pending) == [(0, 0)]
+        assert core.window(0).shape[0] == 0 and list(core.loads._pending) == [(0, 0)]
         # the server keeps serving
         more = pb.LoadReport(step=0, layer=0, rank=2, load=[1] * E)
         ok = stub.ReportLoad(iter([pb.ReportLoadRequest(reports=[more])]), metadata=AUTH)
@@ -96,7 +96,7 @@ def test_grpc_reports_need_the_token(live):
     with ExpertMeshClient(s.grpc_target, token="wrong") as c, pytest.raises(grpc.RpcError) as err:
         c.report([convert.Report(0, 0, 0, np.ones(E, int))])
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    assert core.reports_rejected == 1 and not core._pending
+    assert core.reports_rejected == 1 and not core.loads._pending
 
 
 def test_too_many_reports_in_a_message_is_resource_exhausted(live):
@@ -107,7 +107,7 @@ def test_too_many_reports_in_a_message_is_resource_exhausted(live):
         with pytest.raises(grpc.RpcError) as err:
             stub.ReportLoad(iter([msg]), metadata=AUTH)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert core.reports_rejected == 5000 and not core._pending
+    assert core.reports_rejected == 5000 and not core.loads._pending
 
 
 def test_oversized_grpc_message_is_refused_and_serving_goes_on():

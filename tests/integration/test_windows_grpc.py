@@ -14,7 +14,7 @@ from expertmesh.controller.core import ControllerCore, ControllerSettings, Trigg
 from expertmesh.controller.server import Surfaces
 from expertmesh.controller.settings import SurfaceSettings
 from expertmesh.planner import ModelSpec, Topology
-from expertmesh.planner.window import WindowReport
+from expertmesh.planner.window import WindowBlock, WindowReport
 from expertmesh.v1 import convert
 from expertmesh.v1 import expertmesh_pb2 as pb
 from expertmesh.workers.aggregate import DcAggregator
@@ -152,3 +152,64 @@ def test_dc_window_blocks_packed_counts_and_the_old_format_side_by_side():
         assert np.array_equal(core.windows_in.newest(layer).dc_sum, sums[:, layer])
     assert w.received == w.applied + w.rejected and w.applied == 3 * L
     assert w.rank_reports == 3 * L * 2 * N
+
+
+def test_packed_counts_of_every_width_as_an_outside_client_sends_them():
+    """Messages built from the .proto's types alone (no expertmesh converter), counts packed
+    little-endian at each CountWidth (unset: int64, the form before the field): the same
+    sums; an unknown width or a byte count that does not fit the width is refused with
+    INVALID_ARGUMENT, counted, and changes nothing."""
+    core = _core()
+    topo = core.topology
+    rng = np.random.default_rng(8)
+    sums = rng.integers(0, 250, (topo.num_dcs, L, E))
+    sums[1] += 60_000  # DC 1 needs 16 bits
+    sums[2, 1] += 2**33  # DC 2's layer 1 needs 64
+    auth = (("authorization", f"Bearer {TOKEN}"),)
+    surf = SurfaceSettings(rest_port=0, grpc_port=0, token=TOKEN)
+
+    def block(d: int, dtype: str, width: int, *, layers=(0, 1), extra: bytes = b""):
+        counts = sums[d, list(layers)].astype(dtype).tobytes() + extra
+        return pb.DcWindowReport(first_step=0, last_step=N - 1, dc=d, rows=1,
+                                 layers=list(layers), steps=[N] * len(layers),
+                                 reports=[2 * N] * len(layers), counts=counts,
+                                 count_width=width)  # fmt: skip
+
+    with Surfaces(core, surf) as s, grpc.insecure_channel(s.grpc_target) as ch:
+        call = ch.unary_unary(
+            "/expertmesh.v1.ExpertMeshService/ReportWindows",
+            request_serializer=pb.ReportWindowsRequest.SerializeToString,
+            response_deserializer=pb.ReportWindowsResponse.FromString,
+        )
+        w = core.windows_in
+        bad = [
+            block(0, "<u1", 99),  # no such width
+            block(0, "<u1", pb.COUNT_WIDTH_UINT8, extra=b"\0"),  # a byte too many
+            block(0, "<u2", pb.COUNT_WIDTH_UINT8),  # 16-bit bytes called 8-bit
+            block(1, "<u4", pb.COUNT_WIDTH_UINT16),
+        ]
+        for b in bad:
+            with pytest.raises(grpc.RpcError) as err:
+                call(pb.ReportWindowsRequest(dc_windows=[b]), metadata=auth)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (w.received, w.rejected, w.pending_dropped) == (2 * len(bad), 2 * len(bad), 0)
+        assert core.window(0).shape[0] == 0
+        good = [
+            block(0, "<u1", pb.COUNT_WIDTH_UINT8),
+            block(1, "<u2", pb.COUNT_WIDTH_UINT16),
+            block(2, "<i8", pb.COUNT_WIDTH_UNSPECIFIED, layers=(0,)),
+        ]
+        resp = call(pb.ReportWindowsRequest(dc_windows=good), metadata=auth)
+        assert (resp.accepted, resp.completed) == (5, 1)
+        one = pb.WindowReport(first_step=0, last_step=N - 1, layer=1, dc=2, steps=N,
+                              reports=2 * N, rows=1, counts=sums[2, 1].astype("<i8").tobytes(),
+                              count_width=pb.COUNT_WIDTH_INT64)  # fmt: skip
+        resp = call(pb.ReportWindowsRequest(reports=[one]), metadata=auth)
+        assert (resp.accepted, resp.completed) == (1, 1)
+    for layer in range(L):
+        assert np.array_equal(core.windows_in.newest(layer).dc_sum, sums[:, layer])
+    assert w.received == w.applied + w.rejected and w.applied == 3 * L
+    # and the converter picks the narrowest width that holds a block
+    msg = convert.windows_to_msg([WindowBlock(0, N - 1, 1, [0, 1], [N, N], [1, 1], sums[1])])
+    assert msg.dc_windows[0].count_width == pb.COUNT_WIDTH_UINT16
+    assert len(msg.dc_windows[0].counts) == 2 * L * E

@@ -69,7 +69,7 @@ def test_bad_reports_are_rejected_and_change_nothing(step, layer, rank, load, me
     with pytest.raises(ValueError, match=message):
         core.report_load(step, layer, rank, load)
     assert core.reports_rejected == 1
-    assert core.window(0).shape[0] == 0 and not core._pending
+    assert core.window(0).shape[0] == 0 and not core.loads._pending
 
 
 def test_duplicate_and_stale_reports_are_rejected():
@@ -145,8 +145,8 @@ def test_incomplete_steps_are_bounded_per_layer():
     for step in range(1, cap + 11):  # rank 0 only: no step ever completes
         core.report_load(step, 0, 0, np.ones(8, np.int64))
     core.report_load(5, 1, 0, np.ones(8, np.int64))  # another layer keeps its own
-    assert sorted(k[0] for k in core._pending if k[1] == 0) == list(range(11, cap + 11))
-    assert (5, 1) in core._pending and core.pending_dropped == 10
+    assert sorted(k[0] for k in core.loads._pending if k[1] == 0) == list(range(11, cap + 11))
+    assert (5, 1) in core.loads._pending and core.pending_dropped == 10
     assert core.reports_received == cap + 11 and core.reports_rejected == 0
 
 
@@ -157,7 +157,7 @@ def test_steps_outside_int62_are_refused(step):
         core.report_load(step, 0, 0, np.ones(8, np.int64))
     with pytest.raises(ValueError, match="step must be in"):
         core.report_layer(step, 0, np.ones((4, 8), np.int64))
-    assert core.reports_rejected == 2 and not core._pending
+    assert core.reports_rejected == 2 and not core.loads._pending
 
 
 def test_finished_plans_beyond_keep_versions_leave_memory():

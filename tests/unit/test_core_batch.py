@@ -21,7 +21,7 @@ def _state(core):
         core.reports_received,
         core.reports_rejected,
         [core.window(layer).tolist() for layer in range(2)],
-        sorted((k, v[0].tolist(), v[1].tolist()) for k, v in core._pending.items()),
+        sorted((k, v[0].tolist(), v[1].tolist()) for k, v in core.loads._pending.items()),
         np.isnan(core.last_reports()).tolist(),  # which ranks have reported (times differ)
     )
 
@@ -71,4 +71,4 @@ def test_batch_shape_errors_reject_everything():
         core.report_batch(
             np.zeros(2, int), np.zeros(2, int), np.zeros(2, int), np.zeros((2, 3), int)
         )
-    assert core.reports_received == core.reports_rejected == 2 and not core._pending
+    assert core.reports_received == core.reports_rejected == 2 and not core.loads._pending

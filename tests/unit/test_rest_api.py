@@ -45,7 +45,7 @@ def _state(core):
     return (
         core.reports_received,
         [core.window(layer).tolist() for layer in range(L)],
-        dict(core._pending),
+        dict(core.loads._pending),
         core.settings,
         core.committed.version if core.committed else None,
     )
@@ -220,7 +220,7 @@ def test_bad_reports_are_refused_counted_and_change_nothing(env, body, status):
 def test_reports_without_the_token_are_refused_and_counted(env):
     core, c = env
     r = c.post("/api/v1/reports", json=GOOD)
-    assert r.status_code == 401 and core.reports_rejected == 1 and not core._pending
+    assert r.status_code == 401 and core.reports_rejected == 1 and not core.loads._pending
 
 
 def test_reports_open_when_no_token_is_configured():

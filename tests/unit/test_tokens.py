@@ -68,7 +68,7 @@ def test_near_miss_tokens_are_refused_on_rest(env, kind):
     window = core.settings.window
     assert _writes(c, {"Authorization": f"Bearer {sent}"}) == [401, 401, 401]
     assert core.reports_rejected == core.reports_received == 2
-    assert not core._pending and core.window(0).shape[0] == 0
+    assert not core.loads._pending and core.window(0).shape[0] == 0
     assert core.settings.window == window
 
 
@@ -108,7 +108,7 @@ def test_the_bearer_rule_on_rest(env, header, ok):
     else:
         assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
         assert r.json() == {"error": "missing or wrong bearer token"}
-        assert core.reports_rejected == 1 and not core._pending
+        assert core.reports_rejected == 1 and not core.loads._pending
     r = c.put("/api/v1/policy", json={"policy": "static"}, headers={"Authorization": header})
     assert r.status_code == (200 if ok else 401)
     if not ok:

@@ -1,11 +1,12 @@
-"""The controller's decision core: load windows, triggers, plan versions, lifecycle.
+"""The controller's decision core: triggers, plan versions, lifecycle, over the load windows.
 
 A plain class with no Ray, gRPC or HTTP in it, unit-testable with a fake
 clock. The Ray actor (``controller/actor.py``), the REST app and the gRPC
 service are thin wrappers that gather inputs, call it and apply the result.
 
-Flow, per layer: ranks report ``load[r, :]`` for ``(step, layer)``; once every
-rank of a step has reported, the full ``[R, E]`` load enters the layer's window.
+Flow, per layer: reports (per rank, whole layers, or DC window sums) make complete
+``[R, E]`` loads in the layer's window (``controller/ingest.py``, :class:`LoadWindows`,
+reached here as ``core.loads`` and through the ``report_*`` forwards).
 :meth:`ControllerCore.maybe_plan` asks the trigger whether to re-plan; if so it
 runs the policy on every layer and returns a new :class:`PlanVersion` in state
 ``PREPARED``. The runtime moves weights, then calls :meth:`commit` (or
@@ -23,7 +24,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -32,6 +32,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from expertmesh.controller.ingest import BatchReportError, LoadWindows, StaleReportError
 from expertmesh.controller.planning import (
     LayerJob,
     Planner,
@@ -41,7 +42,7 @@ from expertmesh.controller.planning import (
     plan_jobs,
     static_rank_tokens,
 )
-from expertmesh.controller.windows import WindowAssembler, layer_windows
+from expertmesh.controller.windows import WindowAssembler
 from expertmesh.planner import (
     LayerPlan,
     ModelSpec,
@@ -172,27 +173,10 @@ class PlanStore(Protocol):
     def save(self, plan: PlanVersion) -> None: ...
 
 
-class BatchReportError(ValueError):
-    """A bad report in a batch: ``applied`` reports before it stayed applied."""
-
-    def __init__(self, applied: int, completed: int, message: str) -> None:
-        super().__init__(message)
-        self.applied, self.completed = applied, completed
-
-
-class StaleReportError(ValueError):
-    """A report for a step older than what the controller already completed."""
-
-
 class ControllerCore:
     """Load windows per layer, trigger, plan versions. See the module docstring."""
 
-    # Steps must stay below this (SQLite and the REST schema hold int64; a step near 2**64
-    # would make every later step stale).
-    MAX_STEP = 2**62
-    # Incomplete steps kept per layer. A partial load costs [R, E] int64 whatever the report
-    # size, so reports of many steps that never complete (a dead rank, a hostile client)
-    # must not grow memory: the oldest incomplete step of the layer is dropped instead.
+    MAX_STEP = LoadWindows.MAX_STEP
     # Finished plans (committed before the current one, rolled back) kept in memory.
     KEEP_VERSIONS = 2
 
@@ -215,26 +199,22 @@ class ControllerCore:
         self._lock = threading.RLock()
         self._settings = ControllerSettings()
         self._policy = make_policy("static")
+        self.loads = LoadWindows(
+            topology.num_ranks,
+            model.num_layers,
+            model.num_experts,
+            WindowAssembler(topology, model.num_layers, model.num_experts),
+            window=self._settings.window,
+            max_pending=self._settings.max_pending_steps,
+            lock=self._lock,
+            clock=clock,
+        )
         self.configure(settings or ControllerSettings())
-        num_layers = model.num_layers
-        self._windows: list[deque[tuple[int, np.ndarray]]] = [
-            deque(maxlen=self._settings.window) for _ in range(num_layers)
-        ]
-        # partial loads being assembled: (step, layer) -> ([R, E] load, [R] reported)
-        self._pending: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         self._versions: dict[int, PlanVersion] = {}
         self._committed: PlanVersion | None = None
         self._last_plan_step: int | None = None
         self._issued = 0  # versions up to this were handed out elsewhere (reserve_versions)
-        self._dead = np.zeros(topology.num_ranks, bool)  # ranks planned out (dead, cut off)
-        # [R] clock time of each rank's newest accepted report (NaN: none yet)
-        self._last_report = np.full(topology.num_ranks, np.nan)
         self._fresh = False  # membership changed: the next plan ignores the previous one
-        self.reports_received = 0
-        self.reports_rejected = 0
-        self.pending_dropped = 0  # incomplete steps dropped past max_pending_steps
-        # DC window reports (hierarchical aggregation): pending windows and their counts
-        self.windows_in = WindowAssembler(topology, num_layers, model.num_experts)
         self.listeners: list[Callable[[str, PlanVersion], None]] = []
 
     def close(self) -> None:
@@ -253,9 +233,9 @@ class ControllerCore:
         policy = make_policy(settings.policy, settings.policy_settings)
         with self._lock:
             self._policy, self._settings = policy, settings
-            windows = getattr(self, "_windows", None)
-            if windows is not None and windows and windows[0].maxlen != settings.window:
-                self._windows = [deque(w, maxlen=settings.window) for w in windows]
+            loads = getattr(self, "loads", None)  # None while __init__ runs
+            if loads is not None:
+                loads.resize(settings.window, settings.max_pending_steps)
 
     @property
     def store(self) -> PlanStore | None:
@@ -272,7 +252,7 @@ class ControllerCore:
     @property
     def dead_ranks(self) -> tuple[int, ...]:
         """Ranks the plans leave out (dead workers, DCs cut off)."""
-        return tuple(np.flatnonzero(self._dead).tolist())
+        return tuple(np.flatnonzero(self.loads.dead).tolist())
 
     def set_dead_ranks(self, ranks: list[int] | tuple[int, ...]) -> None:
         """Plan without ``ranks`` from now on (every other rank's report completes a step);
@@ -287,269 +267,84 @@ class ControllerCore:
         if dead.all():
             raise ValueError("every rank would be dead")
         with self._lock:
-            self._fresh = self._fresh or not np.array_equal(dead, self._dead)
-            self._dead = dead
-            self._pending.clear()
-            self.windows_in.set_live(~dead)
+            self._fresh = self._fresh or not np.array_equal(dead, self.loads.dead)
+            self.loads.set_dead(dead)
 
-    # ---- load reports ----
+    # ---- load reports (controller/ingest.py) ----
+
+    @property
+    def reports_received(self) -> int:
+        return self.loads.reports_received
+
+    @property
+    def reports_rejected(self) -> int:
+        return self.loads.reports_rejected
+
+    @property
+    def pending_dropped(self) -> int:
+        """Incomplete steps dropped past ``max_pending_steps``."""
+        return self.loads.pending_dropped
+
+    @property
+    def windows_in(self) -> WindowAssembler:
+        """DC window reports (hierarchical aggregation): pending windows and their counts."""
+        return self.loads.windows_in
 
     def report_load(self, step: int, layer: int, rank: int, load: np.ndarray) -> bool:
-        """Record ``load`` [E] sent by ``rank`` in microbatch ``step`` of ``layer``.
-
-        Returns True when this report completed the step's [R, E] load for the layer.
-        Raises ``ValueError`` (state unchanged, ``reports_rejected`` incremented) on a bad
-        report: unknown layer or rank, wrong length, negative or non-integer counts,
-        a duplicate, or a step older than the newest complete one.
-        """
-        with self._lock:
-            self.reports_received += 1
-            try:
-                row = self._check_report(step, layer, rank, load)
-            except ValueError:
-                self.reports_rejected += 1
-                raise
-            self._last_report[rank] = self._clock()
-            return self._apply_row(step, layer, rank, row)
-
-    def _apply_row(self, step: int, layer: int, rank: int, row: np.ndarray) -> bool:
-        # caller holds the lock and has checked the report
-        key = (step, layer)
-        pending = self._pending.get(key)
-        if pending is None:
-            self._make_pending_room(layer)
-            num_ranks, num_experts = self.topology.num_ranks, self.model.num_experts
-            pending = self._pending[key] = (
-                np.zeros((num_ranks, num_experts), np.int64),
-                np.zeros(num_ranks, bool),
-            )
-        acc, seen = pending
-        acc[rank], seen[rank] = row, True
-        if not (seen | self._dead).all():
-            return False
-        del self._pending[key]
-        self._windows[layer].append((step, acc))
-        # drop partial loads older than this one: their ranks moved on
-        for k in [k for k in self._pending if k[1] == layer and k[0] < step]:
-            del self._pending[k]
-        return True
+        """:meth:`LoadWindows.report_load`: one rank's [E] counts of a step and layer."""
+        return self.loads.report_load(step, layer, rank, load)
 
     def report_batch(
         self, steps: np.ndarray, layers: np.ndarray, ranks: np.ndarray, loads: np.ndarray
     ) -> tuple[int, int]:
-        """Record ``K`` reports in order, as :meth:`report_load` would one by one, with the
-        value checks vectorized (the fast path of the gRPC stream).
-
-        ``steps``, ``layers``, ``ranks``: [K] ints; ``loads``: [K, E] integer counts.
-        Returns (applied, completed steps). On the first bad report the ones before it stay
-        applied, it and every later one are counted as rejected, and :class:`BatchReportError`
-        (a ``ValueError``) names it.
-        """
-        steps, layers, ranks = (np.asarray(a).reshape(-1) for a in (steps, layers, ranks))
-        loads = np.asarray(loads)
-        num = int(steps.shape[0])
-        with self._lock:
-            self.reports_received += num
-            first_bad = num
-            if (
-                layers.shape[0] != num
-                or ranks.shape[0] != num
-                or (
-                    num
-                    and (
-                        loads.ndim != 2
-                        or loads.shape != (num, self.model.num_experts)
-                        or loads.dtype.kind not in "iu"
-                    )
-                )
-            ):
-                first_bad = 0
-            elif num:
-                bad = (
-                    (steps < 0)
-                    | (layers < 0)
-                    | (layers >= self.model.num_layers)
-                    | (ranks < 0)
-                    | (ranks >= self.topology.num_ranks)
-                    | (loads.min(axis=1) < 0)
-                    | (loads.max(axis=1) > 2**40)
-                )
-                if bad.any():
-                    first_bad = int(np.argmax(bad))
-            applied = completed = 0
-            now = self._clock()
-            try:
-                for i in range(first_bad):
-                    step, layer, rank = int(steps[i]), int(layers[i]), int(ranks[i])
-                    self._check_step(step, layer)
-                    pending = self._pending.get((step, layer))
-                    if pending is not None and pending[1][rank]:
-                        raise ValueError(f"rank {rank} already reported layer {layer} step {step}")
-                    completed += self._apply_row(step, layer, rank, loads[i].astype(np.int64))
-                    self._last_report[rank] = now
-                    applied += 1
-                if first_bad < num:
-                    if loads.ndim == 2 and loads.shape[0] == num and layers.shape[0] == num:
-                        self._check_report(
-                            int(steps[first_bad]),
-                            int(layers[first_bad]),
-                            int(ranks[first_bad]),
-                            loads[first_bad],
-                        )
-                    raise ValueError(
-                        f"a batch needs [K] steps, layers, ranks and [K, {self.model.num_experts}]"
-                        f" integer loads; got {steps.shape}, {layers.shape}, {ranks.shape}, "
-                        f"{loads.shape} {loads.dtype}"
-                    )
-            except ValueError as err:
-                self.reports_rejected += num - applied
-                raise BatchReportError(applied, completed, str(err)) from None
-            return applied, completed
+        """:meth:`LoadWindows.report_batch`: ``K`` per-rank reports, checks vectorized."""
+        return self.loads.report_batch(steps, layers, ranks, loads)
 
     def report_windows(self, reports: Sequence[WindowReport | WindowBlock]) -> tuple[int, int]:
-        """Record DC window reports in order (hierarchical aggregation: one per DC per layer
-        per window, or a :class:`WindowBlock` of one DC's window for several layers, counted
-        as its layers; :mod:`expertmesh.controller.windows`). A window complete from every
-        DC with a live rank enters the layer's load window as its mean load per microbatch,
-        at its last step. Returns (applied, completed windows). On the first bad report (a
-        block: all of its layers) the ones before it stay applied, it and every later one
-        are counted as rejected, and :class:`BatchReportError` names it."""
-        with self._lock:
-            agg = self.windows_in
-            num = sum(len(x) if isinstance(x, WindowBlock) else 1 for x in reports)
-            self.reports_received += num
-            agg.received += num
-            applied = completed = 0
-            try:
-                for item in reports:
-                    reps = layer_windows(item)
-                    for rep in reps:  # every layer of a block first: all or nothing
-                        self._check_step(rep.first_step, rep.layer)
-                        agg.check(rep)
-                    for rep in reps:
-                        done = agg.add(rep, self._settings.max_pending_steps)
-                        applied += 1
-                        if done is not None:
-                            completed += 1
-                            self._windows[rep.layer].append(done)
-                            for k in [
-                                k for k in self._pending if k[1] == rep.layer and k[0] <= done[0]
-                            ]:
-                                del self._pending[k]  # per-rank reports the window covers
-            except ValueError as err:
-                self.reports_rejected += num - applied
-                agg.rejected += num - applied
-                raise BatchReportError(applied, completed, str(err)) from None
-            return applied, completed
-
-    def _make_pending_room(self, layer: int) -> None:
-        # caller holds the lock and is about to add an incomplete step of ``layer``
-        steps = [k[0] for k in self._pending if k[1] == layer]
-        if len(steps) >= self._settings.max_pending_steps:
-            del self._pending[(min(steps), layer)]
-            self.pending_dropped += 1
+        """:meth:`LoadWindows.report_windows`: DC window reports and blocks."""
+        return self.loads.report_windows(reports)
 
     def report_layer(self, step: int, layer: int, load: np.ndarray) -> None:
-        """Record a whole [R, E] load at once (a trainer that gathers counts itself)."""
-        with self._lock:
-            self.reports_received += 1
-            try:
-                self._check_step(step, layer)
-                full = check_load(load, self.topology.num_ranks, self.model.num_experts)
-            except ValueError:
-                self.reports_rejected += 1
-                raise
-            self._pending.pop((step, layer), None)
-            self._windows[layer].append((step, full.copy()))
-            self._last_report[:] = self._clock()
+        """:meth:`LoadWindows.report_layer`: a whole [R, E] load at once."""
+        self.loads.report_layer(step, layer, load)
 
     def last_reports(self) -> np.ndarray:
-        """[R] clock time of each rank's newest accepted load report (a whole-layer report
-        counts for every rank); NaN where none arrived yet."""
-        with self._lock:
-            return self._last_report.copy()
+        """:meth:`LoadWindows.last_reports`."""
+        return self.loads.last_reports()
 
     def reject_report(self, count: int = 1, *, windows: bool = False) -> None:
-        """Count a report that a surface (REST, gRPC) refused before it reached the core
-        (malformed body, wrong types): received and rejected both grow by ``count``, nothing
-        else changes. ``windows``: they were DC window reports (counted there too)."""
-        if count < 0:
-            raise ValueError(f"count must be >= 0, got {count}")
-        with self._lock:
-            self.reports_received += count
-            self.reports_rejected += count
-            if windows:
-                self.windows_in.received += count
-                self.windows_in.rejected += count
-
-    def _check_step(self, step: int, layer: int) -> None:
-        if not 0 <= layer < self.model.num_layers:
-            raise ValueError(f"unknown layer {layer}; the model has {self.model.num_layers}")
-        if not 0 <= step < self.MAX_STEP:
-            raise ValueError(f"step must be in [0, 2**62), got {step}")
-        window = self._windows[layer]
-        if window and step <= window[-1][0]:
-            raise StaleReportError(
-                f"layer {layer} step {step} is not newer than complete step {window[-1][0]}"
-            )
-
-    def _check_report(self, step: int, layer: int, rank: int, load: np.ndarray) -> np.ndarray:
-        self._check_step(step, layer)
-        if not 0 <= rank < self.topology.num_ranks:
-            raise ValueError(f"unknown rank {rank}; the topology has {self.topology.num_ranks}")
-        row = np.asarray(load)
-        if row.shape != (self.model.num_experts,):
-            raise ValueError(f"load must be [{self.model.num_experts}], got shape {row.shape}")
-        if row.dtype.kind == "f":
-            if not np.isfinite(row).all() or (row != np.round(row)).any():
-                raise ValueError("load counts must be finite integers")
-        elif row.dtype.kind not in "iu":
-            raise ValueError(f"load counts must be integers, got dtype {row.dtype}")
-        if row.size and row.min() < 0:
-            raise ValueError("load has negative token counts")
-        if row.size and row.max() > 2**40:
-            raise ValueError("load count is implausibly large (> 2**40)")
-        pending = self._pending.get((step, layer))
-        if pending is not None and pending[1][rank]:
-            raise ValueError(f"rank {rank} already reported layer {layer} step {step}")
-        return row.astype(np.int64)
+        """:meth:`LoadWindows.reject_report`: a report a surface refused before the core."""
+        self.loads.reject_report(count, windows=windows)
 
     # ---- windows ----
 
     def window(self, layer: int) -> np.ndarray:
         """[W, R, E] complete loads of ``layer``, oldest first."""
-        with self._lock:
-            self._check_layer(layer)
-            w = self._windows[layer]
-            if not w:
-                return np.zeros((0, self.topology.num_ranks, self.model.num_experts), np.int64)
-            return np.stack([load for _, load in w])
+        self._check_layer(layer)
+        return self.loads.window(layer)
 
     def layer_stats(self, layer: int) -> LayerStats:
         with self._lock:
             win = self.window(layer)
-            w = self._windows[layer]
-            newest = w[-1] if w else None
+            newest = self.loads.newest(layer)
             imb = self._imbalance_under_committed(layer, newest[1]) if newest else 1.0
             return LayerStats(
                 layer=layer,
-                loads=len(w),
+                loads=len(win),
                 newest_step=newest[0] if newest else None,
                 expert_load=win.sum(axis=1).mean(axis=0)
-                if len(w)
+                if len(win)
                 else np.zeros(self.model.num_experts),
                 rank_load=win.sum(axis=2).mean(axis=0)
-                if len(w)
+                if len(win)
                 else np.zeros(self.topology.num_ranks),
                 imbalance=imb,
             )
 
     def layer_newest_step(self, layer: int) -> int | None:
         """Step of ``layer``'s newest complete load, or None (cheap: no copies)."""
-        with self._lock:
-            self._check_layer(layer)
-            w = self._windows[layer]
-            return w[-1][0] if w else None
+        self._check_layer(layer)
+        return self.loads.newest_step(layer)
 
     def newest_rank_tokens(self, layer: int, *, static: bool = False) -> np.ndarray | None:
         """[R] tokens each rank computes for ``layer``'s newest complete load under the
@@ -557,10 +352,10 @@ class ControllerCore:
         None before any complete load."""
         with self._lock:
             self._check_layer(layer)
-            w = self._windows[layer]
-            if not w:
+            newest = self.loads.newest(layer)
+            if newest is None:
                 return None
-            step, load = w[-1]
+            step, load = newest
             if static or self._committed is None:
                 return static_rank_tokens(load, self.topology)
             ctx = self._context(layer, load, step)
@@ -583,7 +378,7 @@ class ControllerCore:
     def should_plan(self, step: int) -> bool:
         """Whether the trigger fires at ``step`` (needs a complete load for every layer)."""
         with self._lock:
-            if any(not w for w in self._windows):
+            if not self.loads.complete():
                 return False
             if self._committed is None:
                 return True
@@ -606,18 +401,20 @@ class ControllerCore:
         and commits go on meanwhile; in a planner process when ``PlannerSettings.process``),
         and the version is numbered under the lock again. :class:`PlannerError` if the
         planner process failed (nothing changes; the next plan gets a new one)."""
+        # the window means the jobs read, made before the lock (seconds at 1,000 DCs)
+        self.loads.make_means(self._policy.history_window())
         with self._lock:
             policy, policy_name, committed = self._policy, self._settings.policy, self._committed
             hw = policy.history_window()
             jobs = []
             for layer in range(self.model.num_layers):
-                w = self._windows[layer]
-                if not w and not self._dead.any():
+                newest = self.loads.newest(layer)
+                if newest is None and not self.loads.dead.any():
                     raise ValueError(f"layer {layer} has no complete load yet")
                 # a recovery before any complete load plans on an empty one
                 load = (
-                    w[-1][1]
-                    if w
+                    newest[1]
+                    if newest is not None
                     else np.zeros((self.topology.num_ranks, self.model.num_experts), np.int64)
                 )
                 jobs.append(self._job(layer, step, load, self._history(layer, hw), committed))
@@ -699,7 +496,7 @@ class ControllerCore:
             layer=layer,
             step=step,
             committed_step=committed.step if committed is not None else step,
-            load=np.where(self._dead[:, None], 0, load),
+            load=np.where(self.loads.dead[:, None], 0, load),
             history=history,
             committed=committed.layers[layer].placement if committed is not None else None,
             fresh=self._fresh,
@@ -712,13 +509,7 @@ class ControllerCore:
 
         History-based policies plan on the window up to and including the newest complete
         load: by the time a plan applies, that microbatch is history too."""
-        loads = [x for _, x in self._windows[layer]]
-        if newest is not None:
-            loads.append(newest)
-        win = loads[-hw:] if hw else []
-        if not win:
-            return np.zeros((0, self.topology.num_ranks, self.model.num_experts), np.int64)
-        return np.stack(win)
+        return self.loads.history(layer, hw, newest)
 
     def _context(self, layer: int, load: np.ndarray, step: int) -> PolicyContext:
         return PolicyContext(

@@ -2,17 +2,24 @@
 hierarchical load aggregation; the DC side is ``expertmesh.workers.aggregate``).
 
 A window ``[first_step, last_step]`` of a layer is complete once every DC with a live rank
-has sent its :class:`~expertmesh.planner.window.WindowReport`; its mean load per microbatch
+has sent its :class:`~expertmesh.planner.window.WindowReport` (or its layer of a
+:class:`~expertmesh.planner.window.WindowBlock`); its mean load per microbatch
 (:func:`~expertmesh.planner.window.window_mean`, ``[R, E]``) then enters the layer's load
-window in :class:`~expertmesh.controller.core.ControllerCore` like one microbatch's load.
-Not thread-safe on its own: the core calls it under its lock. Every check runs before
-anything changes, so a refused report leaves the state as it was.
+window in :class:`~expertmesh.controller.ingest.LoadWindows` like one microbatch's load, as a
+:class:`WindowMean`: computed when something asks for it (a plan, a query), not at every
+report, and kept once computed.
 
-Accounting: ``received == applied + rejected`` (window reports), and ``rank_reports`` sums
-the per-rank reports the applied ones stand for, so a DC aggregator's ``applied`` count can
-be reconciled with what reached the controller; ``dropped_rank_reports`` counts those of
-them in pending windows dropped before they completed (membership changed, too many
-pending, a newer window completed first).
+Vectorized over a DC's layers: the pending windows that start at one step hold every layer
+(``[L, D, E]`` sums, pages touched only for the layers reported), so a block of ``K``
+layers is checked and added with a few numpy calls, not ``K`` rounds of Python. Not
+thread-safe on its own: the ingest calls it under its lock. Every check runs before
+anything changes, so a refused block leaves the state as it was.
+
+Accounting: ``received == applied + rejected`` (window reports; a block counts as its
+layers), and ``rank_reports`` sums the per-rank reports the applied ones stand for, so a DC
+aggregator's ``applied`` count can be reconciled with what reached the controller;
+``dropped_rank_reports`` counts those of them in pending windows dropped before they
+completed (membership changed, too many pending, a newer window completed first).
 """
 
 from __future__ import annotations
@@ -24,48 +31,7 @@ import numpy as np
 from expertmesh.planner.topology import Topology
 from expertmesh.planner.window import WindowBlock, WindowReport, spread_table, window_mean
 
-__all__ = ["LayerWindow", "WindowAssembler", "WindowSums", "layer_windows"]
-
-
-@dataclass(frozen=True, slots=True)
-class LayerWindow:
-    """One layer of a :class:`WindowBlock`, as a :class:`WindowReport` reads (the block
-    checked its values already; nothing is checked again)."""
-
-    first_step: int
-    last_step: int
-    layer: int
-    dc: int
-    steps: int
-    reports: int
-    load: np.ndarray  # [E] or [n, E]
-
-    @property
-    def per_rank(self) -> bool:
-        return self.load.ndim == 2
-
-
-def layer_windows(item: WindowReport | WindowBlock) -> list[WindowReport] | list[LayerWindow]:
-    """The per-layer windows ``item`` stands for (a report: itself)."""
-    if isinstance(item, WindowReport):
-        return [item]
-    cols = zip(item.layers.tolist(), item.steps.tolist(), item.reports.tolist(), strict=True)
-    return [
-        LayerWindow(item.first_step, item.last_step, layer, item.dc, st, rp, item.load[i])
-        for i, (layer, st, rp) in enumerate(cols)
-    ]
-
-
-@dataclass
-class _Pending:
-    last_step: int
-    dc_sum: np.ndarray  # [D, E] int64
-    seen: np.ndarray  # [D] bool
-    steps: np.ndarray  # [D] int64
-    per_rank: np.ndarray  # [D] bool
-    missing: int  # DCs that must still report
-    rank_sum: np.ndarray | None = None  # [R, E] int64, made when a DC sends its ranks apart
-    reports: int = 0
+__all__ = ["WindowAssembler", "WindowMean", "WindowSums"]
 
 
 @dataclass(frozen=True)
@@ -80,13 +46,50 @@ class WindowSums:
     reports: int = 0
 
 
+class WindowMean:
+    """A complete window's ``[R, E]`` mean load per microbatch, made on first use
+    (:meth:`array`) from sums that no longer change, then kept. Two threads asking at
+    once both compute the same array; either result is kept."""
+
+    __slots__ = ("_args", "_array")
+
+    def __init__(self, topology: Topology, live: np.ndarray, table: tuple, **sums: object):
+        self._args: tuple | None = (topology, live, table, sums)
+        self._array: np.ndarray | None = None
+
+    def array(self) -> np.ndarray:
+        out = self._array
+        if out is None:
+            assert self._args is not None
+            topology, live, table, sums = self._args
+            out = self._array = window_mean(topology, live, table=table, **sums)
+            self._args = None  # the sums are no longer needed by this window
+        return out
+
+
+@dataclass(eq=False)
+class _Pending:
+    """The pending windows of every layer that start at one step (a layer takes part while
+    ``last_step[l] >= 0``)."""
+
+    last_step: np.ndarray  # [L] int64, -1: no window of the layer starts here
+    dc_sum: np.ndarray  # [L, D, E] int64
+    seen: np.ndarray  # [L, D] bool
+    steps: np.ndarray  # [L, D] int64
+    per_rank: np.ndarray  # [L, D] bool
+    missing: np.ndarray  # [L] int64: DCs that must still report
+    reports: np.ndarray  # [L] int64
+    used: np.ndarray  # [L] bool: the layer's slices were written (zero them to reopen)
+    rank_sum: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [R, E]
+
+
 class WindowAssembler:
-    """Pending windows per ``(first_step, layer)``; see the module docstring."""
+    """Pending windows by first step, for every layer; see the module docstring."""
 
     def __init__(self, topology: Topology, num_layers: int, num_experts: int) -> None:
         self.topology, self.num_layers, self.num_experts = topology, num_layers, num_experts
-        # per layer: first step of the window -> what has arrived
-        self._pending: list[dict[int, _Pending]] = [{} for _ in range(num_layers)]
+        self._sizes = np.array([d.num_ranks for d in topology.dcs])
+        self._pending: dict[int, _Pending] = {}  # first step -> every layer's window
         self._newest: dict[int, WindowSums] = {}
         self.received = self.rejected = self.completed = self.rank_reports = 0
         self.pending_dropped = self.dropped_rank_reports = 0
@@ -102,102 +105,155 @@ class WindowAssembler:
         self._live = np.asarray(live, bool).copy()
         self._table = spread_table(self.topology, self._live, self.num_experts)
         self._needed = self._table[0] > 0  # [D] DCs that must report
-        for pending in self._pending:
-            self.pending_dropped += len(pending)
-            self.dropped_rank_reports += sum(p.reports for p in pending.values())
-            pending.clear()
+        for p in self._pending.values():
+            open_ = p.last_step >= 0
+            self.pending_dropped += int(open_.sum())
+            self.dropped_rank_reports += int(p.reports[open_].sum())
+        self._pending.clear()
 
     def newest(self, layer: int) -> WindowSums | None:
         """Exact sums of ``layer``'s newest complete window, or None."""
         return self._newest.get(layer)
 
-    def check(self, rep: WindowReport | LayerWindow) -> None:
-        """``ValueError`` unless ``rep`` fits the topology, the model and the pending windows
-        (the caller has checked that ``first_step`` is newer than the layer's complete loads)."""
-        topo = self.topology
-        if not 0 <= rep.layer < self.num_layers:
-            raise ValueError(f"unknown layer {rep.layer}; the model has {self.num_layers}")
-        if not 0 <= rep.dc < topo.num_dcs:
-            raise ValueError(f"unknown DC {rep.dc}; the topology has {topo.num_dcs}")
-        n = topo.dcs[rep.dc].num_ranks
-        if rep.load.shape not in ((self.num_experts,), (n, self.num_experts)):
-            raise ValueError(
-                f"load of DC {rep.dc} must be [{self.num_experts}] or [{n}, {self.num_experts}]"
-                f", got shape {rep.load.shape}"
-            )
-        if not self._needed[rep.dc]:
-            raise ValueError(f"DC {rep.dc} has no live rank")
-        pending = self._pending[rep.layer].get(rep.first_step)
-        if pending is not None:
-            if pending.last_step != rep.last_step:
+    def check(self, item: WindowReport | WindowBlock) -> None:
+        """``ValueError`` unless every layer of ``item`` fits the topology, the model and the
+        pending windows (the caller has checked that ``first_step`` is newer than the
+        layers' complete loads)."""
+        layers, dc, first, last = _layers(item), item.dc, item.first_step, item.last_step
+        if layers.min() < 0 or layers.max() >= self.num_layers:
+            bad = layers[(layers < 0) | (layers >= self.num_layers)][0]
+            raise ValueError(f"unknown layer {bad}; the model has {self.num_layers}")
+        if not 0 <= dc < self.topology.num_dcs:
+            raise ValueError(f"unknown DC {dc}; the topology has {self.topology.num_dcs}")
+        n, e = int(self._sizes[dc]), self.num_experts
+        shape = item.load.shape[1:] if isinstance(item, WindowBlock) else item.load.shape
+        if shape not in ((e,), (n, e)):
+            raise ValueError(f"load of DC {dc} must be [{e}] or [{n}, {e}], got shape {shape}")
+        if not self._needed[dc]:
+            raise ValueError(f"DC {dc} has no live rank")
+        p = self._pending.get(first)
+        if p is not None:
+            ends = p.last_step[layers]  # [K]
+            wrong = (ends >= 0) & (ends != last)
+            if wrong.any():
+                i = int(np.argmax(wrong))
                 raise ValueError(
-                    f"layer {rep.layer} window from step {rep.first_step} ends at step "
-                    f"{pending.last_step}, not {rep.last_step}"
+                    f"layer {layers[i]} window from step {first} ends at step {ends[i]}, not {last}"
                 )
-            if pending.seen[rep.dc]:
+            twice = p.seen[layers, dc] & (ends >= 0)
+            if twice.any():
                 raise ValueError(
-                    f"DC {rep.dc} already reported layer {rep.layer} window "
-                    f"[{rep.first_step}, {rep.last_step}]"
+                    f"DC {dc} already reported layer {layers[np.argmax(twice)]} window "
+                    f"[{first}, {last}]"
                 )
-        for first, p in self._pending[rep.layer].items():
-            overlap = first <= rep.last_step and rep.first_step <= p.last_step
-            if first != rep.first_step and overlap:
+        for other, q in self._pending.items():
+            if other == first or other > last:
+                continue
+            ends = q.last_step[layers]
+            hit = (ends >= 0) & (first <= ends)
+            if hit.any():
+                i = int(np.argmax(hit))
                 raise ValueError(
-                    f"layer {rep.layer} window [{rep.first_step}, {rep.last_step}] overlaps "
-                    f"pending window [{first}, {p.last_step}]"
+                    f"layer {layers[i]} window [{first}, {last}] overlaps pending window "
+                    f"[{other}, {ends[i]}]"
                 )
 
     def add(
-        self, rep: WindowReport | LayerWindow, max_pending: int
-    ) -> tuple[int, np.ndarray] | None:
-        """Add a checked report; when it completes its window: (last step, ``[R, E]`` mean
-        load per microbatch), and pending windows of the layer up to it are dropped."""
-        pending = self._pending[rep.layer]
-        p = pending.get(rep.first_step)
+        self, item: WindowReport | WindowBlock, max_pending: int
+    ) -> list[tuple[int, int, WindowMean]]:
+        """Add a checked report or block; returns (layer, last step, ``[R, E]`` mean load) of
+        each window it completed (pending windows of that layer up to it are dropped)."""
+        layers, first, last, dc = _layers(item), item.first_step, item.last_step, item.dc
+        block = isinstance(item, WindowBlock)
+        load = item.load if block else item.load[None]  # [K, E] or [K, n, E]
+        p = self._pending.get(first)
         if p is None:
-            if len(pending) >= max_pending:
-                self.dropped_rank_reports += pending.pop(min(pending)).reports
-                self.pending_dropped += 1
-            d = self.topology.num_dcs
-            p = pending[rep.first_step] = _Pending(
-                last_step=rep.last_step,
-                dc_sum=np.zeros((d, self.num_experts), np.int64),
-                seen=np.zeros(d, bool),
-                steps=np.zeros(d, np.int64),
-                per_rank=np.zeros(d, bool),
-                missing=int(self._needed.sum()),
-            )
-        p.seen[rep.dc], p.steps[rep.dc] = True, rep.steps
-        p.missing -= 1
-        p.reports += rep.reports
-        self.rank_reports += rep.reports
-        if rep.per_rank:
-            if p.rank_sum is None:
-                p.rank_sum = np.zeros((self.topology.num_ranks, self.num_experts), np.int64)
-            ranks = self.topology.dc_ranks[rep.dc]
-            p.rank_sum[ranks] = rep.load
-            p.dc_sum[rep.dc] = rep.load.sum(axis=0)
-            p.per_rank[rep.dc] = True
-        else:
-            p.dc_sum[rep.dc] = rep.load
-        if p.missing:
-            return None
-        for first in [f for f in pending if f <= rep.last_step]:
-            if first != rep.first_step:
-                self.pending_dropped += 1
-                self.dropped_rank_reports += pending[first].reports
-            del pending[first]
-        self.completed += 1
-        self._newest[rep.layer] = WindowSums(
-            rep.first_step, rep.last_step, p.steps, p.dc_sum, p.reports
+            p = self._pending[first] = self._new()
+        new = layers[p.last_step[layers] < 0]
+        if new.size:
+            self._open(p, first, last, new, max_pending)
+        per_rank = load.ndim == 3
+        p.dc_sum[layers, dc] = load.sum(axis=1) if per_rank else load
+        p.seen[layers, dc] = True
+        p.steps[layers, dc] = item.steps
+        p.reports[layers] += item.reports
+        p.missing[layers] -= 1
+        self.rank_reports += int(np.sum(item.reports))
+        if per_rank:
+            ranks = self.topology.dc_ranks[dc]
+            num = (self.topology.num_ranks, self.num_experts)
+            for i, layer in enumerate(layers.tolist()):
+                p.rank_sum.setdefault(layer, np.zeros(num, np.int64))[ranks] = load[i]
+            p.per_rank[layers, dc] = True
+        done = layers[p.missing[layers] == 0]
+        return [self._complete(first, p, layer) for layer in done.tolist()]
+
+    def _new(self) -> _Pending:
+        nl, d, e = self.num_layers, self.topology.num_dcs, self.num_experts
+        return _Pending(
+            last_step=np.full(nl, -1, np.int64),
+            dc_sum=np.zeros((nl, d, e), np.int64),  # pages are touched per layer reported
+            seen=np.zeros((nl, d), bool),
+            steps=np.zeros((nl, d), np.int64),
+            per_rank=np.zeros((nl, d), bool),
+            missing=np.zeros(nl, np.int64),
+            reports=np.zeros(nl, np.int64),
+            used=np.zeros(nl, bool),
         )
-        mean = window_mean(
+
+    def _open(self, p: _Pending, first: int, last: int, new: np.ndarray, cap: int) -> None:
+        """Open the windows of ``new`` layers at ``p``, first dropping each layer's oldest
+        pending window where it already has ``cap``."""
+        count = sum((q.last_step[new] >= 0).astype(np.int64) for q in self._pending.values())
+        for layer in new[count >= cap].tolist():
+            oldest = min(f for f, q in self._pending.items() if q.last_step[layer] >= 0)
+            self._drop(oldest, layer)
+        reused = new[p.used[new]]
+        if reused.size:  # a window of these layers started here before and was dropped
+            for a in (p.dc_sum, p.seen, p.steps, p.per_rank):
+                a[reused] = 0
+            for layer in reused.tolist():
+                p.rank_sum.pop(layer, None)
+        p.last_step[new] = last
+        p.missing[new] = int(self._needed.sum())
+        p.reports[new] = 0
+        p.used[new] = True
+
+    def _drop(self, first: int, layer: int) -> None:
+        """Drop ``layer``'s pending window at ``first`` before it completed (counted)."""
+        p = self._pending[first]
+        self.pending_dropped += 1
+        self.dropped_rank_reports += int(p.reports[layer])
+        self._close(first, p, layer)
+
+    def _close(self, first: int, p: _Pending, layer: int) -> None:
+        p.last_step[layer] = -1
+        if (p.last_step < 0).all():
+            del self._pending[first]
+
+    def _complete(self, first: int, p: _Pending, layer: int) -> tuple[int, int, WindowMean]:
+        last = int(p.last_step[layer])
+        for other in [f for f, q in self._pending.items() if f <= last and q.last_step[layer] >= 0]:
+            if other != first:
+                self._drop(other, layer)  # older windows of the layer will not complete now
+        self._close(first, p, layer)
+        self.completed += 1
+        reports = int(p.reports[layer])
+        self._newest[layer] = WindowSums(first, last, p.steps[layer], p.dc_sum[layer], reports)
+        mean = WindowMean(
             self.topology,
             self._live,
-            steps=p.steps,
-            dc_sum=p.dc_sum,
-            rank_sum=p.rank_sum,
-            per_rank=p.per_rank,
-            table=self._table,
+            self._table,
+            steps=p.steps[layer],
+            dc_sum=p.dc_sum[layer],
+            rank_sum=p.rank_sum.get(layer),
+            per_rank=p.per_rank[layer],
         )
-        return rep.last_step, mean
+        return layer, last, mean
+
+
+def _layers(item: WindowReport | WindowBlock) -> np.ndarray:
+    """[K] the layers ``item`` stands for."""
+    if isinstance(item, WindowBlock):
+        return item.layers
+    return np.array([item.layer], np.int64)

@@ -167,16 +167,19 @@ class WindowBlock:
                 )  # fmt: skip
             run.clear()
 
+        layers: set[int] = set()  # the run's
         for rep in reports:
             head = run[0] if run else None
             same = head is not None and (
                 (rep.first_step, rep.last_step, rep.dc, rep.load.shape)
                 == (head.first_step, head.last_step, head.dc, head.load.shape)
-                and all(r.layer != rep.layer for r in run)
+                and rep.layer not in layers
             )
             if not same:
                 close()
+                layers.clear()
             run.append(rep)
+            layers.add(rep.layer)
         close()
         return out
 

@@ -27,8 +27,10 @@ __all__ = [
     "WindowBlock",
     "WindowReport",
     "block_to_msg",
+    "count_width",
     "layer_plan_from_msg",
     "layer_plan_to_msg",
+    "pack_counts",
     "plan_from_msg",
     "plan_to_msg",
     "report_batch_from_msg",
@@ -159,10 +161,47 @@ def report_batch_from_msg(
     )
 
 
-def window_to_msg(rep: WindowReport, *, packed: bool = False) -> pb.WindowReport:
+# count_width -> numpy dtype of packed counts (little-endian)
+_WIDTHS: dict[int, np.dtype[Any]] = {
+    pb.COUNT_WIDTH_UNSPECIFIED: np.dtype("<i8"),
+    pb.COUNT_WIDTH_INT64: np.dtype("<i8"),
+    pb.COUNT_WIDTH_UINT32: np.dtype("<u4"),
+    pb.COUNT_WIDTH_UINT16: np.dtype("<u2"),
+    pb.COUNT_WIDTH_UINT8: np.dtype("<u1"),
+}
+
+
+def count_width(counts: np.ndarray) -> pb.CountWidth.ValueType:
+    """The narrowest :data:`CountWidth` that holds every one of ``counts`` (>= 0)."""
+    top = int(counts.max()) if counts.size else 0
+    for width, limit in (
+        (pb.COUNT_WIDTH_UINT8, 2**8),
+        (pb.COUNT_WIDTH_UINT16, 2**16),
+        (pb.COUNT_WIDTH_UINT32, 2**32),
+    ):
+        if top < limit:
+            return width
+    return pb.COUNT_WIDTH_INT64
+
+
+def pack_counts(
+    counts: np.ndarray, width: pb.CountWidth.ValueType | None = None
+) -> tuple[bytes, pb.CountWidth.ValueType]:
+    """``counts`` (integers >= 0) as little-endian bytes of ``width`` (default: the narrowest
+    that holds them, :func:`count_width`), and the width."""
+    width = count_width(counts) if width is None else width
+    return counts.astype(_WIDTHS[width], copy=False).tobytes(), width
+
+
+def window_to_msg(
+    rep: WindowReport, *, packed: bool = False, width: pb.CountWidth.ValueType | None = None
+) -> pb.WindowReport:
     """A DC's window report (``load`` [E] or [n, E]) as a message; ``packed``: the counts as
-    little-endian int64 bytes (``counts``, read in bulk; servers before it read ``load``)."""
+    little-endian bytes (``counts``, read in bulk; servers before it read ``load``) of
+    ``width`` (default: the narrowest that holds them; servers before ``count_width`` read
+    int64 only: pass ``pb.COUNT_WIDTH_INT64`` for them)."""
     flat = rep.load.ravel()
+    counts, width = pack_counts(flat, width) if packed else (b"", pb.COUNT_WIDTH_UNSPECIFIED)
     return pb.WindowReport(
         first_step=rep.first_step,
         last_step=rep.last_step,
@@ -172,13 +211,17 @@ def window_to_msg(rep: WindowReport, *, packed: bool = False) -> pb.WindowReport
         reports=rep.reports,
         rows=rep.load.shape[0] if rep.per_rank else 1,
         load=[] if packed else flat.tolist(),
-        counts=flat.astype("<i8").tobytes() if packed else b"",
+        counts=counts,
+        count_width=width,
     )
 
 
-def block_to_msg(block: WindowBlock) -> pb.DcWindowReport:
+def block_to_msg(
+    block: WindowBlock, *, width: pb.CountWidth.ValueType | None = None
+) -> pb.DcWindowReport:
     """One DC's window of several layers (:class:`WindowBlock`) as one message, counts as
-    little-endian int64 bytes."""
+    little-endian bytes of ``width`` (default: the narrowest that holds them)."""
+    counts, width = pack_counts(block.load, width)
     return pb.DcWindowReport(
         first_step=block.first_step,
         last_step=block.last_step,
@@ -187,15 +230,19 @@ def block_to_msg(block: WindowBlock) -> pb.DcWindowReport:
         layers=block.layers.tolist(),
         steps=block.steps.tolist(),
         reports=block.reports.tolist(),
-        counts=block.load.astype("<i8", copy=False).tobytes(),
+        counts=counts,
+        count_width=width,
     )
 
 
-def windows_to_msg(items: list[WindowReport | WindowBlock]) -> pb.ReportWindowsRequest:
-    """Window reports and blocks as one request (reports before blocks, as applied)."""
+def windows_to_msg(
+    items: list[WindowReport | WindowBlock], *, width: pb.CountWidth.ValueType | None = None
+) -> pb.ReportWindowsRequest:
+    """Window reports and blocks as one request (reports before blocks, as applied); a
+    block's counts packed ``width`` (default: the narrowest that holds them)."""
     return pb.ReportWindowsRequest(
         reports=[window_to_msg(x) for x in items if isinstance(x, WindowReport)],
-        dc_windows=[block_to_msg(x) for x in items if isinstance(x, WindowBlock)],
+        dc_windows=[block_to_msg(x, width=width) for x in items if isinstance(x, WindowBlock)],
     )
 
 
@@ -204,16 +251,20 @@ def window_count(msg: pb.ReportWindowsRequest) -> int:
     return len(msg.reports) + sum(max(len(b.layers), 1) for b in msg.dc_windows)
 
 
-def _counts(packed: bytes, listed: Any, size: int) -> np.ndarray:
-    """``size`` int64 counts from ``packed`` (little-endian bytes) or ``listed`` (varints)."""
+def _counts(packed: bytes, listed: Any, size: int, width: int) -> np.ndarray:
+    """``size`` int64 counts from ``packed`` (little-endian bytes of ``width``) or ``listed``
+    (varints)."""
     if packed and len(listed):
         raise ValueError("set either load or counts, not both")
+    dtype = _WIDTHS.get(width)
+    if dtype is None:
+        raise ValueError(f"unknown count_width {width}")
     if packed:
-        if len(packed) != 8 * size:
+        if len(packed) != dtype.itemsize * size:
             raise ValueError(
-                f"counts must hold {size} little-endian int64, got {len(packed)} bytes"
+                f"counts must hold {size} little-endian {dtype.name}, got {len(packed)} bytes"
             )
-        return np.frombuffer(packed, "<i8").astype(np.int64, copy=False)
+        return np.frombuffer(packed, dtype).astype(np.int64)
     load = np.array(listed, np.int64)
     if load.size != size:
         raise ValueError(f"load must hold {size} counts, got {load.size}")
@@ -232,7 +283,7 @@ def windows_from_msg(
             rows = int(r.rows)
             if rows < 1:
                 raise ValueError(f"rows must be >= 1, got {rows}")
-            load = _counts(r.counts, r.load, rows * num_experts)
+            load = _counts(r.counts, r.load, rows * num_experts, r.count_width)
             out.append(
                 WindowReport(
                     first_step=int(r.first_step),
@@ -251,7 +302,7 @@ def windows_from_msg(
             rows, k = int(b.rows), len(b.layers)
             if rows < 1 or k < 1:
                 raise ValueError(f"a block needs rows >= 1 and a layer, got {rows} and {k}")
-            load = _counts(b.counts, (), k * rows * num_experts)
+            load = _counts(b.counts, (), k * rows * num_experts, b.count_width)
             out.append(
                 WindowBlock(
                     first_step=int(b.first_step),

@@ -24,17 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x65xpertmesh/v1/expertmesh.proto\x12\rexpertmesh.v1\"E\n\nLoadReport\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0c\n\x04load\x18\x04 \x03(\x03\"?\n\x11ReportLoadRequest\x12*\n\x07reports\x18\x01 \x03(\x0b\x32\x19.expertmesh.v1.LoadReport\"9\n\x12ReportLoadResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x04\x12\x11\n\tcompleted\x18\x02 \x01(\x04\"\x9c\x01\n\x0cWindowReport\x12\x12\n\nfirst_step\x18\x01 \x01(\x04\x12\x11\n\tlast_step\x18\x02 \x01(\x04\x12\r\n\x05layer\x18\x03 \x01(\r\x12\n\n\x02\x64\x63\x18\x04 \x01(\r\x12\r\n\x05steps\x18\x05 \x01(\r\x12\x0f\n\x07reports\x18\x06 \x01(\x04\x12\x0c\n\x04rows\x18\x07 \x01(\r\x12\x0c\n\x04load\x18\x08 \x03(\x03\x12\x0e\n\x06\x63ounts\x18\t \x01(\x0c\"\x91\x01\n\x0e\x44\x63WindowReport\x12\x12\n\nfirst_step\x18\x01 \x01(\x04\x12\x11\n\tlast_step\x18\x02 \x01(\x04\x12\n\n\x02\x64\x63\x18\x03 \x01(\r\x12\x0c\n\x04rows\x18\x04 \x01(\r\x12\x0e\n\x06layers\x18\x05 \x03(\r\x12\r\n\x05steps\x18\x06 \x03(\r\x12\x0f\n\x07reports\x18\x07 \x03(\x04\x12\x0e\n\x06\x63ounts\x18\x08 \x01(\x0c\"w\n\x14ReportWindowsRequest\x12,\n\x07reports\x18\x01 \x03(\x0b\x32\x1b.expertmesh.v1.WindowReport\x12\x31\n\ndc_windows\x18\x02 \x03(\x0b\x32\x1d.expertmesh.v1.DcWindowReport\"<\n\x15ReportWindowsResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x04\x12\x11\n\tcompleted\x18\x02 \x01(\x04\"\x9a\x01\n\x08Transfer\x12\x0e\n\x06\x65xpert\x18\x01 \x01(\r\x12\x10\n\x08src_rank\x18\x02 \x01(\r\x12\x10\n\x08\x64st_rank\x18\x03 \x01(\r\x12\x10\n\x08\x64st_slot\x18\x04 \x01(\r\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\x12\r\n\x05round\x18\x06 \x01(\r\x12)\n\x04kind\x18\x07 \x01(\x0e\x32\x1b.expertmesh.v1.TransferKind\"\xb9\x01\n\tLayerPlan\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x11\n\tnum_ranks\x18\x02 \x01(\r\x12\x16\n\x0eslots_per_rank\x18\x03 \x01(\r\x12\x0f\n\x07phy2log\x18\x04 \x03(\x05\x12\x0e\n\x06master\x18\x05 \x03(\x03\x12\r\n\x05route\x18\x06 \x03(\x03\x12+\n\nmigrations\x18\x07 \x03(\x0b\x32\x17.expertmesh.v1.Transfer\x12\x15\n\rsolve_seconds\x18\x08 \x01(\x01\"\xe5\x01\n\x04Plan\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\'\n\x05state\x18\x04 \x01(\x0e\x32\x18.expertmesh.v1.PlanState\x12\x12\n\ncreated_at\x18\x05 \x01(\x01\x12\x14\n\x0c\x63ommitted_at\x18\x06 \x01(\x01\x12\x18\n\x10imbalance_before\x18\x07 \x03(\x01\x12\x17\n\x0fimbalance_after\x18\x08 \x03(\x01\x12(\n\x06layers\x18\t \x03(\x0b\x32\x18.expertmesh.v1.LayerPlan\"*\n\x11WatchPlansRequest\x12\x15\n\rinclude_route\x18\x01 \x01(\x08\"7\n\x12WatchPlansResponse\x12!\n\x04plan\x18\x01 \x01(\x0b\x32\x13.expertmesh.v1.Plan\"8\n\x0eGetPlanRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x15\n\rinclude_route\x18\x02 \x01(\x08\"4\n\x0fGetPlanResponse\x12!\n\x04plan\x18\x01 \x01(\x0b\x32\x13.expertmesh.v1.Plan\"\x97\x01\n\x0cSolveRequest\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x11\n\tnum_ranks\x18\x02 \x01(\r\x12\x13\n\x0bnum_experts\x18\x03 \x01(\r\x12\x0c\n\x04load\x18\x04 \x03(\x03\x12\x0e\n\x06policy\x18\x05 \x01(\t\x12\x1c\n\x14policy_settings_json\x18\x06 \x01(\t\x12\x14\n\x0c\x66rom_scratch\x18\x07 \x01(\x08\"z\n\rSolveResponse\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x18\n\x10imbalance_before\x18\x02 \x01(\x01\x12\x17\n\x0fimbalance_after\x18\x03 \x01(\x01\x12&\n\x04plan\x18\x04 \x01(\x0b\x32\x18.expertmesh.v1.LayerPlan*v\n\tPlanState\x12\x1a\n\x16PLAN_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13PLAN_STATE_PREPARED\x10\x01\x12\x18\n\x14PLAN_STATE_COMMITTED\x10\x02\x12\x1a\n\x16PLAN_STATE_ROLLED_BACK\x10\x03*b\n\x0cTransferKind\x12\x1d\n\x19TRANSFER_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15TRANSFER_KIND_REPLICA\x10\x01\x12\x18\n\x14TRANSFER_KIND_MASTER\x10\x02\x32\xa7\x03\n\x11\x45xpertMeshService\x12S\n\nReportLoad\x12 .expertmesh.v1.ReportLoadRequest\x1a!.expertmesh.v1.ReportLoadResponse(\x01\x12S\n\nWatchPlans\x12 .expertmesh.v1.WatchPlansRequest\x1a!.expertmesh.v1.WatchPlansResponse0\x01\x12H\n\x07GetPlan\x12\x1d.expertmesh.v1.GetPlanRequest\x1a\x1e.expertmesh.v1.GetPlanResponse\x12\x42\n\x05Solve\x12\x1b.expertmesh.v1.SolveRequest\x1a\x1c.expertmesh.v1.SolveResponse\x12Z\n\rReportWindows\x12#.expertmesh.v1.ReportWindowsRequest\x1a$.expertmesh.v1.ReportWindowsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x65xpertmesh/v1/expertmesh.proto\x12\rexpertmesh.v1\"E\n\nLoadReport\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0c\n\x04load\x18\x04 \x03(\x03\"?\n\x11ReportLoadRequest\x12*\n\x07reports\x18\x01 \x03(\x0b\x32\x19.expertmesh.v1.LoadReport\"9\n\x12ReportLoadResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x04\x12\x11\n\tcompleted\x18\x02 \x01(\x04\"\xcc\x01\n\x0cWindowReport\x12\x12\n\nfirst_step\x18\x01 \x01(\x04\x12\x11\n\tlast_step\x18\x02 \x01(\x04\x12\r\n\x05layer\x18\x03 \x01(\r\x12\n\n\x02\x64\x63\x18\x04 \x01(\r\x12\r\n\x05steps\x18\x05 \x01(\r\x12\x0f\n\x07reports\x18\x06 \x01(\x04\x12\x0c\n\x04rows\x18\x07 \x01(\r\x12\x0c\n\x04load\x18\x08 \x03(\x03\x12\x0e\n\x06\x63ounts\x18\t \x01(\x0c\x12.\n\x0b\x63ount_width\x18\n \x01(\x0e\x32\x19.expertmesh.v1.CountWidth\"\xc1\x01\n\x0e\x44\x63WindowReport\x12\x12\n\nfirst_step\x18\x01 \x01(\x04\x12\x11\n\tlast_step\x18\x02 \x01(\x04\x12\n\n\x02\x64\x63\x18\x03 \x01(\r\x12\x0c\n\x04rows\x18\x04 \x01(\r\x12\x0e\n\x06layers\x18\x05 \x03(\r\x12\r\n\x05steps\x18\x06 \x03(\r\x12\x0f\n\x07reports\x18\x07 \x03(\x04\x12\x0e\n\x06\x63ounts\x18\x08 \x01(\x0c\x12.\n\x0b\x63ount_width\x18\t \x01(\x0e\x32\x19.expertmesh.v1.CountWidth\"w\n\x14ReportWindowsRequest\x12,\n\x07reports\x18\x01 \x03(\x0b\x32\x1b.expertmesh.v1.WindowReport\x12\x31\n\ndc_windows\x18\x02 \x03(\x0b\x32\x1d.expertmesh.v1.DcWindowReport\"<\n\x15ReportWindowsResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x04\x12\x11\n\tcompleted\x18\x02 \x01(\x04\"\x9a\x01\n\x08Transfer\x12\x0e\n\x06\x65xpert\x18\x01 \x01(\r\x12\x10\n\x08src_rank\x18\x02 \x01(\r\x12\x10\n\x08\x64st_rank\x18\x03 \x01(\r\x12\x10\n\x08\x64st_slot\x18\x04 \x01(\r\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\x12\r\n\x05round\x18\x06 \x01(\r\x12)\n\x04kind\x18\x07 \x01(\x0e\x32\x1b.expertmesh.v1.TransferKind\"\xb9\x01\n\tLayerPlan\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x11\n\tnum_ranks\x18\x02 \x01(\r\x12\x16\n\x0eslots_per_rank\x18\x03 \x01(\r\x12\x0f\n\x07phy2log\x18\x04 \x03(\x05\x12\x0e\n\x06master\x18\x05 \x03(\x03\x12\r\n\x05route\x18\x06 \x03(\x03\x12+\n\nmigrations\x18\x07 \x03(\x0b\x32\x17.expertmesh.v1.Transfer\x12\x15\n\rsolve_seconds\x18\x08 \x01(\x01\"\xe5\x01\n\x04Plan\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\'\n\x05state\x18\x04 \x01(\x0e\x32\x18.expertmesh.v1.PlanState\x12\x12\n\ncreated_at\x18\x05 \x01(\x01\x12\x14\n\x0c\x63ommitted_at\x18\x06 \x01(\x01\x12\x18\n\x10imbalance_before\x18\x07 \x03(\x01\x12\x17\n\x0fimbalance_after\x18\x08 \x03(\x01\x12(\n\x06layers\x18\t \x03(\x0b\x32\x18.expertmesh.v1.LayerPlan\"*\n\x11WatchPlansRequest\x12\x15\n\rinclude_route\x18\x01 \x01(\x08\"7\n\x12WatchPlansResponse\x12!\n\x04plan\x18\x01 \x01(\x0b\x32\x13.expertmesh.v1.Plan\"8\n\x0eGetPlanRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x15\n\rinclude_route\x18\x02 \x01(\x08\"4\n\x0fGetPlanResponse\x12!\n\x04plan\x18\x01 \x01(\x0b\x32\x13.expertmesh.v1.Plan\"\x97\x01\n\x0cSolveRequest\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x11\n\tnum_ranks\x18\x02 \x01(\r\x12\x13\n\x0bnum_experts\x18\x03 \x01(\r\x12\x0c\n\x04load\x18\x04 \x03(\x03\x12\x0e\n\x06policy\x18\x05 \x01(\t\x12\x1c\n\x14policy_settings_json\x18\x06 \x01(\t\x12\x14\n\x0c\x66rom_scratch\x18\x07 \x01(\x08\"z\n\rSolveResponse\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x18\n\x10imbalance_before\x18\x02 \x01(\x01\x12\x17\n\x0fimbalance_after\x18\x03 \x01(\x01\x12&\n\x04plan\x18\x04 \x01(\x0b\x32\x18.expertmesh.v1.LayerPlan*\x87\x01\n\nCountWidth\x12\x1b\n\x17\x43OUNT_WIDTH_UNSPECIFIED\x10\x00\x12\x15\n\x11\x43OUNT_WIDTH_INT64\x10\x01\x12\x16\n\x12\x43OUNT_WIDTH_UINT32\x10\x02\x12\x16\n\x12\x43OUNT_WIDTH_UINT16\x10\x03\x12\x15\n\x11\x43OUNT_WIDTH_UINT8\x10\x04*v\n\tPlanState\x12\x1a\n\x16PLAN_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13PLAN_STATE_PREPARED\x10\x01\x12\x18\n\x14PLAN_STATE_COMMITTED\x10\x02\x12\x1a\n\x16PLAN_STATE_ROLLED_BACK\x10\x03*b\n\x0cTransferKind\x12\x1d\n\x19TRANSFER_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15TRANSFER_KIND_REPLICA\x10\x01\x12\x18\n\x14TRANSFER_KIND_MASTER\x10\x02\x32\xa7\x03\n\x11\x45xpertMeshService\x12S\n\nReportLoad\x12 .expertmesh.v1.ReportLoadRequest\x1a!.expertmesh.v1.ReportLoadResponse(\x01\x12S\n\nWatchPlans\x12 .expertmesh.v1.WatchPlansRequest\x1a!.expertmesh.v1.WatchPlansResponse0\x01\x12H\n\x07GetPlan\x12\x1d.expertmesh.v1.GetPlanRequest\x1a\x1e.expertmesh.v1.GetPlanResponse\x12\x42\n\x05Solve\x12\x1b.expertmesh.v1.SolveRequest\x1a\x1c.expertmesh.v1.SolveResponse\x12Z\n\rReportWindows\x12#.expertmesh.v1.ReportWindowsRequest\x1a$.expertmesh.v1.ReportWindowsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'expertmesh.v1.expertmesh_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PLANSTATE']._serialized_start=1802
-  _globals['_PLANSTATE']._serialized_end=1920
-  _globals['_TRANSFERKIND']._serialized_start=1922
-  _globals['_TRANSFERKIND']._serialized_end=2020
+  _globals['_COUNTWIDTH']._serialized_start=1899
+  _globals['_COUNTWIDTH']._serialized_end=2034
+  _globals['_PLANSTATE']._serialized_start=2036
+  _globals['_PLANSTATE']._serialized_end=2154
+  _globals['_TRANSFERKIND']._serialized_start=2156
+  _globals['_TRANSFERKIND']._serialized_end=2254
   _globals['_LOADREPORT']._serialized_start=49
   _globals['_LOADREPORT']._serialized_end=118
   _globals['_REPORTLOADREQUEST']._serialized_start=120
@@ -42,31 +44,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REPORTLOADRESPONSE']._serialized_start=185
   _globals['_REPORTLOADRESPONSE']._serialized_end=242
   _globals['_WINDOWREPORT']._serialized_start=245
-  _globals['_WINDOWREPORT']._serialized_end=401
-  _globals['_DCWINDOWREPORT']._serialized_start=404
-  _globals['_DCWINDOWREPORT']._serialized_end=549
-  _globals['_REPORTWINDOWSREQUEST']._serialized_start=551
-  _globals['_REPORTWINDOWSREQUEST']._serialized_end=670
-  _globals['_REPORTWINDOWSRESPONSE']._serialized_start=672
-  _globals['_REPORTWINDOWSRESPONSE']._serialized_end=732
-  _globals['_TRANSFER']._serialized_start=735
-  _globals['_TRANSFER']._serialized_end=889
-  _globals['_LAYERPLAN']._serialized_start=892
-  _globals['_LAYERPLAN']._serialized_end=1077
-  _globals['_PLAN']._serialized_start=1080
-  _globals['_PLAN']._serialized_end=1309
-  _globals['_WATCHPLANSREQUEST']._serialized_start=1311
-  _globals['_WATCHPLANSREQUEST']._serialized_end=1353
-  _globals['_WATCHPLANSRESPONSE']._serialized_start=1355
-  _globals['_WATCHPLANSRESPONSE']._serialized_end=1410
-  _globals['_GETPLANREQUEST']._serialized_start=1412
-  _globals['_GETPLANREQUEST']._serialized_end=1468
-  _globals['_GETPLANRESPONSE']._serialized_start=1470
-  _globals['_GETPLANRESPONSE']._serialized_end=1522
-  _globals['_SOLVEREQUEST']._serialized_start=1525
-  _globals['_SOLVEREQUEST']._serialized_end=1676
-  _globals['_SOLVERESPONSE']._serialized_start=1678
-  _globals['_SOLVERESPONSE']._serialized_end=1800
-  _globals['_EXPERTMESHSERVICE']._serialized_start=2023
-  _globals['_EXPERTMESHSERVICE']._serialized_end=2446
+  _globals['_WINDOWREPORT']._serialized_end=449
+  _globals['_DCWINDOWREPORT']._serialized_start=452
+  _globals['_DCWINDOWREPORT']._serialized_end=645
+  _globals['_REPORTWINDOWSREQUEST']._serialized_start=647
+  _globals['_REPORTWINDOWSREQUEST']._serialized_end=766
+  _globals['_REPORTWINDOWSRESPONSE']._serialized_start=768
+  _globals['_REPORTWINDOWSRESPONSE']._serialized_end=828
+  _globals['_TRANSFER']._serialized_start=831
+  _globals['_TRANSFER']._serialized_end=985
+  _globals['_LAYERPLAN']._serialized_start=988
+  _globals['_LAYERPLAN']._serialized_end=1173
+  _globals['_PLAN']._serialized_start=1176
+  _globals['_PLAN']._serialized_end=1405
+  _globals['_WATCHPLANSREQUEST']._serialized_start=1407
+  _globals['_WATCHPLANSREQUEST']._serialized_end=1449
+  _globals['_WATCHPLANSRESPONSE']._serialized_start=1451
+  _globals['_WATCHPLANSRESPONSE']._serialized_end=1506
+  _globals['_GETPLANREQUEST']._serialized_start=1508
+  _globals['_GETPLANREQUEST']._serialized_end=1564
+  _globals['_GETPLANRESPONSE']._serialized_start=1566
+  _globals['_GETPLANRESPONSE']._serialized_end=1618
+  _globals['_SOLVEREQUEST']._serialized_start=1621
+  _globals['_SOLVEREQUEST']._serialized_end=1772
+  _globals['_SOLVERESPONSE']._serialized_start=1774
+  _globals['_SOLVERESPONSE']._serialized_end=1896
+  _globals['_EXPERTMESHSERVICE']._serialized_start=2257
+  _globals['_EXPERTMESHSERVICE']._serialized_end=2680
 # @@protoc_insertion_point(module_scope)

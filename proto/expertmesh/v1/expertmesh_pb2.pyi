@@ -25,6 +25,33 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _CountWidth:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _CountWidthEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_CountWidth.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    COUNT_WIDTH_UNSPECIFIED: _CountWidth.ValueType  # 0
+    """int64"""
+    COUNT_WIDTH_INT64: _CountWidth.ValueType  # 1
+    COUNT_WIDTH_UINT32: _CountWidth.ValueType  # 2
+    COUNT_WIDTH_UINT16: _CountWidth.ValueType  # 3
+    COUNT_WIDTH_UINT8: _CountWidth.ValueType  # 4
+
+class CountWidth(_CountWidth, metaclass=_CountWidthEnumTypeWrapper):
+    """How packed `counts` hold each count, little-endian. A sender picks the narrowest that
+    holds its largest count (a DC's window sums of small counts fit in 16 bits: a quarter
+    of the bytes of int64). Unset (0): int64, what `counts` held before this field.
+    """
+
+COUNT_WIDTH_UNSPECIFIED: CountWidth.ValueType  # 0
+"""int64"""
+COUNT_WIDTH_INT64: CountWidth.ValueType  # 1
+COUNT_WIDTH_UINT32: CountWidth.ValueType  # 2
+COUNT_WIDTH_UINT16: CountWidth.ValueType  # 3
+COUNT_WIDTH_UINT8: CountWidth.ValueType  # 4
+Global___CountWidth: _TypeAlias = CountWidth  # noqa: Y015
+
 class _PlanState:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -157,6 +184,7 @@ class WindowReport(_message.Message):
     ROWS_FIELD_NUMBER: _builtins.int
     LOAD_FIELD_NUMBER: _builtins.int
     COUNTS_FIELD_NUMBER: _builtins.int
+    COUNT_WIDTH_FIELD_NUMBER: _builtins.int
     first_step: _builtins.int
     last_step: _builtins.int
     layer: _builtins.int
@@ -168,9 +196,11 @@ class WindowReport(_message.Message):
     """per-rank reports summed (accounting)"""
     rows: _builtins.int
     counts: _builtins.bytes
-    """The same rows * E counts as little-endian int64 bytes (read in bulk, no per-count
-    decode); set either this or `load`.
+    """The same rows * E counts as little-endian bytes of `count_width` each (read in bulk,
+    no per-count decode); set either this or `load`.
     """
+    count_width: Global___CountWidth.ValueType
+    """of `counts`; unset: int64"""
     @_builtins.property
     def load(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -185,10 +215,11 @@ class WindowReport(_message.Message):
         rows: _builtins.int = ...,
         load: _abc.Iterable[_builtins.int] | None = ...,
         counts: _builtins.bytes = ...,
+        count_width: Global___CountWidth.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["counts", b"counts", "dc", b"dc", "first_step", b"first_step", "last_step", b"last_step", "layer", b"layer", "load", b"load", "reports", b"reports", "rows", b"rows", "steps", b"steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count_width", b"count_width", "counts", b"counts", "dc", b"dc", "first_step", b"first_step", "last_step", b"last_step", "layer", b"layer", "load", b"load", "reports", b"reports", "rows", b"rows", "steps", b"steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -210,13 +241,16 @@ class DcWindowReport(_message.Message):
     STEPS_FIELD_NUMBER: _builtins.int
     REPORTS_FIELD_NUMBER: _builtins.int
     COUNTS_FIELD_NUMBER: _builtins.int
+    COUNT_WIDTH_FIELD_NUMBER: _builtins.int
     first_step: _builtins.int
     last_step: _builtins.int
     dc: _builtins.int
     rows: _builtins.int
     """1: each layer's [E] DC sum; n (the DC's ranks): [n, E] per rank"""
     counts: _builtins.bytes
-    """[K * rows * E] little-endian int64, layer-major"""
+    """[K * rows * E] little-endian, `count_width` each, layer-major"""
+    count_width: Global___CountWidth.ValueType
+    """unset: int64"""
     @_builtins.property
     def layers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """[K] distinct"""
@@ -240,10 +274,11 @@ class DcWindowReport(_message.Message):
         steps: _abc.Iterable[_builtins.int] | None = ...,
         reports: _abc.Iterable[_builtins.int] | None = ...,
         counts: _builtins.bytes = ...,
+        count_width: Global___CountWidth.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["counts", b"counts", "dc", b"dc", "first_step", b"first_step", "last_step", b"last_step", "layers", b"layers", "reports", b"reports", "rows", b"rows", "steps", b"steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count_width", b"count_width", "counts", b"counts", "dc", b"dc", "first_step", b"first_step", "last_step", b"last_step", "layers", b"layers", "reports", b"reports", "rows", b"rows", "steps", b"steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

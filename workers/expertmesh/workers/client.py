@@ -208,7 +208,12 @@ class ExpertMeshClient:
         return stream.close(timeout=self.timeout + len(reports) * 1e-3)
 
     def report_windows(
-        self, reports: list[WindowReport], batch: int = 512, *, blocks: bool = True
+        self,
+        reports: list[WindowReport],
+        batch: int = 512,
+        *,
+        blocks: bool = True,
+        count_width: int | None = None,
     ) -> tuple[int, int]:
         """Send DC window reports (what :class:`~expertmesh.workers.aggregate.DcAggregator`
         returns) in messages of up to ``batch``; returns (accepted, windows completed). A
@@ -217,14 +222,16 @@ class ExpertMeshClient:
         ``blocks``: consecutive reports of one DC's window travel as one
         ``DcWindowReport`` with the counts as packed bytes (the fast path; a server that
         predates it accepts none of them, and this raises ``RuntimeError``); off: one
-        ``WindowReport`` each."""
+        ``WindowReport`` each. ``count_width``: the packed counts' ``CountWidth`` (default:
+        the narrowest that holds a block's counts; a server that predates ``count_width``
+        refuses narrower ones with INVALID_ARGUMENT: send it ``pb.COUNT_WIDTH_INT64``)."""
         if not 1 <= batch <= 4096:
             raise ValueError("batch must be in [1, 4096]")
         accepted = completed = 0
         for i in range(0, len(reports), batch):
             part = reports[i : i + batch]
             msg = (
-                convert.windows_to_msg(WindowBlock.of(part))
+                convert.windows_to_msg(WindowBlock.of(part), width=count_width)  # type: ignore[arg-type]
                 if blocks
                 else pb.ReportWindowsRequest(reports=[convert.window_to_msg(r) for r in part])
             )
