@@ -64,6 +64,12 @@ class RuntimeSettings(BaseModel):
     corpus: str | None = Field(default=None, description="corpus file; None: Python's stdlib")
     corpus_bytes: int = Field(default=4_000_000, ge=1024, description="bytes of stdlib text")
     cpus_per_dc: float = Field(default=1.0, gt=0, description="CPUs each DC's Ray node offers")
+    worker_cpus: list[list[int]] | None = Field(
+        default=None,
+        description="per rank, the CPUs of its node its worker process is pinned to (every "
+        "thread, os.sched_setaffinity; Linux), e.g. [[0], [1]]: each of 2 ranks on its own "
+        "core; None: not pinned",
+    )
     surfaces: SurfaceSettings | None = Field(
         default=None, description="REST/dashboard/metrics and gRPC from the controller (None: off)"
     )
@@ -109,6 +115,17 @@ class RuntimeSettings(BaseModel):
     probe_timeout_s: float = Field(
         default=1.0, gt=0, le=60, description="connect timeout of a link probe between two DCs"
     )
+
+    @model_validator(mode="after")
+    def _worker_cpus_fit(self) -> RuntimeSettings:
+        """One non-empty set of CPU ids (>= 0) per rank of the topology."""
+        if self.worker_cpus is not None:
+            ranks = Topology.from_dict(self.topology).num_ranks
+            if len(self.worker_cpus) != ranks:
+                raise ValueError(f"worker_cpus: {len(self.worker_cpus)} entries for {ranks} ranks")
+            if any(not cpus or min(cpus) < 0 for cpus in self.worker_cpus):
+                raise ValueError("worker_cpus: every rank needs one or more CPU ids >= 0")
+        return self
 
     @model_validator(mode="after")
     def _encoding_sendable(self) -> RuntimeSettings:

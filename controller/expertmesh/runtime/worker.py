@@ -42,7 +42,7 @@ from expertmesh.workers.shaper import LinkShaper
 from expertmesh.workers.spmd import RankSnapshot, SpmdRank
 from expertmesh.workers.wire import WireFormat
 
-__all__ = ["REPORT_LOG_BYTES", "SpmdWorker", "connect_store", "listen_store"]
+__all__ = ["REPORT_LOG_BYTES", "SpmdWorker", "connect_store", "listen_store", "pin_process"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,15 @@ def _leave_group(rank: int, timeout_s: float = 10.0) -> None:
     )
 
 
+def pin_process(cpus: set[int]) -> set[int]:
+    """Pin every thread of this process to ``cpus`` (threads started later by them inherit
+    it; Linux: ``/proc/self/task``). Returns the calling thread's CPUs afterwards."""
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), cpus)
+    return set(os.sched_getaffinity(0))
+
+
 def _interface_of(ip: str) -> str | None:
     """The network interface that holds ``ip`` (gloo binds its sockets there)."""
     import psutil
@@ -102,6 +111,7 @@ class SpmdWorker(WorkerResume):
         controller: Any,
     ) -> None:
         self.rank, self.settings, self.controller = rank, settings, controller
+        self.cpus = self._pin()
         self.topology = Topology.from_dict(settings.topology)
         self.placements = [Placement(p, m) for p, m in placements]
         self.shaper = (
@@ -121,6 +131,12 @@ class SpmdWorker(WorkerResume):
         self.loads = LeadLoads(settings, self.topology, rank)  # the DC lead's load windows
         self.backend = ""
         self._init_resume(settings, placements)
+
+    def _pin(self) -> list[int]:
+        """Pin this process to the rank's ``settings.worker_cpus`` (if any); its CPUs."""
+        if self.settings.worker_cpus is None:
+            return sorted(os.sched_getaffinity(0))
+        return sorted(pin_process(set(self.settings.worker_cpus[self.rank])))
 
     def address(self, timeout_s: float = 60.0) -> tuple[str, int]:
         """Open the rendezvous store of a new process group here (the first member's
@@ -200,6 +216,7 @@ class SpmdWorker(WorkerResume):
         st = self.state
         if st is None:
             raise RuntimeError("join a process group before running")
+        self.cpus = self._pin()  # threads Ray started since (this one among them)
         t_prev = time.perf_counter()
         ray_s = 0.0
         for step in range(start, start + steps):
@@ -396,4 +413,8 @@ class SpmdWorker(WorkerResume):
         return None if self.state is None else self.state.expert_weights(layer, expert)
 
     def ping(self) -> dict[str, Any]:
-        return {"rank": self.rank, "node": ray.get_runtime_context().get_node_id()}
+        return {
+            "rank": self.rank,
+            "node": ray.get_runtime_context().get_node_id(),
+            "cpus": self.cpus,  # what the training thread may run on (settings.worker_cpus)
+        }
