@@ -91,4 +91,7 @@ def test_the_per_step_figures_do_not_depend_on_the_load_path(runs: dict[str, Any
     np.testing.assert_allclose([s.loss for s in b], [s.loss for s in a], rtol=1e-6)
     assert [s.imbalance_static for s in b] == [s.imbalance_static for s in a]
     assert [s.tokens_per_rank for s in b] != [] and all(s.imbalance >= 1.0 for s in b)
+    # the plan made after step W - 1 (the first complete windows) is on every worker when
+    # the chunk from step W + 1 starts (the driver waits for offers to land before a
+    # chunk, the replacement's too): agreed in step W + 1, switched in W + 2's sync
     assert b[-1].plan_version >= 1 and runs["dc"]["status"]["errors"] == 0

@@ -49,6 +49,7 @@ __all__ = ["GROUP_TIMEOUT_S", "SpmdRuntime", "lost_step"]
 log = logging.getLogger(__name__)
 GROUP_TIMEOUT_S = 60.0  # a collective that waits this long for a peer fails (a dead peer)
 RESULT_WAIT_S = 30.0  # after the workers return, the driver waits this long for the reports
+OFFER_WAIT_S = 30.0  # before a chunk, the driver waits at most this long for offers to land
 
 
 class SpmdRuntime(SpmdMembership, SpmdFaults):
@@ -217,6 +218,7 @@ class SpmdRuntime(SpmdMembership, SpmdFaults):
         masters (:meth:`take_checkpoint`), when there is a checkpoint directory."""
         start = self.step + 1
         keep = self.checkpoints is not None
+        self._offers_landed()
         refs = [
             w.run.remote(start, steps, ("state" if i == 0 else "masters") if keep else "")
             for i, w in enumerate(self.live_workers())
@@ -264,6 +266,22 @@ class SpmdRuntime(SpmdMembership, SpmdFaults):
             ends = [] if pending else self._check(refs, start)
         self.step = start + steps - 1
         return seen, ends
+
+    def _offers_landed(self) -> None:
+        """Before a chunk: wait (bounded) until the plans the controller offered so far are
+        on every worker they went to, so when a chunk's steps switch plans does not depend
+        on how fast Ray delivered an offer on a busy machine: a plan offered before the
+        chunk is in every rank's first step's agreement (a dead or restarting controller:
+        not waited for)."""
+        try:
+            left = ray.get(
+                self.controller.offers_landed.remote(OFFER_WAIT_S), timeout=OFFER_WAIT_S + 10
+            )
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
+            log.warning("plan offers not confirmed before step %d: %s", self.step + 1, err)
+            return
+        if left:
+            log.warning("%d plan offers still on the way before step %d", left, self.step + 1)
 
     def _check(self, refs: list[Any], start: int) -> list[dict[str, Any]]:
         """What the workers returned; ``WorkersFailed`` when a worker died or returned a

@@ -59,6 +59,7 @@ class SpmdSteps:
         self._results: list[dict[str, Any]] = []
         self._next_step: int | None = None
         self._offered: Any = None  # the plan offered and not yet committed
+        self._offer_calls: list[Any] = []  # offer_plan calls not known to have returned
         self._bytes = np.zeros((3, self.topology.num_dcs, self.topology.num_dcs), np.int64)
         self._rank_bytes: dict[int, np.ndarray] = {}
         self._spmd_lock = threading.Lock()
@@ -243,7 +244,31 @@ class SpmdSteps:
         )
         layers = [(p.phy2log, p.master, lp.route) for p, lp in zip(new, pv.layers, strict=True)]
         self._trace["plans"][pv.version] = (layers, migration_collectives(rounds, self.topology))
-        return [w.offer_plan.remote(pv.version, layers, rounds, pv.encoding) for w in workers]
+        refs = [w.offer_plan.remote(pv.version, layers, rounds, pv.encoding) for w in workers]
+        self._offer_calls = [*self._pending_offers(), *refs]
+        return refs
+
+    def _pending_offers(self) -> list[Any]:
+        """The offer calls sent that have not returned yet."""
+        calls = getattr(self, "_offer_calls", [])
+        if not calls:
+            return []
+        _, pending = ray.wait(calls, num_returns=len(calls), timeout=0)
+        return list(pending)
+
+    def offers_landed(self, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` until every plan offer sent so far has reached its
+        worker (its ``offer_plan`` call returned, or the worker died); the number still on
+        the way (0: all landed). The driver asks before each chunk of steps, so a plan
+        offered before a chunk starts is on every worker at its first step (the workers
+        never wait for the controller inside a chunk)."""
+        with self._spmd_lock:
+            calls = list(getattr(self, "_offer_calls", []))
+        if calls:
+            ray.wait(calls, num_returns=len(calls), timeout=timeout_s)
+        with self._spmd_lock:
+            self._offer_calls = self._pending_offers()
+            return len(self._offer_calls)
 
     def take_trace(self) -> dict[str, dict[int, Any]]:
         """What the run trained on since the last call (runtime/trace.py): per step the load
