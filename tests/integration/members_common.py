@@ -1,7 +1,8 @@
 """What the SPMD members tests (test_spmd_no_replace.py, test_spmd_dc_cut.py) share: the
 run they start, the reference check, and the figures of docs/reliability.md (with
 ``EXPERTMESH_MEMBERS_REPORT=FILE`` each module adds its members changes (pause, rejoin,
-dead rank left out: seconds, what moved) and every step's wall time to FILE)."""
+dead rank left out: seconds, what moved) and every step's wall time to FILE). The fault
+tests (test_spmd_faults.py, test_spmd_controller.py) use the reference check too."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import numpy as np
 from expertmesh.controller.core import Trigger
 from expertmesh.planner import Topology
 from expertmesh.runtime.settings import RuntimeSettings
-from expertmesh.workers.model import LMConfig
+from expertmesh.workers.model import Corpus, LMConfig
 from expertmesh.workers.reference import ReferenceLM
 
 LM = LMConfig(num_layers=2, num_experts=8, top_k=2, hidden=16, ffn_hidden=16, batch=4, seq_len=32)
@@ -32,6 +33,13 @@ def settings(**more: Any) -> RuntimeSettings:
     )  # fmt: skip
 
 
+def reference(step_ranks: list[tuple[int, list[int]]]) -> tuple[ReferenceLM, list[float]]:
+    """The single-process reference of :data:`LM` trained on ``(step, ranks whose data it
+    takes)`` in order: the model and its losses."""
+    ref, corpus = ReferenceLM(LM), Corpus.load(None, CORPUS_BYTES)
+    return ref, [ref.train_step(corpus, s, ranks) for s, ranks in step_ranks]
+
+
 def assert_copies_equal(ref: ReferenceLM, weights: dict[tuple[int, int], list[Any]]) -> None:
     """Every copy held (``weights``: (layer, expert) -> per rank the copy or None) equals
     the reference's expert; every expert has one."""
@@ -41,7 +49,14 @@ def assert_copies_equal(ref: ReferenceLM, weights: dict[tuple[int, int], list[An
         assert held, (layer, e)
         for w in held:
             for a, b in zip(w, expect, strict=True):
-                np.testing.assert_allclose(a, b, atol=5e-6)
+                np.testing.assert_allclose(a, b, atol=5e-6, err_msg=f"expert {layer}/{e}")
+
+
+def assert_dense_equal(ref: ReferenceLM, dense: list[Any]) -> None:
+    """A rank's dense weights (numpy, in ``parameters()`` order) equal the reference's."""
+    want = [p.detach().numpy() for p in ref.dense.parameters()]
+    for a, b in zip(dense, want, strict=True):
+        np.testing.assert_allclose(a, b, atol=5e-6)
 
 
 def write_report(module: str, changes: list[dict[str, Any]], steps: list[Any]) -> None:

@@ -31,12 +31,11 @@ from expertmesh.controller.store import SqlitePlanStore
 from expertmesh.planner import Topology
 from expertmesh.runtime.settings import NAMESPACE, RuntimeSettings
 from expertmesh.runtime.spmd import SpmdRuntime
-from expertmesh.workers.model import Corpus, LMConfig
-from expertmesh.workers.reference import ReferenceLM
+
+from .members_common import CORPUS_BYTES, LM, assert_copies_equal, assert_dense_equal, reference
 
 pytestmark = pytest.mark.integration
 
-LM = LMConfig(num_layers=2, num_experts=8, top_k=2, hidden=16, ffn_hidden=16, batch=4, seq_len=32)
 PHASES = [(3, None), (4, "offered"), (4, "applied"), (5, "kill")]  # (steps, fault before)
 STEPS = sum(n for n, _ in PHASES)
 KILL_AT = 12  # ray.kill the controller when the driver sees this step
@@ -50,7 +49,7 @@ def crashes() -> Iterator[dict[str, Any]]:
         lm=LM,
         policy="eplb",
         trigger=Trigger(mode="every_step"),
-        corpus_bytes=200_000,
+        corpus_bytes=CORPUS_BYTES,
         checkpoint_every=4,
     )
     out: dict[str, Any] = {"steps": [], "status": []}
@@ -143,16 +142,7 @@ def test_a_plan_the_workers_switched_to_is_adopted_after_a_restart(
 
 
 def test_the_run_equals_the_reference_despite_the_crashes(crashes: dict[str, Any]) -> None:
-    ref = ReferenceLM(LM)
-    corpus = Corpus.load(None, 200_000)
-    want = [ref.train_step(corpus, s, [0, 1, 2, 3]) for s in range(STEPS)]
+    ref, want = reference([(s, [0, 1, 2, 3]) for s in range(STEPS)])
     np.testing.assert_allclose([s.loss for s in crashes["steps"]], want, rtol=1e-5)
-    for (layer, e), copies in crashes["weights"].items():
-        expect = [t.detach().numpy() for t in ref.expert(layer, e)]
-        held = [w for w in copies if w is not None]
-        assert held, (layer, e)
-        for w in held:
-            for a, b in zip(w, expect, strict=True):
-                np.testing.assert_allclose(a, b, atol=5e-6)
-    for a, p in zip(crashes["dense"], ref.dense.parameters(), strict=True):
-        np.testing.assert_allclose(a, p.detach().numpy(), atol=5e-6)
+    assert_copies_equal(ref, crashes["weights"])
+    assert_dense_equal(ref, crashes["dense"])

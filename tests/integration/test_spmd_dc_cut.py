@@ -16,10 +16,16 @@ import numpy as np
 import pytest
 
 from expertmesh.runtime.spmd import SpmdRuntime
-from expertmesh.workers.model import Corpus
-from expertmesh.workers.reference import ReferenceLM
 
-from .members_common import CORPUS_BYTES, LM, TOPOLOGY, assert_copies_equal, settings, write_report
+from .members_common import (
+    LM,
+    TOPOLOGY,
+    assert_copies_equal,
+    assert_dense_equal,
+    reference,
+    settings,
+    write_report,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -119,13 +125,7 @@ def test_the_run_equals_the_reference_on_the_ranks_that_trained(dc_cut: dict[str
     steps = [s for k in ("before", "during", "after") for s in dc_cut[k]]
     steps += [dc_cut["silent_step"], dc_cut["final"]]
     paused = set(range(BEFORE, BEFORE + DURING)) | {dc_cut["silent_step"].step}
-    ref = ReferenceLM(LM)
-    corpus = Corpus.load(None, CORPUS_BYTES)
-    want = [
-        ref.train_step(corpus, s.step, [0, 1] if s.step in paused else [0, 1, 2, 3]) for s in steps
-    ]
+    ref, want = reference([(s.step, [0, 1] if s.step in paused else [0, 1, 2, 3]) for s in steps])
     np.testing.assert_allclose([s.loss for s in steps], want, rtol=1e-5)
     assert_copies_equal(ref, dc_cut["weights"])
-    dense = dc_cut["dense"][0]
-    for a, b in zip(dense, [p.detach().numpy() for p in ref.dense.parameters()], strict=True):
-        np.testing.assert_allclose(a, b, atol=5e-6)
+    assert_dense_equal(ref, dc_cut["dense"][0])

@@ -16,12 +16,11 @@ from expertmesh.controller.core import Trigger
 from expertmesh.planner import Topology
 from expertmesh.runtime.settings import NAMESPACE, RuntimeSettings
 from expertmesh.runtime.spmd import SpmdRuntime
-from expertmesh.workers.model import Corpus, LMConfig
-from expertmesh.workers.reference import ReferenceLM
+
+from .members_common import CORPUS_BYTES, LM, assert_copies_equal, reference
 
 pytestmark = pytest.mark.integration
 
-LM = LMConfig(num_layers=2, num_experts=8, top_k=2, hidden=16, ffn_hidden=16, batch=4, seq_len=32)
 STEPS = 5
 
 
@@ -33,7 +32,7 @@ def kills() -> Iterator[dict[str, Any]]:
         lm=LM,
         policy="hybrid",
         trigger=Trigger(mode="every_n", every=2),
-        corpus_bytes=200_000,
+        corpus_bytes=CORPUS_BYTES,
         checkpoint_every=1,
     )
     out: dict[str, Any] = {}
@@ -60,14 +59,6 @@ def test_training_finishes_with_every_step_once(kills: dict[str, Any]) -> None:
 
 
 def test_the_run_equals_the_reference_despite_the_deaths(kills: dict[str, Any]) -> None:
-    ref = ReferenceLM(LM)
-    corpus = Corpus.load(None, 200_000)
-    want = [ref.train_step(corpus, s, [0, 1, 2, 3]) for s in range(STEPS)]
+    ref, want = reference([(s, [0, 1, 2, 3]) for s in range(STEPS)])
     np.testing.assert_allclose([s.loss for s in kills["steps"]], want, rtol=1e-5)
-    for (layer, e), copies in kills["weights"].items():
-        expect = [t.detach().numpy() for t in ref.expert(layer, e)]
-        held = [w for w in copies if w is not None]
-        assert held, (layer, e)
-        for w in held:
-            for a, b in zip(w, expect, strict=True):
-                np.testing.assert_allclose(a, b, atol=5e-6)
+    assert_copies_equal(ref, kills["weights"])

@@ -16,10 +16,15 @@ import numpy as np
 import pytest
 
 from expertmesh.runtime.spmd import SpmdRuntime
-from expertmesh.workers.model import Corpus
-from expertmesh.workers.reference import ReferenceLM
 
-from .members_common import CORPUS_BYTES, LM, TOPOLOGY, assert_copies_equal, settings, write_report
+from .members_common import (
+    LM,
+    TOPOLOGY,
+    assert_copies_equal,
+    reference,
+    settings,
+    write_report,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -66,10 +71,6 @@ def test_the_dead_rank_stays_out_and_training_goes_on(run: dict[str, Any]) -> No
 
 
 def test_the_run_equals_the_reference_without_the_dead_ranks_data(run: dict[str, Any]) -> None:
-    ref = ReferenceLM(LM)
-    corpus = Corpus.load(None, CORPUS_BYTES)
-    want = [
-        ref.train_step(corpus, s, [0, 1, 2, 3] if s < DIES else [0, 1, 3]) for s in range(STEPS)
-    ]
+    ref, want = reference([(s, [0, 1, 2, 3] if s < DIES else [0, 1, 3]) for s in range(STEPS)])
     np.testing.assert_allclose([s.loss for s in run["steps"]], want, rtol=1e-5)
     assert_copies_equal(ref, run["weights"])
