@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import sysconfig
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -27,6 +28,7 @@ from expertmesh.planner.model import ModelSpec
 
 __all__ = [
     "VOCAB",
+    "BalancedGate",
     "Corpus",
     "DenseModel",
     "ExpertWeights",
@@ -60,6 +62,14 @@ class LMConfig(BaseModel):
         "and plans switch once per step)",
     )
     lr: float = Field(default=3e-3, gt=0, le=1.0, description="Adam learning rate")
+    router: Literal["learned", "balanced"] = Field(
+        default="learned",
+        description="learned: each token's top-k of the gate's logits; balanced (for "
+        "benchmarks, as Megatron's force load balancing): assignment j of a rank's token t "
+        "goes to expert (t * k + j) mod E whatever the logits, so every expert gets the "
+        "same count on every rank, weighted by the softmax of the gate's logits of the "
+        "experts it goes to (the reference supports learned only)",
+    )
     seed: int = Field(default=0, ge=0, description="weights and data seed")
 
     @property
@@ -126,6 +136,26 @@ class _ConvMixer(nn.Module):
         return h + self.proj(F.silu(self.conv(x).transpose(1, 2)))
 
 
+class BalancedGate(nn.Linear):
+    """A gate whose top-k is forced (``LMConfig.router="balanced"``): the learned logits
+    ``[n, E]`` plus, on the k experts ``(t * k + j) mod E`` of token ``t``, more than the
+    row's range, so top-k picks them and their softmax weights are the learned logits'."""
+
+    def __init__(self, d: int, num_experts: int, top_k: int) -> None:
+        super().__init__(d, num_experts, bias=False)
+        self.top_k = top_k
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:  # [n, d] -> [n, E]
+        logits = super().forward(u)
+        n, num_experts = logits.shape
+        forced = torch.zeros_like(logits, dtype=torch.bool)
+        slots = torch.arange(n * self.top_k, device=u.device)
+        forced.view(-1)[(slots // self.top_k) * num_experts + slots % num_experts] = True
+        with torch.no_grad():
+            lift = (logits.amax(-1, keepdim=True) - logits.amin(-1, keepdim=True)) + 1.0
+        return logits + forced * lift
+
+
 class DenseModel(nn.Module):
     """Everything but the experts. Same initial weights on every rank for a seed."""
 
@@ -139,7 +169,10 @@ class DenseModel(nn.Module):
         self.mixers = nn.ModuleList(_ConvMixer(d, cfg.kernel) for _ in range(cfg.num_layers))
         self.moe_norms = nn.ModuleList(_RMSNorm(d) for _ in range(cfg.num_layers))
         self.gates = nn.ModuleList(
-            nn.Linear(d, cfg.num_experts, bias=False) for _ in range(cfg.num_layers)
+            BalancedGate(d, cfg.num_experts, cfg.top_k)
+            if cfg.router == "balanced"
+            else nn.Linear(d, cfg.num_experts, bias=False)
+            for _ in range(cfg.num_layers)
         )
         self.final_norm = _RMSNorm(d)
 

@@ -26,6 +26,8 @@ class ReferenceLM(nn.Module):
 
     def __init__(self, cfg: LMConfig) -> None:
         super().__init__()
+        if cfg.router != "learned":
+            raise ValueError(f"the reference routes by the learned gate only, not {cfg.router!r}")
         self.cfg = cfg
         self.dense = DenseModel(cfg)
         self.w1 = nn.ParameterList()
