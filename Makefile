@@ -9,7 +9,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 
 .DEFAULT_GOAL := help
 .PHONY: help setup demo demo-planner test test-unit test-integration lint fmt typecheck bench \
-	bench-planner bench-balance bench-migration bench-soak bench-runtime bench-checkpoint clean serve proto emulate-up emulate-down emulate-status emulate-rayup ci-deps results mutate
+	bench-planner bench-balance bench-balance-cores bench-migration bench-soak bench-runtime bench-checkpoint clean serve proto emulate-up emulate-down emulate-status emulate-rayup ci-deps results mutate
 
 help: ## list the verbs
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -61,7 +61,7 @@ fmt: setup ## apply ruff's formatting and safe fixes
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-bench: bench-planner bench-balance bench-migration bench-api bench-runtime bench-checkpoint ## every benchmark (not the soak)
+bench: bench-planner bench-balance bench-balance-cores bench-migration bench-api bench-runtime bench-checkpoint ## every benchmark (not the soak)
 
 serve: setup ## controller + REST/dashboard (127.0.0.1:8700) + gRPC (127.0.0.1:8701), no Ray workers
 	$(VENV)/bin/expertmesh serve --topology deploy/topologies/two-dc.yaml
@@ -88,6 +88,10 @@ bench-balance: setup ## balancing: quota solve ms at 8/16/64 ranks, replica econ
 	@mkdir -p $(OUT)
 	$(PY) bench/bench_balance.py
 	$(PY) bench/bench_balance_train.py --json $(OUT)/bench-balance-train.json
+
+bench-balance-cores: setup ## balancing on vs off end to end where it can show: 2 ranks pinned to their own cores, experts that dominate the step; static, fast loop, slow loop, force-balanced ideal (~6 min)
+	@mkdir -p $(OUT)
+	$(PY) bench/bench_balance_cores.py --json $(OUT)/bench-balance-cores.json
 
 results: setup ## docs/results.md: simulator sweeps (bandwidth, DCs, regimes, dispatch, FEPLB), 1,000-DC run and plan, growth (7.5-11 min on 2 idle cores)
 	$(PY) bench/results.py
