@@ -89,7 +89,7 @@ bench-balance: setup ## balancing: quota solve ms at 8/16/64 ranks, replica econ
 	$(PY) bench/bench_balance.py
 	$(PY) bench/bench_balance_train.py --json $(OUT)/bench-balance-train.json
 
-bench-balance-cores: setup ## balancing on vs off end to end where it can show: 2 ranks pinned to their own cores, experts that dominate the step; static, fast loop, slow loop, force-balanced ideal (~6 min)
+bench-balance-cores: setup ## balancing on vs off end to end where it can show: 2 ranks pinned to their own cores, experts that dominate the step; static, fast loop, slow loop, force-balanced ideal (~2 min)
 	@mkdir -p $(OUT)
 	$(PY) bench/bench_balance_cores.py --json $(OUT)/bench-balance-cores.json
 
