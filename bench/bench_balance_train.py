@@ -8,9 +8,11 @@ plane, one local Ray cluster for the run, a fresh runtime per row (same seed and
 1. **Balance** at 1 Gbit/s, 20 ms: per microbatch and layer the measured max/mean of the
    assignments each rank computed (``1 / balancedness``; with 1 microbatch per step each
    layer of a step is one microbatch), for ``hybrid`` with the fast loop (``balance=True``,
-   ``reserve_slots: 1`` as the demo), ``hybrid`` slow loop only (``balance=False``) and
-   ``static``; beside them static EP on the fast loop's own tokens (``imbalance_static``)
-   and the floor the fast loop can reach: it balances inside each DC only, so a layer's
+   ``reserve_slots: 1`` as the demo; crossing tokens' DCs chosen every microbatch from the
+   world's counts, ``spread=True``, and, as before, by the plan's route), ``hybrid`` slow
+   loop only (``balance=False``) and ``static``; beside them static EP on the fast loop's
+   own tokens (``imbalance_static``) and the floor the fast loop can reach: it balances
+   inside each DC only, so a layer's
    max/mean is at least (max over DCs of the DC's mean) / (global mean), from the same
    tokens. Medians over the steps after the first plan switched in.
 2. **Time**: end-to-end median step (``seconds``) with balancing on vs off, and the exposed
@@ -62,10 +64,11 @@ from expertmesh.runtime.settings import RuntimeSettings  # noqa: E402
 from expertmesh.workers.model import LMConfig  # noqa: E402
 
 EXPERTS, SPARE, RANKS_PER_DC, LATENCY_MS = 24, 2, 3, 20.0
-MODES = {  # label -> (policy, fast loop)
-    "hybrid + fast loop": ("hybrid", True),
-    "hybrid, slow loop only": ("hybrid", False),
-    "static": ("static", False),
+MODES = {  # label -> (policy, fast loop, crossing tokens' DCs per microbatch)
+    "hybrid + fast loop": ("hybrid", True, True),
+    "hybrid + fast loop, route's DCs": ("hybrid", True, False),
+    "hybrid, slow loop only": ("hybrid", False, False),
+    "static": ("static", False, False),
 }
 
 
@@ -84,7 +87,7 @@ def settings(
     migration: str = "background",
     every: int | None = None,
 ) -> RuntimeSettings:
-    policy, fast = MODES[mode]
+    policy, fast, spread = MODES[mode]
     return RuntimeSettings(
         topology=topo.to_dict(),
         lm=lm,
@@ -92,6 +95,7 @@ def settings(
         policy_settings={"reserve_slots": 1} if policy == "hybrid" and fast else {},
         trigger=Trigger(mode="every_n", every=every or args.every),
         balance=fast,
+        spread=spread,
         corpus_bytes=args.corpus_bytes,
         migration=migration,  # type: ignore[arg-type]
     )
@@ -226,7 +230,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         print(f"cluster up in {cluster.start_seconds:.1f}s", flush=True)
         if not args.quick:
             run_spmd(settings(topology(3, 1e4, 0.0), lm, "static", args), 2)  # warm-up, unused
-        for gbps in args.migration_gbps:  # background vs boundary migration, same run
+        for gbps in (
+            args.migration_gbps if args.migration else []
+        ):  # background vs boundary migration, same run
             group = {}
             for mig in ("boundary", "background"):
                 st = settings(topology(3, gbps), lm, "hybrid + fast loop", args, mig, every=2)
@@ -402,6 +408,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--migration-steps", type=int, default=10, help="steps per migration row")
     p.add_argument(
         "--no-links", dest="links", action="store_false", help="leave out part 3 (20 Mbit/s rows)"
+    )
+    p.add_argument(
+        "--no-migration",
+        dest="migration",
+        action="store_false",
+        help="leave out part 0 (background vs boundary migration rows)",
     )
     p.add_argument(
         "--migration-gbps", default="1,0.02", help="inter-DC Gbit/s of the migration rows"

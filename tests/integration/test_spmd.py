@@ -43,6 +43,7 @@ def _train(
     balance: bool = False,
     k: int = 1,
     background: bool = False,
+    spread: bool = True,
 ) -> dict[str, Any]:
     from expertmesh.workers.spmd import SpmdRank
 
@@ -51,7 +52,7 @@ def _train(
         topo.num_ranks, topo.slots_per_rank, CFG.num_experts, topo.masters_per_rank
     )
     cfg = CFG.model_copy(update={"microbatches": k})
-    rank = SpmdRank(comm, cfg, CORPUS, [static] * CFG.num_layers, balance=balance)
+    rank = SpmdRank(comm, cfg, CORPUS, [static] * CFG.num_layers, balance=balance, spread=spread)
     current: list[Placement] = [static] * CFG.num_layers
     out: dict[str, Any] = {"losses": [], "stats": [], "migration": []}
     if background:  # plan s+1 prepared after step s, in flight during step s+1, switched
@@ -78,18 +79,20 @@ def _train(
 
 
 @pytest.mark.parametrize(
-    ("dcs", "balance", "k", "background"),
-    [(2, False, 1, False), (3, False, 1, False), (3, True, 2, False), (2, False, 1, True),
-     (3, True, 2, True)],
+    ("dcs", "balance", "k", "background", "spread"),
+    [(2, False, 1, False, True), (3, False, 1, False, True), (3, True, 2, False, True),
+     (2, False, 1, True, True), (3, True, 2, True, True), (3, True, 1, False, False)],
 )  # fmt: skip
 def test_spmd_training_equals_the_reference_under_plan_changes(
-    dcs: int, balance: bool, k: int, background: bool
+    dcs: int, balance: bool, k: int, background: bool, spread: bool
 ) -> None:
     """``background``: each plan's moved masters travel during the step after it is
     offered and that step's sync switches (:meth:`SpmdRank.prepare`); else the plan's
-    migration rounds run between steps (:meth:`SpmdRank.apply_plan`)."""
+    migration rounds run between steps (:meth:`SpmdRank.apply_plan`). ``spread`` (with the
+    fast loop): crossing tokens' DCs from the world's counts every microbatch; off: the
+    plan's route picks them."""
     topo = Topology.generate(dcs, 2, masters=2 if dcs == 2 else 1, spare=3)
-    res = run_ranks(_train, topo.rank_dc, topo.to_dict(), dcs, balance, k, background)
+    res = run_ranks(_train, topo.rank_dc, topo.to_dict(), dcs, balance, k, background, spread)
     ref = ReferenceLM(CFG.model_copy(update={"microbatches": k}))
     ranks = list(range(topo.num_ranks))
     want = [ref.train_step(CORPUS, s, ranks) for s in range(STEPS)]

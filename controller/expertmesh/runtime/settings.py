@@ -55,6 +55,12 @@ class RuntimeSettings(BaseModel):
         description="the fast loop: quota inside each DC on every microbatch's exact counts "
         "(replicas in free slots, tokens by quota); off: the plan's route splits tokens",
     )
+    spread: bool = Field(
+        default=True,
+        description="with the fast loop: every microbatch, tokens whose DC lacks their expert "
+        "go to the holding DCs so that the DCs' tokens per rank even out (the world's exact "
+        "counts, all-gathered); off: to the DC the plan's route names",
+    )
     migration: Literal["background", "boundary"] = Field(
         default="background",
         description="a new plan's moved masters travel in the background during the step "

@@ -169,8 +169,9 @@ class SpmdWorker(WorkerResume):
         )  # fmt: skip
         if self.state is None:
             self.state = SpmdRank(
-                comm, self.settings.lm, self.corpus, self.placements, balance=self.settings.balance
-            )
+                comm, self.settings.lm, self.corpus, self.placements,
+                balance=self.settings.balance, spread=self.settings.spread,
+            )  # fmt: skip
         else:
             self.state.rebind(comm)
         self.loads.joined(comm.leader, comm.my_dc.ranks)

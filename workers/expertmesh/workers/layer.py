@@ -6,6 +6,10 @@
    per-expert ``counts`` [E] of this rank go to ``on_counts`` (load reports);
 2. destinations: each assignment (token, expert) goes to a rank holding the expert, split
    by the committed route's shares (:func:`~expertmesh.workers.moe.assign_destinations`);
+   with the fast loop (``balance``, ``spread``), the world's exact counts are all-gathered
+   instead and every rank makes the same split by DC
+   (:func:`~expertmesh.planner.dcsplit.split_dcs`): a token whose DC holds its expert stays
+   home, the others cross to the holders so that the DCs' tokens per rank even out;
 3. dispatch, hierarchical (the NVIDIA Hybrid-EP structure): a token crosses each DC pair
    once, to the *relay* of the remote DC (:func:`~expertmesh.workers.moe.relay_rank`),
    which fans it out inside its DC (stage A over the world group, stage B over the DC's);
@@ -35,11 +39,17 @@ import numpy as np
 import torch
 from torch import nn
 
+from expertmesh.planner.dcsplit import split_dcs
 from expertmesh.planner.plan import Placement
 from expertmesh.workers.balance import DomainBase, solve
 from expertmesh.workers.comm import Comm, exchange
 from expertmesh.workers.model import ExpertWeights, expert_forward
-from expertmesh.workers.moe import assign_destinations, relay_rank
+from expertmesh.workers.moe import (
+    assign_destinations,
+    relay_counts,
+    relay_rank,
+    split_destinations,
+)
 
 __all__ = ["LayerPlan", "MoELayer"]
 
@@ -91,7 +101,11 @@ class MoELayer(nn.Module):
     given). ``experts``: initial weights of the experts this rank holds under ``plan``
     (W1, W3 [d, ffn_hidden], W2 [ffn_hidden, d]). ``balance``: the fast loop (quota inside
     the DC on the exact counts of every microbatch, :mod:`expertmesh.workers.balance`)
-    decides which rank of the DC computes each assignment, instead of the plan's route.
+    decides which rank of the DC computes each assignment, instead of the plan's route;
+    with ``spread`` (and ``balance``) it also picks, every microbatch, which holding DC
+    computes each token that must cross (:func:`~expertmesh.planner.dcsplit.split_dcs` on
+    the world's all-gathered counts, which then stand in for the DC's own all-gather), to
+    the cheapest holders by the link shaper's bandwidths when it has them.
     """
 
     def __init__(
@@ -105,17 +119,18 @@ class MoELayer(nn.Module):
         gate: nn.Linear,
         on_counts: Callable[[np.ndarray], None] | None = None,
         balance: bool = False,
+        spread: bool = True,
     ) -> None:
         super().__init__()
         self.comm, self.top_k, self.gate, self.ffn_hidden = comm, top_k, gate, ffn_hidden
         self.balance = balance  # the fast loop: quota inside the DC every microbatch
+        self.spread = spread  # with it: crossing tokens' DCs from the world's exact counts
         self.num_experts = gate.out_features
         self.on_counts = on_counts
         self.experts = nn.ParameterDict()
         self.plan = plan
         self.set_experts(experts)
-        self.cross = plan.crosses(comm.rank_dc)
-        self.base = DomainBase.of(plan.placement, comm.dc_ranks[comm.dc])
+        self._bases()
         self.temp: dict[int, ExpertWeights] = {}  # this microbatch's fetched replicas
         self.fetched = np.zeros((0, 3), np.int64)  # (src_local, dst_local, expert)
         self.replicas = 0  # replicas the fast loop added in the last forward (this DC)
@@ -128,6 +143,9 @@ class MoELayer(nn.Module):
         self.crossings = np.zeros(comm.num_dcs, np.int64)  # distinct tokens sent per DC
         self.routed = np.zeros((0, 4), np.int64)  # [N, 4] (rank, expert, dst, assignments)
         self.expert_seconds = 0.0
+        self.spread_seconds = 0.0  # world counts all-gather + split by DC, last forward
+        self.floor = 1.0  # the split's max DC tokens per rank / mean, last forward
+        self._dc_counts: np.ndarray | None = None  # [Rd, E] this DC's, from the split
 
     # ---- the experts this rank holds ----
 
@@ -153,14 +171,29 @@ class MoELayer(nn.Module):
             raise ValueError(f"rank {self.comm.rank} needs experts {want}, got {sorted(experts)}")
         self.plan = plan
         self.set_experts(experts)
-        self.cross = plan.crosses(self.comm.rank_dc)
-        self.base = DomainBase.of(plan.placement, self.comm.dc_ranks[self.comm.dc])
+        self._bases()
 
     def rebind(self, comm: Comm) -> None:
         """Use ``comm``'s process groups from now on (after the groups re-formed)."""
         self.comm = comm
-        self.cross = self.plan.crosses(comm.rank_dc)
-        self.base = DomainBase.of(self.plan.placement, comm.dc_ranks[comm.dc])
+        self._bases()
+
+    def _bases(self) -> None:
+        """What the plan and the live ranks fix for every microbatch: whether tokens may
+        cross, this DC's base, each DC's holders ([D, E]: the lowest live rank holding the
+        expert, -1 none) and the cost per byte between DCs (the shaper's, else equal)."""
+        c, plan = self.comm, self.plan
+        self.cross = plan.crosses(c.rank_dc)
+        self.base = DomainBase.of(plan.placement, c.dc_ranks[c.dc])
+        holder = np.full((c.num_dcs, self.num_experts), -1, np.int64)
+        for d in range(c.num_dcs):
+            for r in c.dc_ranks[d][::-1].tolist():  # the lowest rank written last
+                holder[d, plan.holds[r]] = r
+        self.dc_holder = holder
+        self.dc_cost = None
+        if c.shaper is not None:
+            bw = np.asarray(c.shaper.bandwidth_Bps, dtype=np.float64)
+            self.dc_cost = np.where(np.eye(c.num_dcs, dtype=bool), 0.0, 1.0 / bw)
 
     # ---- forward ----
 
@@ -174,15 +207,35 @@ class MoELayer(nn.Module):
         if self.on_counts is not None:
             self.on_counts(self.counts)
         c = self.comm
-        dst = assign_destinations(
-            c.rank, idx_np, self.plan.route, self.plan.holds, c.rank_dc
-        ).reshape(-1)
+        self._dc_counts, self.spread_seconds = None, 0.0
+        if self.balance and self.spread and self.cross:
+            dst = self._spread(idx_np).reshape(-1)
+        else:
+            dst = assign_destinations(
+                c.rank, idx_np, self.plan.route, self.plan.holds, c.rank_dc
+            ).reshape(-1)
         flat_e = idx_np.reshape(-1)
         key, num = np.unique(flat_e.astype(np.int64) * len(c.rank_dc) + dst, return_counts=True)
         self.routed = np.stack(
             [np.full_like(key, c.rank), key // len(c.rank_dc), key % len(c.rank_dc), num], 1
         )
         return self._dispatch_combine(u, w.reshape(-1), flat_e, dst)
+
+    def _spread(self, idx: np.ndarray) -> np.ndarray:
+        """Destinations of this rank's assignments ``idx`` [n, k] by the world's split by DC
+        (every rank computes the same from the same all-gathered counts); keeps this DC's
+        counts after the dispatch for :meth:`_balance`."""
+        t0 = time.perf_counter()
+        c = self.comm
+        rows = c.all_gather_rows(self.counts, c.world)  # [G, E]
+        counts = np.zeros((c.rank_dc.size, self.num_experts), np.int64)  # [R, E]
+        counts[c.world.ranks] = rows
+        split = split_dcs(counts, self.dc_holder >= 0, c.rank_dc, self.dc_cost)
+        self.floor = split.floor
+        self._dc_counts = relay_counts(split.tokens, c.dc, c.rank_dc)
+        dst = split_destinations(idx, split.tokens[c.rank], self.dc_holder)
+        self.spread_seconds = time.perf_counter() - t0
+        return dst
 
     def _dispatch_combine(
         self, u: torch.Tensor, w: torch.Tensor, flat_e: np.ndarray, dst: np.ndarray
@@ -262,7 +315,12 @@ class MoELayer(nn.Module):
         c, base = self.comm, self.base
         grp = c.my_dc
         mine = np.bincount(experts, minlength=self.num_experts)
-        counts = c.all_gather_rows(mine, grp)  # [Rd, E]
+        if self._dc_counts is None:
+            counts = c.all_gather_rows(mine, grp)  # [Rd, E]
+        else:  # the world's split says what every rank of this DC holds now
+            counts = self._dc_counts
+            if not np.array_equal(counts[grp.index[c.rank]], mine):
+                raise ValueError(f"rank {c.rank}: the tokens that arrived differ from the split")
         step = solve(counts, base)
         self.replicas = int(step.replicas.shape[0])
         self._fetch(step.fetch)
@@ -275,7 +333,7 @@ class MoELayer(nn.Module):
             r = rows[rows[:, 1] == e]
             ids = order[starts[e] : starts[e + 1]]
             dst[ids] = base.ranks[np.repeat(r[:, 2], r[:, 3])]
-        self.balance_seconds = time.perf_counter() - t0
+        self.balance_seconds = time.perf_counter() - t0 + self.spread_seconds
         return dst
 
     def _splits(self, fetch: np.ndarray) -> tuple[list[int], list[int], list[int], list[int]]:

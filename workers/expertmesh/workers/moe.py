@@ -3,8 +3,11 @@ uses them).
 
 - :func:`assign_destinations`: which rank computes each of a source rank's
   top-k assignments, following the committed plan's route.
+- :func:`split_destinations`: the same from a per-microbatch split by DC
+  (:func:`~expertmesh.planner.dcsplit.split_dcs`), to a holder in each DC.
 - :func:`relay_rank`: the rank of a remote DC that receives a source's WAN
-  bundle and fans it out inside that DC (hierarchical dispatch).
+  bundle and fans it out inside that DC (hierarchical dispatch);
+  :func:`relay_counts`: what each rank of a DC holds after that dispatch.
 - :func:`adam_`: the optimizer step masters (and every rank, for dense weights) run.
 
 Shapes: ``n`` tokens, ``k`` top-k, ``d`` hidden, ``E`` experts, ``R`` ranks,
@@ -16,7 +19,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["adam_", "assign_destinations", "largest_remainder", "relay_rank"]
+__all__ = [
+    "adam_",
+    "assign_destinations",
+    "largest_remainder",
+    "relay_counts",
+    "relay_rank",
+    "split_destinations",
+]
 
 
 def largest_remainder(total: int, weights: np.ndarray, offset: int = 0) -> np.ndarray:
@@ -78,6 +88,46 @@ def assign_destinations(
         split = largest_remainder(c, shares, offset=rank)
         dst[order[s : s + c]] = np.repeat(ranks, split)
     return dst.reshape(idx.shape)
+
+
+def split_destinations(idx: np.ndarray, tokens: np.ndarray, holder: np.ndarray) -> np.ndarray:
+    """Destination rank of every assignment of one source rank, by a split per DC.
+
+    - ``idx``: [n, k] expert of each token's k-th choice;
+    - ``tokens``: [E, D] this rank's tokens of each expert that each DC computes (row ``e``
+      sums to the assignments of ``e`` in ``idx``); in token order, DC by DC;
+    - ``holder``: [D, E] the rank of DC ``d`` that receives its tokens of ``e`` (a rank
+      holding ``e``; the DC's fast loop decides which of its ranks computes them), ``-1``
+      where the DC holds no copy.
+
+    Returns ``dst`` [n, k] int64. ``ValueError`` if a row does not match ``idx`` or sends
+    tokens to a DC without a copy."""
+    flat = idx.reshape(-1)
+    dst = np.empty(flat.size, dtype=np.int64)
+    order = np.argsort(flat, kind="stable")
+    experts, starts, counts = np.unique(flat[order], return_index=True, return_counts=True)
+    for e, s, c in zip(experts.tolist(), starts.tolist(), counts.tolist(), strict=True):
+        split = tokens[e]
+        if int(split.sum()) != c or (holder[split > 0, e] < 0).any():
+            raise ValueError(f"the split of expert {e} does not fit its {c} assignments")
+        dst[order[s : s + c]] = np.repeat(holder[:, e], split)
+    return dst.reshape(idx.shape)
+
+
+def relay_counts(tokens: np.ndarray, dc: int, rank_dc: np.ndarray) -> np.ndarray:
+    """[Rd, E] assignments each rank of DC ``dc`` holds after the cross-DC dispatch (its
+    own, and what arrives as relay: :func:`relay_rank`), from ``tokens`` [R, E, D], the
+    world's split by DC; ``rank_dc`` [R] (``-1``: not taking part). Rows: the DC's ranks
+    ascending."""
+    ranks = np.flatnonzero(rank_dc == dc)
+    pos = np.zeros(rank_dc.size, np.int64)  # each rank's index inside its DC
+    for d in np.unique(rank_dc[rank_dc >= 0]).tolist():
+        members = np.flatnonzero(rank_dc == d)
+        pos[members] = np.arange(members.size)
+    live = np.flatnonzero(rank_dc >= 0)
+    out = np.zeros((ranks.size, tokens.shape[1]), np.int64)
+    np.add.at(out, pos[live] % ranks.size, tokens[live, :, dc])
+    return out
 
 
 def relay_rank(src: int, dc: int, rank_dc: np.ndarray) -> int:
