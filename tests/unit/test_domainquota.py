@@ -239,3 +239,20 @@ def test_routing_in_blocks_of_dcs_gives_the_same_rows(monkeypatch):
         monkeypatch.setattr(dq, "_ROUTE_CELLS", 1)  # one DC per block
         assert sorted(domain_route(load, sol, topo).tolist()) == whole
         monkeypatch.undo()
+
+
+def test_rehome_with_a_reserve_keeps_a_free_slot_on_every_rank_it_can():
+    """DC 0: rank 0 holds two cold masters and a copy of expert 5, rank 1 one master and
+    another copy of 5. By work alone rank 0 (least loaded) keeps 5 and is full; with
+    ``reserve=1`` rank 1 keeps it, so both ranks keep a free slot for the fast loop."""
+    topo = Topology.generate(2, 2, masters=2, spare=1)  # 2 DCs x 2 ranks x 3 slots
+    p2l = np.array([[0, 1, 5], [2, 5, -1], [3, 4, -1], [5, 6, 7]], np.int32)
+    master = np.array([0, 1, 3, 6, 7, 9, 10, 11])
+    p = Placement(p2l, master)
+    load = np.ones((4, 8), np.int64)
+    load[:2, 2] = 500  # rank 1's master is hot
+    plain = rehome(p, load, topo)
+    kept = rehome(p, load, topo, 1)
+    assert plain.phy2log[0].tolist() == [0, 1, 5] and plain.phy2log[1].tolist() == [2, -1, -1]
+    assert kept.phy2log[0].tolist() == [0, 1, -1] and kept.phy2log[1].tolist() == [2, 5, -1]
+    assert np.array_equal(dc_holds(kept, topo), dc_holds(plain, topo))

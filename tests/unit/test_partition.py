@@ -111,3 +111,22 @@ def test_layout_invariants(seed, gain):
     assert np.array_equal(p.master, base.master)
     flat = p.phy2log.reshape(-1)
     assert np.array_equal(flat[p.master], np.arange(8))
+
+
+def test_the_reserve_stays_on_every_rank_where_the_dc_has_room():
+    """DC 0's rank 0 holds a cold master, ranks 1-3 hot ones; 3 more copies come in. By
+    work alone they land on the cold rank (least loaded) and fill it; with ``reserve=1``
+    every rank keeps a free slot (4 ranks x 4 slots hold 4 masters + 3 copies)."""
+    count = np.zeros((2, 8), np.int64)
+    count[0, :4] = count[1, 4:] = 1  # masters
+    count[0, 4:7] = 1  # three copies of DC 1's experts
+    local = np.ones((2, 8))
+    local[0, 1:4] = 500.0  # the masters of ranks 1-3 are hot (static: rank r holds r)
+    base, d = _demand(count, local)
+    plain = partition_domains(TOPO, d)
+    kept = partition_domains(TOPO, DomainDemand(**{**d.__dict__, "reserve": 1}))
+    free = (kept.phy2log[:4] < 0).sum(axis=1)
+    assert free.min() >= 1, kept.phy2log[:4]
+    assert ((plain.phy2log[:4] < 0).sum(axis=1) == 0).any()  # the work-only layout fills one
+    np.testing.assert_array_equal(_counts(kept), count)
+    np.testing.assert_array_equal(kept.master, base.master)

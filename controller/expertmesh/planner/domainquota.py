@@ -369,12 +369,18 @@ def domain_traffic(
     )  # fmt: skip
 
 
-def rehome(placement: Placement, load: np.ndarray, topology: Topology) -> Placement:
+def rehome(
+    placement: Placement, load: np.ndarray, topology: Topology, reserve: int = 0
+) -> Placement:
     """The base of a placement that may hold some ``(d, e)`` more than once (last
     microbatch's replicas): masters stay in their slots, every other held ``(d, e)`` keeps
     exactly one of its copies in ``d``, in its slot. Copies are kept heaviest first (on
     ``load`` [R, E]: the DC's own tokens plus an even share of the tokens of DCs without
-    ``e``) on the holder with the least work so far; masters count first. Nothing moves."""
+    ``e``) on the holder with the least work so far; masters count first. ``reserve``:
+    a holder whose kept copies would leave fewer than ``reserve`` free slots is passed
+    over while another holder has room (the fast loop's spare slots stay spread over the
+    ranks: a rank full of cold experts cannot take a replica of a hot one). Nothing
+    moves."""
     num_ranks, num_slots = placement.phy2log.shape
     num_experts = int(placement.master.size)
     rank_dc = topology.rank_dc
@@ -395,6 +401,7 @@ def rehome(placement: Placement, load: np.ndarray, topology: Topology) -> Placem
     single = (home[d, e] < 0) & (count[d, e] == 1)
     home[d[single], e[single]] = r[single]
     np.add.at(work, r[single], weight[d[single], e[single]])
+    kept = np.bincount(mrank, minlength=num_ranks) + np.bincount(r[single], minlength=num_ranks)
     d, e = np.nonzero((home < 0) & holds)  # held more than once, home not chosen yet
     if d.size:
         sizes = np.bincount(rank_dc, minlength=topology.num_dcs)
@@ -409,10 +416,13 @@ def rehome(placement: Placement, load: np.ndarray, topology: Topology) -> Placem
             dd, ee = d[pos == i], e[pos == i]
             rr = ranks[dd]  # [n, width]
             ok = valid[dd] & holds_r[rr, ee[:, None]]
+            roomy = ok & (kept[rr] < num_slots - reserve)
+            ok = np.where(roomy.any(axis=1)[:, None], roomy, ok)
             col = np.argmin(np.where(ok, work[rr], np.inf), axis=1)
             chosen = rr[np.arange(dd.size), col]
             home[dd, ee] = chosen
             np.add.at(work, chosen, weight[dd, ee])
+            np.add.at(kept, chosen, 1)
     keep = np.zeros((num_ranks, num_slots), bool)
     keep.reshape(-1)[placement.master] = True
     d, e = np.nonzero(home >= 0)

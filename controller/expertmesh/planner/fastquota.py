@@ -128,10 +128,17 @@ class BalanceSettings(BaseModel):
     max_replicas_per_expert: int | None = Field(
         default=None, ge=1, description="at most this many replicas of one expert (None: no bound)"
     )
+    chains: bool = Field(
+        default=True,
+        description="after the rule, the workers' solve shifts tokens along chains of copies "
+        "(planner/chains.py: an overloaded rank's free slot takes another's excess while "
+        "a rank below takes more of its expert); the rule alone makes receivers of ranks "
+        "below T only",
+    )
 
 
 # the rule alone: the smallest T, every replica it makes (quota's own results)
-EXACT = BalanceSettings(tolerance=0.0, min_replica_share=0.0)
+EXACT = BalanceSettings(tolerance=0.0, min_replica_share=0.0, chains=False)
 DEFAULTS = BalanceSettings()
 
 

@@ -228,7 +228,8 @@ def plan_hybrid(
     # faster by min_gain (on an estimate, a hair's gain is noise and costs a migration)
     keep = previous if previous is not None else _masters_only(masters)
     if cfg.inside == "quota":
-        keep = rehome(keep, load, topology)  # last microbatch's replicas are not the plan
+        # last microbatch's replicas are not the plan
+        keep = rehome(keep, load, topology, cfg.reserve_slots)
     guard = GuardCosts(inp, _guard_cost)  # equal candidates scored once, hopeless ones not at all
     keep_cost = guard(keep)
     pair_sets = [_replicas(pairs, jc) for jc in _unique(choices)]
@@ -316,6 +317,7 @@ def _build(
         master_dc=mdc,
         master_slot=np.where(move, -1, masters.master),
         gain=_split_gain(inp) if inp.cfg.inside == "split" else np.full(dc_load.shape[0], np.inf),
+        reserve=inp.cfg.reserve_slots,
     )
     return partition_domains(inp.topology, demand, inp.previous)
 
@@ -547,7 +549,7 @@ class HybridPolicy(Policy):
         t0 = time.process_time()
         dom = self._domains(t)
         if base is None or dom is not None:
-            base = rehome(cast(Placement, base or prev), ctx.load, dom or t)
+            base = rehome(cast(Placement, base or prev), ctx.load, dom or t, self.cfg.reserve_slots)
         sol, traffic, _ = compose(ctx.load, base, t, ctx.model, self.cfg, before=before, domain=dom)
         self._last = (ctx, sol, traffic, dom or t)
         self.copy_domain = (dom or t).rank_dc

@@ -38,6 +38,9 @@ class DomainDemand:
       a master that stays where it is, ``-1`` for one to place in ``master_dc``.
     - ``gain``: [D] tokens an extra local copy must take off the busiest copy to be worth
       its sync (``inf``: never split).
+    - ``reserve``: slots each rank keeps free where its DC has room (the fast loop's spare
+      slots: a rank full of cold experts cannot take a replica of a hot one); copies go
+      into a rank's reserve only once every rank of the DC is down to its reserve.
     """
 
     count: np.ndarray
@@ -46,6 +49,7 @@ class DomainDemand:
     master_dc: np.ndarray
     master_slot: np.ndarray
     gain: np.ndarray
+    reserve: int = 0
 
 
 def _splits(topology: Topology, demand: DomainDemand, free: np.ndarray) -> np.ndarray:
@@ -116,10 +120,12 @@ def partition_domains(
     np.add.at(rank_w, mr, demand.local[md, stay] / count[md, stay] + remote_share[stay])
     where = np.full(cd.size, -1, np.int64)
     if previous is not None:
-        _keep(topology, previous, phy2log, (cd, ce, is_master), where)
+        _keep(topology, previous, phy2log, (cd, ce, is_master), where, reserve=demand.reserve)
         kept = where >= 0
         np.add.at(rank_w, where[kept], weight[kept])
-    _lpt(topology, phy2log, (cd, ce, weight), rank_w, where)
+    _lpt(topology, phy2log, (cd, ce, weight), rank_w, where, reserve=demand.reserve)
+    if demand.reserve:  # what did not fit outside the reserve goes into it
+        _lpt(topology, phy2log, (cd, ce, weight), rank_w, where)
     # a local split whose only free slots sit on ranks that hold the expert is dropped; a
     # master in that spot takes over one of its DC's copies instead
     for i in np.flatnonzero(is_master):
@@ -139,9 +145,12 @@ def _keep(
     phy2log: np.ndarray,
     copies: tuple[np.ndarray, np.ndarray, np.ndarray],
     where: np.ndarray,
+    *,
+    reserve: int = 0,
 ) -> None:
     """Copies that a rank of the same DC held before stay on that rank (non-master copies
-    first take the previous replicas, a moved master takes any previous copy)."""
+    first take the previous replicas, a moved master takes any previous copy), where it
+    has more than ``reserve`` free slots."""
     cd, ce, _ = copies
     num_experts = int(previous.master.size)
     r, s = np.nonzero(previous.phy2log >= 0)
@@ -165,7 +174,7 @@ def _keep(
         if rank is None:
             continue
         slot = np.flatnonzero(phy2log[rank] < 0)
-        if slot.size == 0 or (phy2log[rank] == ce[i]).any():
+        if slot.size <= reserve or (phy2log[rank] == ce[i]).any():
             continue
         phy2log[rank, slot[0]] = ce[i]
         where[i] = rank
@@ -177,9 +186,12 @@ def _lpt(
     copies: tuple[np.ndarray, np.ndarray, np.ndarray],
     rank_w: np.ndarray,
     where: np.ndarray,
+    *,
+    reserve: int = 0,
 ) -> None:
     """Place copies with ``where < 0``: heaviest first per DC, onto the least-loaded rank of
-    its DC with a free slot that does not hold the expert. Vectorized over DCs."""
+    its DC with a free slot beyond ``reserve`` that does not hold the expert (copies that
+    find none stay unplaced). Vectorized over DCs."""
     cd, ce, weight = copies
     todo = np.flatnonzero(where < 0)
     if todo.size == 0:
@@ -190,7 +202,7 @@ def _lpt(
     valid = np.arange(width)[None, :] < sizes[:, None]
     ranks = np.where(valid, first[:, None] + np.arange(width)[None, :], 0)  # [D, width]
     load = np.where(valid, rank_w[ranks], np.inf)
-    room = np.where(valid, (phy2log < 0).sum(axis=1)[ranks], 0)
+    room = np.where(valid, np.maximum((phy2log < 0).sum(axis=1) - reserve, 0)[ranks], 0)
     order = todo[np.lexsort((-weight[todo], cd[todo]))]
     dd = cd[order]
     pos = np.arange(order.size) - np.searchsorted(dd, dd, "left")
@@ -208,4 +220,5 @@ def _lpt(
         phy2log[rank, slot] = ce[take]
         where[take] = rank
         load[dcs, col] += weight[take]
+        rank_w[rank] += weight[take]  # one copy per DC a round: the ranks are distinct
         room[dcs, col] -= 1

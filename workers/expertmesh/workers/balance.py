@@ -2,8 +2,9 @@
 
 The slow loop's plan fixes which experts each DC holds and where their weights live.
 :class:`DomainBase` turns a committed plan into one DC's *base*: each expert the DC holds
-has one *home* copy (its master when the master is in the DC, else the DC's lowest rank
-holding it); every other slot is free for this microbatch's replicas (a free slot that
+has one *home* copy (its master when the master is in the DC, else, of its copies in the
+DC, the one on the rank with the fewest homes so far, so that the free slots spread over
+the ranks: a rank full of homes cannot take a replica); every other slot is free for this microbatch's replicas (a free slot that
 already holds an expert's weights, a slow-loop copy, serves that expert's replica
 without any transfer).
 
@@ -13,7 +14,10 @@ the planner's quota rule (:func:`~expertmesh.planner.quota.balance_demand`: the 
 ``T`` so that no rank computes more than ``T``, replicas of overloaded experts on ranks
 with spare slots) and its route (:func:`~expertmesh.planner.routing.route_locality`: a
 copy first takes its own rank's tokens, the rest by largest remainder), over the DC's
-held experts as the domain's experts.
+held experts as the domain's experts; then, where the rule left a rank above another,
+tokens shift along chains of copies (:func:`~expertmesh.planner.chains.relieve`: the
+rule only lets ranks below ``T`` receive, which with one spare slot per rank strands
+the excess of a second overloaded rank).
 
 Shapes: ``Rd`` ranks of the DC (local index ``i`` is ``ranks[i]``), ``S`` slots, ``E``
 experts, ``V`` experts the DC holds.
@@ -21,10 +25,12 @@ experts, ``V`` experts the DC holds.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
+from expertmesh.planner.chains import relieve
 from expertmesh.planner.fastquota import DEFAULTS, BalanceSettings, balance_domain, route_rows
 from expertmesh.planner.plan import Placement
 
@@ -58,10 +64,17 @@ class DomainBase:
         master = placement.master_rank()
         experts = np.flatnonzero(holds.any(axis=0))
         local = {int(r): i for i, r in enumerate(ranks.tolist())}
-        home = np.empty(experts.size, np.int64)
-        for v, e in enumerate(experts.tolist()):
-            m = int(master[e])
-            home[v] = local[m] if m in local else int(np.flatnonzero(holds[:, e])[0])
+        home = np.full(experts.size, -1, np.int64)
+        homes = np.zeros(ranks.size, np.int64)  # homes per rank so far
+        for v, e in enumerate(experts.tolist()):  # masters and single copies first
+            m, at = int(master[e]), np.flatnonzero(holds[:, e])
+            if m in local or at.size == 1:
+                home[v] = local[m] if m in local else int(at[0])
+                homes[home[v]] += 1
+        for v in np.flatnonzero(home < 0).tolist():  # then, of several copies, the one on
+            at = np.flatnonzero(holds[:, experts[v]])  # the rank with fewest homes: every
+            home[v] = int(at[np.argmin(homes[at])])  # rank keeps free slots for replicas
+            homes[home[v]] += 1
         num_slots = p2l.shape[1]
         v_p2l = np.full(p2l.shape, -1, np.int32)
         v_master = np.empty(experts.size, np.int64)
@@ -100,7 +113,9 @@ def solve(
     """Balance ``counts`` [Rd, E] (assignments each rank of the DC holds for each expert
     after the cross-DC dispatch) over ``base``. ``replicate=False``: homes only.
     ``settings``: the replica economy (:mod:`expertmesh.planner.fastquota`: a quota within
-    ``tolerance`` of the smallest with fewer replicas, none below ``min_replica_share``).
+    ``tolerance`` of the smallest with fewer replicas, none below ``min_replica_share``)
+    and ``chains``: then tokens shift along chains of copies where the rule left a rank
+    above another (:mod:`expertmesh.planner.chains`; no new replica below the minimum).
     ``ValueError`` if a count names an expert the DC does not hold."""
     counts = np.asarray(counts, dtype=np.int64)
     rd, num_experts = base.resident.shape
@@ -120,6 +135,8 @@ def solve(
         rows = np.stack([src, v, base.home[v], sub[src, v]], axis=1).astype(np.int64)
         rep_rank = rep_v = np.zeros(0, np.int64)
     rows = rows[rows[:, 3] > 0]
+    if replicate and settings.chains and base.experts.size and rows.size:
+        rows, rep_rank, rep_v = _chains(rows, sub, base, rep_rank, settings)
     rows[:, 1] = base.experts[rows[:, 1]]
     rep_e = base.experts[rep_v]
     replicas = np.stack([rep_rank, rep_e], axis=1).astype(np.int64).reshape(-1, 2)
@@ -132,3 +149,60 @@ def solve(
         fetch=fetch.astype(np.int64).reshape(-1, 3),
         quota=int(per_rank.max(initial=0)),
     )
+
+
+def _chains(
+    rows: np.ndarray,
+    sub: np.ndarray,
+    base: DomainBase,
+    rep_rank: np.ndarray,
+    settings: BalanceSettings,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rule's ``rows`` [M, 4] ``(src, v, dst, tokens)`` over ``sub`` [Rd, V] evened out
+    along chains of copies (:func:`~expertmesh.planner.chains.relieve`); returns the new
+    rows and the replicas' ``(rank, v)`` (every copy with tokens but the home)."""
+    rd, num_v = sub.shape
+    comp = np.zeros((rd, num_v), np.int64)
+    np.add.at(comp, (rows[:, 2], rows[:, 1]), rows[:, 3])
+    free = (base.masters.phy2log < 0).sum(axis=1) - np.bincount(rep_rank, minlength=rd)
+    least = max(
+        settings.min_tokens_per_replica,
+        math.ceil(settings.min_replica_share * sub.sum() / rd),
+        1,
+    )
+    new = relieve(comp, base.home, np.maximum(free, 0), least=least)
+    changed = np.flatnonzero((new != comp).any(axis=0))
+    if changed.size:
+        keep = rows[~np.isin(rows[:, 1], changed)]
+        rows = np.concatenate(
+            [keep, *(_rows_of(v, new[:, v], sub[:, v]) for v in changed.tolist())]
+        )
+        rows = rows[np.lexsort((rows[:, 2], rows[:, 1], rows[:, 0]))]
+    is_rep = new > 0
+    is_rep[base.home, np.arange(num_v)] = False
+    rep_rank, rep_v = np.nonzero(is_rep)
+    return rows, rep_rank.astype(np.int64), rep_v.astype(np.int64)
+
+
+def _rows_of(v: int, copies: np.ndarray, sources: np.ndarray) -> np.ndarray:
+    """Rows ``(src, v, dst, tokens)`` giving each copy ``copies[q]`` tokens of ``sources``
+    [Rd] (sums equal): a copy first takes its own rank's tokens, the rest in rank order."""
+    want = copies.astype(np.int64).copy()
+    have = sources.astype(np.int64).copy()
+    out = []
+    own = np.minimum(want, have)
+    for q in np.flatnonzero(own).tolist():
+        out.append((q, v, q, int(own[q])))
+    want -= own
+    have -= own
+    q = 0
+    for src in np.flatnonzero(have).tolist():
+        x = int(have[src])
+        while x > 0:
+            while want[q] == 0:
+                q += 1
+            y = min(x, int(want[q]))
+            out.append((src, v, q, y))
+            want[q] -= y
+            x -= y
+    return np.asarray(out, np.int64).reshape(-1, 4)
