@@ -59,9 +59,14 @@ from spmdbench import (  # noqa: E402
 )
 
 from expertmesh.controller.core import Trigger  # noqa: E402 (after the source roots)
-from expertmesh.planner import Topology  # noqa: E402
+from expertmesh.formats import read_plan, read_trace  # noqa: E402
+from expertmesh.planner import Placement, Topology  # noqa: E402
+from expertmesh.planner.dcsplit import split_dcs  # noqa: E402
+from expertmesh.planner.fastquota import DEFAULTS, EXACT, BalanceSettings  # noqa: E402
 from expertmesh.runtime.settings import RuntimeSettings  # noqa: E402
+from expertmesh.workers.balance import DomainBase, solve  # noqa: E402
 from expertmesh.workers.model import LMConfig  # noqa: E402
+from expertmesh.workers.moe import relay_counts  # noqa: E402
 
 EXPERTS, SPARE, RANKS_PER_DC, LATENCY_MS = 24, 2, 3, 20.0
 MODES = {  # label -> (policy, fast loop, crossing tokens' DCs per microbatch)
@@ -146,6 +151,61 @@ def within_and_floor(run: SpmdRun, steps: list[Any]) -> dict[str, Any]:
             f"{g:g}": wan * 8 / (g * 1e9) for g in (1.0, 0.1, 0.02)
         },  # at 1 Gbit/s, 100 and 20 Mbit/s
         "floor_saved_seconds": statistics.median(saved),
+    }
+
+
+VARIANTS = {  # the fast loop's solve inside each DC, replayed on a run's own counts
+    "as run (economy defaults, chains)": DEFAULTS,
+    "quota rule alone (no chains)": BalanceSettings(chains=False),
+    "exact rule (no economy, no chains)": EXACT,
+    "exact rule + chains": EXACT.model_copy(update={"chains": True}),
+}
+
+
+def replay_within(run: SpmdRun, steps: list[Any]) -> dict[str, Any]:
+    """The fast loop's decisions replayed from the run's trace (``trace.npz``: each step's
+    counts, one microbatch per step; ``plans.npz``: the plan it ran on): the split by DC
+    (:func:`split_dcs`) and, per DC, the solve under each of :data:`VARIANTS`; medians of
+    max/mean, within DC and floor over ``steps``' layers. ``matches``: whether the replay
+    of the settings the run used gives every rank exactly the tokens it computed."""
+    trace = read_trace(run.trace_dir / "trace.npz")
+    plans = read_plan(run.trace_dir / "plans.npz")
+    topo = Topology.from_dict(run.settings.topology)
+    rank_dc = np.asarray(topo.rank_dc)
+    dcs = [np.flatnonzero(rank_dc == d) for d in range(topo.num_dcs)]
+    index = {int(n): i for i, n in enumerate(trace.meta["steps"])} if "steps" in trace.meta else {}
+    out: dict[str, list[tuple[float, float, float]]] = {k: [] for k in VARIANTS}
+    matches = True
+    for s in steps:
+        i = index.get(s.step, s.step)
+        for layer, measured in enumerate(s.tokens_per_layer_rank):
+            counts = trace.load[i, layer].astype(np.int64)
+            placement = Placement(plans.phy2log[i, layer], plans.master[i, layer])
+            holds = np.stack([placement.holds()[m].any(axis=0) for m in dcs])
+            split = split_dcs(counts, holds, rank_dc)
+            for name, st in VARIANTS.items():
+                per = np.zeros(rank_dc.size)
+                for d, ranks in enumerate(dcs):
+                    sol = solve(relay_counts(split.tokens, d, rank_dc),
+                                DomainBase.of(placement, ranks), settings=st)  # fmt: skip
+                    per[ranks] = np.bincount(sol.route[:, 2], weights=sol.route[:, 3],
+                                             minlength=ranks.size)  # fmt: skip
+                within = max(per[m].max() / per[m].mean() for m in dcs)
+                out[name].append((per.max() / per.mean(), within, split.floor))
+                if st is DEFAULTS and not np.array_equal(per, measured):
+                    matches = False
+    med = statistics.median
+    return {
+        "matches": matches,
+        "variants": {
+            k: {
+                "max_over_mean": med(x[0] for x in v),
+                "within_dc": med(x[1] for x in v),
+                "floor": med(x[2] for x in v),
+            }
+            for k, v in out.items()
+            if v
+        },
     }
 
 
@@ -249,6 +309,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         runs = {m: run_spmd(settings(topo, lm, m, args), args.steps) for m in MODES}
         for mode, run in runs.items():
             r = balance_row(mode, run, runs["static"])
+            if mode == "hybrid + fast loop":
+                r["replay"] = replay_within(run, balanced_steps(run))
             out["balance"].append(r)
             print(f"  {args.gbps:g} Gbit/s {_bline(r)}", flush=True)
         for dcs in args.dcs if args.links else []:
@@ -367,6 +429,21 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {r.get('speedup_vs_static', 1.0):.2f}x | {100 * r['median_balance_fraction']:.1f} "
             f"| {r['median_replicas']:g} | {r['median_fanout_mb']:.2f} |"
         )
+    for r in result["balance"]:
+        if "replay" not in r:
+            continue
+        lines += [
+            "",
+            f"Inside DCs, replayed on the `{r['mode']}` run's own counts and plans (replay of "
+            f"the settings it ran = what its ranks computed: {r['replay']['matches']}):",
+            "",
+            "| solve inside each DC | max/mean, median | within DC, median | floor, median |",
+            "|---|---:|---:|---:|",
+        ]
+        for name, v in r["replay"]["variants"].items():
+            lines.append(
+                f"| {name} | {v['max_over_mean']:.3f} | {v['within_dc']:.3f} | {v['floor']:.3f} |"
+            )
     lines += [
         "",
         "| DCs | inter-DC | microbatches | mode | median s/step | vs static | predicted s "
@@ -395,7 +472,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--steps", type=int, default=9, help="steps per balance row")
+    p.add_argument("--steps", type=int, default=12, help="steps per balance row")
     p.add_argument("--every", type=int, default=3, help="steps between plans")
     p.add_argument("--gbps", type=float, default=1.0, help="inter-DC Gbit/s of the balance rows")
     p.add_argument("--slow-gbps", type=float, default=0.02, help="inter-DC Gbit/s, part 3")

@@ -130,25 +130,28 @@ def split_dcs(
     onehot = np.zeros((num_dcs, num_ranks), np.int64)
     onehot[rank_dc[live], live] = 1
     away = onehot @ np.where(holds[np.maximum(rank_dc, 0)] & (rank_dc >= 0)[:, None], 0, counts)
+    holders = [np.flatnonzero(holds[:, e]).tolist() for e in range(num_experts)]
     groups: dict[tuple[int, int], list[int]] = {}  # (e, mask) -> source DCs
-    for a, e in zip(*np.nonzero(away), strict=True):
-        cand = np.flatnonzero(holds[:, e])
+    need: dict[tuple[int, int], int] = {}  # (e, mask) -> crossing tokens
+    src_dc, src_e = np.nonzero(away)
+    for a, e, x in zip(src_dc.tolist(), src_e.tolist(), away[src_dc, src_e].tolist(), strict=True):
+        cand = holders[e]
         if cost is not None:
-            c = cost[a, cand]
-            cand = cand[c <= c.min() * (1 + _COST_RTOL)]
-        mask = int(sum(1 << int(b) for b in cand))
-        groups.setdefault((int(e), mask), []).append(int(a))
-    keys = sorted(
-        groups, key=lambda k: (bin(k[1]).count("1"), -int(away[groups[k], k[0]].sum()), k)
-    )
-    demand = [int(away[groups[k], k[0]].sum()) for k in keys]
+            c = [cost[a, b] for b in cand]
+            cand = [b for b, cb in zip(cand, c, strict=True) if cb <= min(c) * (1 + _COST_RTOL)]
+        key = (e, sum(1 << b for b in cand))
+        groups.setdefault(key, []).append(a)
+        need[key] = need.get(key, 0) + x
+    keys = sorted(groups, key=lambda k: (bin(k[1]).count("1"), -need[k], k))
+    demand = [need[k] for k in keys]
     masks = [k[1] for k in keys]
     active = [b for b in range(num_dcs) if ranks[b] > 0]
     exact = len(active) <= MAX_EXACT_DCS
     room = _capacities(demand, masks, home_tokens, ranks, active) if exact else [1 << 62] * num_dcs
     alloc = _fill(demand, masks, home_tokens, ranks, room)
+    members = [np.flatnonzero(rank_dc == d).tolist() for d in range(num_dcs)]
     for (e, _), srcs, row in zip(keys, (groups[k] for k in keys), alloc, strict=True):
-        src = [r for a in sorted(srcs) for r in np.flatnonzero(rank_dc == a).tolist()]
+        src = [r for a in sorted(srcs) for r in members[a]]
         _corner(out, e, src, counts[src, e].tolist(), row)
     dc_tokens = out.sum(axis=(0, 1))
     total = int(dc_tokens.sum())
