@@ -190,6 +190,11 @@ class MoELayer(nn.Module):
             for r in c.dc_ranks[d][::-1].tolist():  # the lowest rank written last
                 holder[d, plan.holds[r]] = r
         self.dc_holder = holder
+        # a choice to make: an expert some live DC lacks and two or more DCs hold (else the
+        # route's destinations are the only ones, and the DC all-gather is enough)
+        live = np.array([r.size > 0 for r in c.dc_ranks])
+        held = holder[live] >= 0  # [D_live, E]
+        self.can_spread = bool(((held.sum(axis=0) >= 2) & ~held.all(axis=0)).any())
         self.dc_cost = None
         if c.shaper is not None:
             bw = np.asarray(c.shaper.bandwidth_Bps, dtype=np.float64)
@@ -208,7 +213,7 @@ class MoELayer(nn.Module):
             self.on_counts(self.counts)
         c = self.comm
         self._dc_counts, self.spread_seconds = None, 0.0
-        if self.balance and self.spread and self.cross:
+        if self.balance and self.spread and self.cross and self.can_spread:
             dst = self._spread(idx_np).reshape(-1)
         else:
             dst = assign_destinations(
