@@ -67,8 +67,11 @@ def relieve(
         delta = (load[s] - load[end]) // 2
         for r, q, e in path:
             delta = min(delta, c[r][e])
-            if e not in has[q]:
-                delta = delta if delta >= least else 0
+        for r, _, e in path:  # a replica keeps none or at least ``least`` tokens
+            if home[e] != r and 0 < c[r][e] - delta < least:
+                delta = c[r][e] - least
+        if any(e not in has[q] for _, q, e in path) and delta < least:
+            delta = 0  # a new replica takes at least ``least``
         if delta <= 0:
             break
         for r, q, e in path:
