@@ -65,7 +65,7 @@ def relieve(
             break
         end = path[-1][1]
         delta = (load[s] - load[end]) // 2
-        for r, q, e in path:
+        for r, _, e in path:
             delta = min(delta, c[r][e])
         for r, _, e in path:  # a replica keeps none or at least ``least`` tokens
             if home[e] != r and 0 < c[r][e] - delta < least:
