@@ -47,7 +47,7 @@ the busiest rank's expert forward, the sync (gradients, Adam, replica refresh), 
 the step (the step's undo snapshot, a plan switch, the report).
 
     make bench-balance-cores
-    python bench/bench_balance_cores.py [--steps 20] [--every 3] [--no-pin] [--json out.json]
+    python bench/bench_balance_cores.py [--steps 20] [--every 3] [--no-pin] [--quick] [--json out.json]
 """
 
 from __future__ import annotations
@@ -303,8 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--corpus-bytes", type=int, default=300_000)
     p.add_argument("--repeats", type=int, default=7, help="timings per size of the expert cost")
     p.add_argument("--no-pin", dest="pin", action="store_false", help="leave the workers unpinned")
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny model, few steps")
     p.add_argument("--json", type=Path, help="write every measurement here")
     args = p.parse_args(argv)
+    if args.quick:
+        args.steps, args.hidden, args.ffn, args.batch, args.repeats = 6, 32, 64, 4, 2
     if args.steps < 5:
         p.error("--steps must be >= 5")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
