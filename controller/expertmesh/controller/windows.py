@@ -25,6 +25,7 @@ completed (membership changed, too many pending, a newer window completed first)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
@@ -58,12 +59,14 @@ class WindowMean:
         self._array: np.ndarray | None = None
 
     def array(self) -> np.ndarray:
-        out = self._array
-        if out is None:
-            assert self._args is not None
-            topology, live, table, sums = self._args
-            out = self._array = window_mean(topology, live, table=table, **sums)
-            self._args = None  # the sums are no longer needed by this window
+        args, out = self._args, self._array  # in this order: see below
+        if out is not None:
+            return out
+        if args is None:  # another thread made it: it sets _array before it drops _args
+            return cast(np.ndarray, self._array)
+        topology, live, table, sums = args
+        out = self._array = window_mean(topology, live, table=table, **sums)
+        self._args = None  # the sums are no longer needed by this window
         return out
 
 
