@@ -128,6 +128,9 @@ def test_spmd_training_equals_the_reference_under_plan_changes(
                     if b != topo.rank_dc[s["rank"]]:
                         assert to_dc[b] / CFG.top_k <= s["crossings"][layer, b] <= to_dc[b]
     assert sum(out["stats"][-1]["bytes"][2].sum() for out in res) > 0  # migrations crossed
+    for out in res:  # a rank reports the bytes sent from its DC: its row, [kinds, D]
+        assert out["stats"][-1]["bytes"].shape == (3, dcs)
+        assert out["stats"][-1]["bytes"][:, topo.rank_dc[out["stats"][-1]["rank"]]].sum() == 0
     for step in range(1, STEPS):  # every rank switched at the same sync, to the same plan
         sw = [out["stats"][step]["switched"] for out in res]
         if background:

@@ -107,11 +107,12 @@ class SpmdSteps:
             self.core.commit(pv.version)
             self.placements = [lp.placement for lp in pv.layers]
             self._offered = None
-        delta = np.zeros_like(self._bytes)
+        delta = np.zeros_like(self._bytes)  # [3, D, D]
+        rank_dc = self.topology.rank_dc
         for r in ranks:  # cumulative per rank; a replacement worker counts from zero again
-            cur = np.asarray(reports[r]["bytes"])
+            cur = np.asarray(reports[r]["bytes"])  # [3, D]: sent from the rank's DC
             prev = self._rank_bytes.get(r, np.zeros_like(cur))
-            delta += cur - prev if (cur >= prev).all() else cur
+            delta[:, rank_dc[r]] += cur - prev if (cur >= prev).all() else cur
             self._rank_bytes[r] = cur
         self._bytes += delta
         migration = delta[2]

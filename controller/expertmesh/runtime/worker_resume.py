@@ -63,7 +63,7 @@ class WorkerResume:
         self._switching: tuple[int, Any] | None = None
         self._digests: dict[int, str] = {}  # version -> sha256 of each plan offered here
         self.conflicts = 0
-        self._bytes = np.zeros((3, self.topology.num_dcs, self.topology.num_dcs), np.int64)
+        self._bytes = np.zeros((3, self.topology.num_dcs), np.int64)  # [3, D] its DC's row
         per = 8 * settings.lm.num_layers * settings.lm.num_experts + 4096
         self._log: deque[dict[str, Any]] = deque(maxlen=max(16, min(1024, REPORT_LOG_BYTES // per)))
 

@@ -229,7 +229,9 @@ class SpmdRank:
             # per layer [N, 4] (rank, expert, dst, assignments) dispatched
             "crossings": self._crossings.copy(),
             "routed": [r.copy() for r in self._routed],
-            "bytes": c.bytes.copy(),  # [3, D, D] cumulative, by KINDS
+            # [3, D] cumulative bytes this rank sent from its DC to each DC, by KINDS: the one
+            # row of Comm.bytes [3, D, D] a rank fills (24 KB at 1,000 DCs, not 24 MB)
+            "bytes": c.bytes[:, c.dc].copy(),
             "shaped_seconds": c.shaped_seconds,
             "collectives": c.collectives,
             # crossing sends per collective since the last step's stats (Comm.crossed): a
