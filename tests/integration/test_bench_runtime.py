@@ -71,7 +71,12 @@ def test_bench_runtime_quick(repo, tmp_path, capsys):
 def test_bench_balance_train_quick(repo, tmp_path):
     result = _run(repo, tmp_path, "bench_balance_train.py")
     rows = {r["mode"]: r for r in result["balance"]}
-    assert set(rows) == {"hybrid + fast loop", "hybrid, slow loop only", "static"}
+    assert set(rows) == {
+        "hybrid + fast loop",
+        "hybrid + fast loop, route's DCs",
+        "hybrid, slow loop only",
+        "static",
+    }
     for r in rows.values():
         assert r["median_max_over_mean"] == pytest.approx(statistics.median(r["per_microbatch"]))
         assert r["median_max_over_mean"] >= r["median_floor"] - 1e-9 >= 1.0 - 1e-9
