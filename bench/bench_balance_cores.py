@@ -53,8 +53,6 @@ the step (the step's undo snapshot, a plan switch, the report).
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import os
 import statistics
 import sys
@@ -71,7 +69,11 @@ for _root in ("controller", "workers", "proto", "bench"):
     if str(REPO / _root) not in sys.path:
         sys.path.insert(0, str(REPO / _root))
 
-from spmdbench import SharedCluster, SpmdRun  # noqa: E402
+from spmdbench import (  # noqa: E402
+    SharedCluster,
+    SpmdRun,
+    run_bench,
+)
 
 from expertmesh.controller.core import Trigger  # noqa: E402 (after the source roots)
 from expertmesh.planner import Topology  # noqa: E402
@@ -310,24 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         args.steps, args.hidden, args.ffn, args.batch, args.repeats = 6, 32, 64, 4, 2
     if args.steps < 5:
         p.error("--steps must be >= 5")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    logging.basicConfig(level=logging.WARNING)
-    t0, load0 = time.perf_counter(), os.getloadavg()
-    result = bench(args)
-    result["seconds"] = time.perf_counter() - t0
-    result["load_avg"] = [list(load0), list(os.getloadavg())]
-    result["args"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    result["markdown"] = markdown(result)
-    print()
-    print(result["markdown"])
-    print(
-        f"total {result['seconds']:.0f}s; load average {load0[0]:.2f} at start, "
-        f"{os.getloadavg()[0]:.2f} at end ({os.cpu_count()} cores)"
-    )
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
-    return 0
+    return run_bench(args, bench, markdown)
 
 
 if __name__ == "__main__":

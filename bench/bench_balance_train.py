@@ -33,12 +33,9 @@ Medians over each row's steps after the first; ratios against rows of the same r
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +51,7 @@ from spmdbench import (  # noqa: E402
     SpmdRun,
     calibrate,
     predict,
+    run_bench,
     run_spmd,
     tokens_per_rank,
 )
@@ -507,24 +505,7 @@ def main(argv: list[str] | None = None) -> int:
         args.migration_steps, args.migration_gbps = 6, [1.0]
     if min(args.steps, args.link_steps, args.calib_steps) < 3:
         p.error("--steps, --link-steps and --calib-steps must be >= 3")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    logging.basicConfig(level=logging.WARNING)
-    t0, load0 = time.perf_counter(), os.getloadavg()
-    result = bench(args)
-    result["seconds"] = time.perf_counter() - t0
-    result["load_avg"] = [list(load0), list(os.getloadavg())]
-    result["args"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    result["markdown"] = markdown(result)
-    print()
-    print(result["markdown"])
-    print(
-        f"total {result['seconds']:.0f}s; load average {load0[0]:.1f} at start, "
-        f"{os.getloadavg()[0]:.1f} at end (2 cores)"
-    )
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
-    return 0
+    return run_bench(args, bench, markdown)
 
 
 if __name__ == "__main__":

@@ -47,11 +47,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +64,7 @@ from spmdbench import (  # noqa: E402
     SpmdRun,
     calibrate,
     replay_run,
+    run_bench,
     run_spmd,
     tokens_per_rank,
 )
@@ -465,31 +464,17 @@ def main(argv: list[str] | None = None) -> int:
         args.steps, args.calib_steps, args.batch = 4, 3, 4
     if args.steps < 3 or args.calib_steps < 3:
         p.error("--steps and --calib-steps must be >= 3 (the first step is not measured)")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    logging.basicConfig(level=logging.WARNING)
-    t0, load0 = time.perf_counter(), os.getloadavg()
-    started = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
-    result = bench(args)
-    result["seconds"] = time.perf_counter() - t0
-    result["load_avg"] = [list(load0), list(os.getloadavg())]
-    result["args"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    result["record"] = {  # docs/results.md's runtime table reads it (bench/results_runtime.py)
-        "command": "python bench/bench_runtime.py "
-        + " ".join(sys.argv[1:] if argv is None else argv),
-        "commit": _commit(),
-        "started_utc": started,
-    }
-    result["markdown"] = markdown(result)
-    print()
-    print(result["markdown"])
-    print(
-        f"total {result['seconds']:.0f}s; load average {load0[0]:.1f} at start, "
-        f"{os.getloadavg()[0]:.1f} at end (2 cores)"
-    )
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
-    return 0
+
+    def record(result: dict[str, Any], started: str) -> None:
+        # docs/results.md's runtime table reads it (bench/results_runtime.py)
+        result["record"] = {
+            "command": "python bench/bench_runtime.py "
+            + " ".join(sys.argv[1:] if argv is None else argv),
+            "commit": _commit(),
+            "started_utc": started,
+        }
+
+    return run_bench(args, bench, markdown, record)
 
 
 if __name__ == "__main__":

@@ -15,10 +15,13 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -221,3 +224,35 @@ def calibrate(
     a = max((tf - ts) / dt, 0.0)
     c = max((tf - a * tokens_per_rank(fulls[0].settings)) / n, 0.0)
     return Calibration(a, c, full_median, small_median, n, ranks)
+
+
+def run_bench(
+    args: Any,
+    bench: Callable[[Any], dict[str, Any]],
+    markdown: Callable[[dict[str, Any]], str],
+    annotate: Callable[[dict[str, Any], str], None] | None = None,
+) -> int:
+    """A bench's ``main`` after its flags: run ``bench(args)``, add the wall seconds, the load
+    average at start and end, the flags and (``annotate(result, started_utc)``) anything the
+    bench records besides; print the markdown table and write ``--json``."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    logging.basicConfig(level=logging.WARNING)
+    t0, load0 = time.perf_counter(), os.getloadavg()
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
+    result = bench(args)
+    result["seconds"] = time.perf_counter() - t0
+    result["load_avg"] = [list(load0), list(os.getloadavg())]
+    result["args"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    if annotate is not None:
+        annotate(result, started)
+    result["markdown"] = markdown(result)
+    print()
+    print(result["markdown"])
+    print(
+        f"total {result['seconds']:.0f}s; load average {load0[0]:.2f} at start, "
+        f"{os.getloadavg()[0]:.2f} at end ({os.cpu_count()} cores)"
+    )
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0
