@@ -219,6 +219,21 @@ def test_even_traffic_matches_route_even_up_to_rounding(domain):
     assert exact.pair_tokens.sum() == pytest.approx(fast.pair_tokens.sum(), abs=bound)
 
 
+def test_even_traffic_is_the_same_with_placements_seen_before():
+    # even_traffic keeps what it derives from a placement per topology (the simulator asks
+    # for the same placement step after step): many placements on one topology, each asked
+    # twice and interleaved, give what a fresh topology (nothing kept) gives, to the bit
+    cases = [_random_case(seed) for seed in range(12)]
+    shared = cases[0][0]
+    for topo, pl, load in cases + cases[::-1]:
+        for domain in ("dc", "global"):
+            got = even_traffic(load, pl, shared, 2, domain=domain)
+            fresh = Topology(topo.dcs, topo.masters_per_rank, topo.spare_per_rank)
+            want = even_traffic(load, pl, fresh, 2, domain=domain)
+            for f in ("rank_tokens", "rank_out", "rank_in", "pair_src", "pair_tokens"):
+                assert np.array_equal(getattr(got, f), getattr(want, f)), f
+
+
 def test_even_traffic_refuses_experts_without_copies():
     pl = Placement(np.array([[0, -1], [0, -1]], np.int32), np.array([0, 1]))
     with pytest.raises(ValueError, match="no copy"):

@@ -344,11 +344,14 @@ def expected_crossings(n: np.ndarray, a: np.ndarray, top_k: int) -> np.ndarray:
     clipped to ``[a / k, min(a, n)]``. ``n``, ``a``: broadcastable float arrays."""
     n = np.asarray(n, dtype=np.float64)
     a = np.asarray(a, dtype=np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        p = np.clip(np.where(n > 0, a / (n * top_k), 0.0), 0.0, 1.0)
+    n, a = np.broadcast_arrays(n, a)
+    has = n > 0
+    p = np.zeros(n.shape)
+    np.divide(a, n * top_k, out=p, where=has)  # 0 where there are no tokens
+    p = np.minimum(np.maximum(p, 0.0), 1.0)
     x = n * -np.expm1(top_k * np.log1p(-np.minimum(p, 1 - 1e-15)))
     x = np.where(p >= 1.0, n, x)
-    return np.clip(x, a / top_k, np.minimum(a, np.where(n > 0, n, a)))
+    return np.minimum(np.maximum(x, a / top_k), np.minimum(a, np.where(has, n, a)))
 
 
 def _index(keys: np.ndarray, space: int) -> tuple[np.ndarray, np.ndarray]:
@@ -374,6 +377,15 @@ def _port_time(out: np.ndarray, inp: np.ndarray, bw: float, lat: float) -> np.nd
     """[R] full-duplex port time: latency + the busier direction / bandwidth (0 if idle)."""
     busy = np.maximum(out, inp)
     return np.where(busy > 0, lat + busy / bw, 0.0)
+
+
+def _busiest_port(out: np.ndarray, inp: np.ndarray, bw: float, lat: float) -> float:
+    """``max(_port_time(out, inp, bw, lat))`` (0 if empty): the time grows with the busier
+    direction, so the busiest rank's is the largest (the same float)."""
+    if out.size == 0:
+        return 0.0
+    busy = max(float(out.max()), float(inp.max()))
+    return lat + busy / bw if busy > 0 else 0.0
 
 
 def step_cost(
@@ -419,9 +431,11 @@ def step_cost(
     gback = on_keys(inv_e, streams.pair_background) if q else np.zeros(keys.size)
 
     def link_phase(nbytes: np.ndarray) -> float:
-        if nbytes.size == 0 or not (nbytes > 0).any():
+        if nbytes.size == 0:
             return 0.0
         m = nbytes > 0
+        if not m.any():
+            return 0.0
         return float(np.max(lat[m] + nbytes[m] / bw[m]))
 
     # ---- rank ports (tokens in bytes per phase) ----
@@ -437,10 +451,10 @@ def step_cost(
     bw_nic, lat_nic = topology.intra_dc.bytes_per_second, topology.intra_dc.latency_s
 
     def port_phase(n_out: np.ndarray, n_in: np.ndarray, c_out: np.ndarray, c_in: np.ndarray):
-        t = np.maximum(
-            _port_time(n_out, n_in, bw_node, lat_node), _port_time(c_out, c_in, bw_nic, lat_nic)
+        return max(
+            _busiest_port(n_out, n_in, bw_node, lat_node),
+            _busiest_port(c_out, c_in, bw_nic, lat_nic),
         )
-        return float(t.max()) if t.size else 0.0
 
     pt, pb = streams.port_tail, streams.port_background
     chunks = settings.pipeline_chunks

@@ -20,6 +20,7 @@ they are: 0 same rank, 1 same node, 2 same DC (other node), 3 other DC.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -137,24 +138,102 @@ def traffic_from_route(
 
 def level_sums(x: np.ndarray, topology: Topology) -> list[np.ndarray]:
     """[R, E] -> sums over rank, node, DC and everything: [R, E], [Nn, E], [D, E], [1, E]."""
+    (r_starts, r_at), (n_starts, n_at) = _level_index(topology)
     node = np.zeros((topology.num_nodes, x.shape[1]))
-    _add_rows(node, topology.rank_node, x)
+    if x.shape[0]:
+        node[r_at] += np.add.reduceat(x, r_starts, axis=0)
     dc = np.zeros((topology.num_dcs, x.shape[1]))
-    _add_rows(dc, _node_dc(topology), node)
+    if node.shape[0]:
+        dc[n_at] += np.add.reduceat(node, n_starts, axis=0)
     return [x, node, dc, dc.sum(axis=0, keepdims=True)]
-
-
-def _add_rows(out: np.ndarray, index: np.ndarray, x: np.ndarray) -> None:
-    """``out[index[i]] += x[i]`` for sorted ``index`` (ranks are numbered node by node)."""
-    if x.shape[0] == 0:
-        return
-    starts = np.flatnonzero(np.r_[True, index[1:] != index[:-1]])
-    out[index[starts]] += np.add.reduceat(x, starts, axis=0)
 
 
 def _node_dc(topology: Topology) -> np.ndarray:
     """[Nn] DC of each node."""
     return np.repeat(np.arange(topology.num_dcs), [d.nodes for d in topology.dcs])
+
+
+#: per topology: the row runs of :func:`level_sums` (rank -> node, node -> DC)
+_LEVELS: weakref.WeakKeyDictionary[Topology, tuple[tuple[np.ndarray, np.ndarray], ...]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _level_index(topology: Topology) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+    """``(starts, index[starts])`` of the sorted rank -> node and node -> DC indices."""
+    got = _LEVELS.get(topology)
+    if got is None:
+        runs = []
+        for index in (topology.rank_node, _node_dc(topology)):
+            starts = np.flatnonzero(np.r_[True, index[1:] != index[:-1]]) if index.size else index
+            runs.append((starts, index[starts]))
+        got = _LEVELS[topology] = tuple(runs)
+    return got
+
+
+@dataclass(eq=False)
+class _Copies:
+    """What :func:`even_traffic` needs of a placement alone (the same for every load):
+    every copy's ``rank``, ``slot``, ``expert`` [C]; ``count[j]`` [groups at level j, E]
+    copies of each expert in each rank, node, DC; ``total`` [E]; and, gathered on first
+    use, :meth:`k`."""
+
+    rank: np.ndarray
+    slot: np.ndarray
+    expert: np.ndarray
+    group: list[np.ndarray]
+    count: list[np.ndarray]
+    total: np.ndarray
+    safe_total: np.ndarray
+    gathered: dict[int, np.ndarray]
+
+    def k(self, j: int) -> np.ndarray:
+        """[R, E] copies of each expert within level ``j`` of each source rank (read-only)."""
+        if j not in self.gathered:
+            if j < 3:
+                self.gathered[j] = self.count[j][self.group[j]]
+                self.gathered[j].flags.writeable = False
+            else:
+                self.gathered[j] = np.broadcast_to(self.total, self.gathered_shape)
+        return self.gathered[j]
+
+    @property
+    def gathered_shape(self) -> tuple[int, int]:
+        return (int(self.group[0].size), int(self.total.size))
+
+
+#: per topology: the last few placements' :class:`_Copies`, keyed by their arrays' bytes
+#: (the simulator asks for the same placement step after step)
+_COPIES: weakref.WeakKeyDictionary[Topology, dict[bytes, _Copies]] = weakref.WeakKeyDictionary()
+_COPIES_KEPT = 8
+
+
+def _copies(placement: Placement, topology: Topology, num_experts: int) -> _Copies:
+    p2l = placement.phy2log
+    key = b"%d|%d|%s|" % (num_experts, p2l.shape[1], p2l.dtype.str.encode()) + p2l.tobytes()
+    per = _COPIES.setdefault(topology, {})
+    got = per.get(key)
+    if got is not None:
+        return got
+    num_ranks = placement.num_ranks
+    cr, cs = np.nonzero(p2l >= 0)
+    ce = p2l[cr, cs].astype(np.int64)
+    group = [np.arange(num_ranks), topology.rank_node, topology.rank_dc]
+    sizes = [num_ranks, topology.num_nodes, topology.num_dcs]
+    count = [
+        np.bincount(group[j][cr] * num_experts + ce, minlength=sizes[j] * num_experts)
+        .reshape(sizes[j], num_experts)
+        .astype(np.float64)
+        for j in range(3)
+    ]
+    total = np.bincount(ce, minlength=num_experts).astype(np.float64)
+    got = _Copies(cr, cs, ce, group, count, total, np.where(total > 0, total, 1.0), {})
+    for a in (cr, cs, ce, total, got.safe_total, *count):
+        a.flags.writeable = False
+    if len(per) >= _COPIES_KEPT:
+        per.pop(next(iter(per)))
+    per[key] = got
+    return got
 
 
 def even_traffic(
@@ -183,29 +262,13 @@ def even_traffic(
         raise ValueError("remote must be 'spread' or 'master'")
     level = _LEVEL[domain]
     lf = load.astype(np.float64)  # [R, E]
-    cr, cs = np.nonzero(placement.phy2log >= 0)
-    ce = placement.phy2log[cr, cs].astype(np.int64)
-    group = [np.arange(num_ranks), topology.rank_node, topology.rank_dc]
-    sizes = [num_ranks, topology.num_nodes, topology.num_dcs]
-    # cnt[j]: [groups at level j, E] copies of each expert (rank, node, DC); total: [E]
-    cnt = [
-        np.bincount(group[j][cr] * num_experts + ce, minlength=sizes[j] * num_experts)
-        .reshape(sizes[j], num_experts)
-        .astype(np.float64)
-        for j in range(3)
-    ]
-    total = np.bincount(ce, minlength=num_experts).astype(np.float64)
+    cp = _copies(placement, topology, num_experts)
+    cr, cs, ce, group, cnt, total = cp.rank, cp.slot, cp.expert, cp.group, cp.count, cp.total
     if ((lf.sum(axis=0) > 0) & (total == 0)).any():
         missing = np.flatnonzero((lf.sum(axis=0) > 0) & (total == 0))
         raise ValueError(f"experts with load but no copy: {missing[:8].tolist()}")
-    safe_total = np.where(total > 0, total, 1.0)
-
-    gathered: dict[int, np.ndarray] = {}
-
-    def k(j: int) -> np.ndarray:  # [R, E] copies of e within level j of each source rank
-        if j not in gathered:
-            gathered[j] = cnt[j][group[j]] if j < 3 else np.broadcast_to(total, lf.shape)
-        return gathered[j]
+    safe_total = cp.safe_total
+    k = cp.k
 
     # [R, E] does r's domain hold e? ("global": no locality, everything spreads)
     local = np.zeros_like(lf, dtype=bool) if level == 3 else k(level) > 0
