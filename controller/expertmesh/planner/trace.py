@@ -156,8 +156,7 @@ def _calibrate(
 ) -> tuple[float, float]:
     """Zipf exponent whose expected static-EP imbalance is ``target``; returns (s, imbalance)."""
 
-    def f(s: float) -> float:
-        return _static_imbalance(_popularity(perm, s, top_k), expert_rank, num_ranks)
+    f = _Imbalance(perm, expert_rank, num_ranks, top_k)
 
     lo, f_lo = 0.0, f(0.0)
     if f_lo >= target - 1e-9:
@@ -180,6 +179,36 @@ def _calibrate(
         lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
     s = 0.5 * (lo + hi)
     return s, f(s)
+
+
+class _Imbalance:
+    """``s -> _static_imbalance(_popularity(perm, s, top_k), expert_rank, num_ranks)`` with
+    the same floating-point operations in the same order and fewer array passes (what
+    depends only on ``perm`` is computed once per calibration)."""
+
+    def __init__(
+        self, perm: np.ndarray, expert_rank: np.ndarray, num_ranks: int, top_k: int
+    ) -> None:
+        num_experts = perm.shape[0]
+        self.base = np.arange(num_experts) + 1.0  # [E] by position
+        self.pos = np.empty_like(perm)
+        self.pos[perm] = np.arange(num_experts)  # [E] popularity position of each expert
+        self.expert_rank, self.num_ranks, self.top_k = expert_rank, num_ranks, top_k
+        self.head = min(top_k, num_experts)  # inclusion_probabilities' ``m``
+        self.room = (top_k - np.arange(self.head)).astype(np.int64)  # top_k - m
+
+    def __call__(self, s: float) -> float:
+        w = self.base**-s
+        w = w / w[0]
+        tail = np.cumsum(w[::-1])[::-1]
+        ok = np.flatnonzero(self.room * w[: self.head] <= tail[: self.head] * (1 + 1e-12))
+        capped = int(ok[0]) if ok.size else self.top_k
+        pi = np.ones(w.shape[0])
+        if capped < w.shape[0]:
+            pi[capped:] = (self.top_k - capped) * w[capped:] / tail[capped]
+        pi = np.minimum(pi, 1.0)[self.pos]  # by expert
+        per_rank = np.bincount(self.expert_rank, weights=pi, minlength=self.num_ranks)
+        return float(per_rank.max() / (per_rank.sum() / per_rank.shape[0]))
 
 
 def _drift(rng: np.random.Generator, perm: np.ndarray, drift: float) -> bool:
