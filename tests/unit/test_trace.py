@@ -207,3 +207,20 @@ def test_near_integer_cumulative_sums_do_not_add_a_token():
         assert (tr.load.sum(axis=-1) == 4).all(), seed
         ran += 1
     assert ran >= 20, f"only {ran} of 40 seeds ran"
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    experts=st.integers(2, 300), ranks=st.integers(1, 40), k=st.integers(1, 9),
+    s=st.floats(0.0, 8.0), seed=st.integers(0, 1000),
+)  # fmt: skip
+def test_calibration_imbalance_equals_the_plain_composition(experts, ranks, k, s, seed):
+    # the bisection's fast imbalance function is the same floats as popularity -> static
+    # imbalance (so calibrated exponents, and traces, do not move)
+    from expertmesh.planner.trace import _expert_rank, _Imbalance, _popularity, _static_imbalance
+
+    k = min(k, experts)
+    perm = np.random.default_rng(seed).permutation(experts)
+    er = _expert_rank(ranks, experts)
+    want = _static_imbalance(_popularity(perm, s, k), er, ranks)
+    assert _Imbalance(perm, er, ranks, k)(s) == want
