@@ -330,3 +330,24 @@ def test_copy_bytes_by_hand():
     one = TransferEncoding(weight_bytes=1)
     assert one.copy_bytes(m, master=False) == 192
     assert one.copy_bytes(m, master=True, changed=0.5) == 192 * (0.5 + 1 / 8 + 12)
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_level_sums_are_node_then_dc_sums(nodes):
+    # DC sums are the sums of the DC's node sums; with one node per DC they are copied, the
+    # same floats as adding the one-row runs onto zeros
+    from expertmesh.planner.traffic import level_sums
+
+    topo = Topology((DC("a", nodes, 3), DC("b", nodes, 2), DC("c", nodes, 1)), 2, 2)
+    x = np.random.default_rng(nodes).random((topo.num_ranks, 5)) * 1e3
+    node, dc = np.zeros((topo.num_nodes, 5)), np.zeros((topo.num_dcs, 5))
+    np.add.at(node, topo.rank_node, x)
+    got = level_sums(x, topo)
+    np.testing.assert_allclose(got[1], node, rtol=1e-12)
+    node_dc = np.array(
+        [topo.rank_dc[np.flatnonzero(topo.rank_node == n)[0]] for n in range(topo.num_nodes)]
+    )
+    starts = np.flatnonzero(np.r_[True, node_dc[1:] != node_dc[:-1]])
+    dc[node_dc[starts]] += np.add.reduceat(got[1], starts, axis=0)
+    assert np.array_equal(got[2], dc)
+    assert np.array_equal(got[3], dc.sum(axis=0, keepdims=True))

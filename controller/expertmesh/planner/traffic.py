@@ -142,9 +142,12 @@ def level_sums(x: np.ndarray, topology: Topology) -> list[np.ndarray]:
     node = np.zeros((topology.num_nodes, x.shape[1]))
     if x.shape[0]:
         node[r_at] += np.add.reduceat(x, r_starts, axis=0)
-    dc = np.zeros((topology.num_dcs, x.shape[1]))
-    if node.shape[0]:
-        dc[n_at] += np.add.reduceat(node, n_starts, axis=0)
+    if n_starts.size == topology.num_dcs == node.shape[0]:
+        dc = node.copy()  # one node per DC: 0.0 + (0.0 + s) is 0.0 + s, the same floats
+    else:
+        dc = np.zeros((topology.num_dcs, x.shape[1]))
+        if node.shape[0]:
+            dc[n_at] += np.add.reduceat(node, n_starts, axis=0)
     return [x, node, dc, dc.sum(axis=0, keepdims=True)]
 
 
