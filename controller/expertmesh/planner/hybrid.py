@@ -71,6 +71,7 @@ from expertmesh.planner.costmodel import (
     modeled_step,
     transfer_seconds,
 )
+from expertmesh.planner.dcfloor import even_dcs
 from expertmesh.planner.domainquota import (
     DomainSolution,
     at_home,
@@ -136,6 +137,19 @@ class HybridSettings(PolicySettings):
         le=64,
         description="slots per rank the slow loop leaves free for the fast loop's replicas "
         "(quota inside each DC on every microbatch's exact load; UltraEP's spare slots)",
+    )
+    even_dcs: bool = Field(
+        default=False,
+        description="after the guard, move copies between DCs while that lowers the floor of "
+        "the split by DC on the estimate (the busiest DC's tokens per rank over the mean) "
+        "without more crossing assignments (planner/dcfloor.py); kept when its modeled step "
+        "is within even_tolerance of the guard's choice",
+    )
+    even_tolerance: float = Field(
+        default=0.01,
+        ge=0.0,
+        le=1.0,
+        description="with even_dcs: the share of modeled step time the evened plan may add",
     )
     inside: Literal["quota", "split"] = Field(
         default="quota",
@@ -246,8 +260,27 @@ def plan_hybrid(
     costs = pair_costs + guard.scores(candidates[len(pair_plans) :], bar)
     i = int(np.argmin(costs))
     if costs[i] > (1.0 - cfg.min_gain) * keep_cost:
-        return keep
-    return candidates[i]
+        chosen, cost = keep, keep_cost
+    else:
+        chosen, cost = candidates[i], costs[i]
+    return _evened(inp, chosen, cost, guard) if cfg.even_dcs else chosen
+
+
+def _evened(inp: _Inputs, chosen: Placement, cost: float, guard: GuardCosts) -> Placement:
+    """``chosen`` with its copies moved between DCs by :func:`~expertmesh.planner.dcfloor.even_dcs`
+    (masters stay), if its modeled step is within ``even_tolerance`` of ``cost``."""
+    topo, cfg = inp.topology, inp.cfg
+    rank_dc = topo.rank_dc
+    holds = dc_holds(chosen, topo)
+    mdc = rank_dc[chosen.master_rank()]
+    cap = np.bincount(rank_dc, minlength=topo.num_dcs) * (topo.slots_per_rank - cfg.reserve_slots)
+    new = even_dcs(inp.load, holds, mdc, cap, rank_dc)
+    if np.array_equal(new, holds):
+        return chosen
+    new[mdc, np.arange(mdc.size)] = False  # the copies besides the masters
+    d, e = np.nonzero(new)
+    cand = _build(inp, chosen, np.zeros(mdc.size, bool), mdc, (d, e))
+    return cand if guard(cand) <= (1.0 + cfg.even_tolerance) * cost else chosen
 
 
 def _masters_only(masters: Placement) -> Placement:
@@ -498,6 +531,7 @@ class HybridPolicy(Policy):
         #: the slow loop's solve runs beside training and is not in it
         self.microbatch_seconds = 0.0
         self._size = 1  # the domain, in DCs, chosen at the last re-plan
+        self._replanned: dict[int, int] = {}  # per layer, the step of its last re-plan
         #: per layer, what the domain sizes were last scored on and chose: (estimate [R, E],
         #: holder sets [D, E], size)
         self._scored: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}
@@ -533,8 +567,18 @@ class HybridPolicy(Policy):
     def place(self, ctx: PolicyContext) -> Placement:
         prev = ctx.previous.placement if ctx.previous is not None else None
         # re-plan every period, and at step 1: the first microbatch of history replaces the
-        # uniform guess step 0 had to make
-        replan = prev is None or not ctx.step % self.cfg.period or ctx.step == 1
+        # uniform guess step 0 had to make; also `period` steps after this layer's last
+        # re-plan (a controller planning every N steps may never ask at a multiple of
+        # `period`: every_n:5 plans after steps 4, 9, 14, ...)
+        last = self._replanned.get(ctx.layer)
+        replan = (
+            prev is None
+            or not ctx.step % self.cfg.period
+            or ctx.step == 1
+            or (last is not None and ctx.step - last >= self.cfg.period)
+        )
+        if replan:
+            self._replanned[ctx.layer] = ctx.step
         t = ctx.topology
         if not replan and self.cfg.inside == "split":
             return cast(Placement, prev)
