@@ -389,3 +389,16 @@ def test_dcs_with_many_nodes_relabel_ranks_inside_nodes_only():
     kept = (al.phy2log == old.phy2log).ravel()
     assert not kept[:4].any()  # no whole-node relabel in so large a DC
     assert kept[4:].all()  # ranks inside a node still are relabeled
+
+
+@settings(max_examples=60, deadline=None)
+@given(a=st.lists(st.integers(-3, 40), max_size=150), b=st.lists(st.integers(-3, 40), max_size=150))
+def test_scheduler_set_helpers_equal_numpy(a, b):
+    # the scheduler's small-array membership and first-of-run helpers are numpy's answers
+    from expertmesh.planner.migration import _first_in_group, _isin
+
+    x, y = np.array(a, dtype=np.int64), np.array(b, dtype=np.int64)
+    assert np.array_equal(_isin(x, y), np.isin(x, y))
+    want = np.zeros(x.size, dtype=bool)
+    want[np.unique(x, return_index=True)[1]] = True
+    assert np.array_equal(_first_in_group(x), want)

@@ -241,13 +241,31 @@ class _Jobs:
 def _first_in_group(key: np.ndarray) -> np.ndarray:
     """[N] bool: the element is the first with its key (keys in priority order)."""
     first = np.zeros(key.size, dtype=bool)
-    first[np.unique(key, return_index=True)[1]] = True
+    if key.size == 0:
+        return first
+    o = np.argsort(key, kind="stable")  # equal keys keep their order: a run starts first
+    k = key[o]
+    start = np.empty(key.size, dtype=bool)
+    start[0] = True
+    np.not_equal(k[1:], k[:-1], out=start[1:])
+    first[o[start]] = True
     return first
 
 
 def _rank_in_group(key: np.ndarray) -> np.ndarray:
     """[N] int64, ``key`` sorted: position of each element inside its run of equal keys."""
     return np.arange(key.size) - np.searchsorted(key, key)
+
+
+def _isin(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``np.isin(a, b)`` for 1-d int arrays, without its set-up where they are small (the
+    scheduler asks with a round's few entries, often none, many times per migration)."""
+    if a.size == 0 or b.size == 0:
+        return np.zeros(a.shape, dtype=bool)
+    if a.size * b.size <= 8192:
+        out: np.ndarray = (a[:, None] == b[None, :]).any(axis=1)
+        return out
+    return np.isin(a, b)
 
 
 def _member(sorted_keys: np.ndarray, query: np.ndarray) -> np.ndarray:
@@ -398,7 +416,7 @@ class _Scheduler:
         srcs.append(hr[b])
         # level 1: one job per (expert, node) this round, a free holder in the job's DC
         j = by_level[1][~state.busy_dst[self.dst[by_level[1]]]]
-        j = self._best_per(j[~np.isin(self.nkey[j], state.node_entries)], self.nkey)
+        j = self._best_per(j[~_isin(self.nkey[j], state.node_entries)], self.nkey)
         j = j[np.lexsort((self.prio[j], self.dkey[j]))]
         hk, hr = holders.free(1, state.busy_src)
         a, b = _pair_sorted(self.dkey[j], hk)
@@ -406,7 +424,7 @@ class _Scheduler:
         srcs.append(hr[b])
         # level 2: one job per (expert, DC) this round, a free holder in a nearest DC
         j = by_level[2][~state.busy_dst[self.dst[by_level[2]]]]
-        j = self._best_per(j[~np.isin(self.dkey[j], state.dc_entries)], self.dkey)
+        j = self._best_per(j[~_isin(self.dkey[j], state.dc_entries)], self.dkey)
         if not self.topo.pairs:  # every other DC is equally near
             j = j[np.lexsort((self.prio[j], self.e[j]))]
             hk, hr = holders.free(2, state.busy_src)
@@ -443,7 +461,7 @@ class _Scheduler:
         best = np.full(j.size, np.inf)
         np.minimum.at(best, rows, dist)
         pair = hdc * self.num_dcs + jdc
-        cand = (dist <= best[rows] * (1 + 1e-12)) & free[h] & ~np.isin(pair, state.pairs)
+        cand = (dist <= best[rows] * (1 + 1e-12)) & free[h] & ~_isin(pair, state.pairs)
         rows, h = rows[cand], h[cand]
         n_cand = np.bincount(rows, minlength=j.size)
         ej = self.e[j]
@@ -461,8 +479,8 @@ class _Scheduler:
         cross_node = self.node[ps] != self.dnode[pj]
         cross_dc = self.dc[ps] != self.ddc[pj]
         pair = self.dc[ps] * self.num_dcs + self.ddc[pj]
-        ok = ~(cross_node & np.isin(self.nkey[pj], state.node_entries))
-        ok &= ~(cross_dc & (np.isin(self.dkey[pj], state.dc_entries) | np.isin(pair, state.pairs)))
+        ok = ~(cross_node & _isin(self.nkey[pj], state.node_entries))
+        ok &= ~(cross_dc & (_isin(self.dkey[pj], state.dc_entries) | _isin(pair, state.pairs)))
         o = np.flatnonzero(ok)[np.argsort(order_key[pj[ok]], kind="stable")]
         pj, ps, cross_node, cross_dc, pair = pj[o], ps[o], cross_node[o], cross_dc[o], pair[o]
         solo = -1 - np.arange(pj.size)  # a key no other proposal shares
@@ -516,7 +534,7 @@ def _jobs_and_local_copies(
     order = np.lexsort((ds, key))
     first = np.zeros(dr.size, dtype=bool)
     first[order] = _first_in_group(key[order])
-    net = ~local0 & first & ~np.isin(key, (m_dst * num_experts + mexp)[~m_had])
+    net = ~local0 & first & ~_isin(key, (m_dst * num_experts + mexp)[~m_had])
     nn = int(net.sum())
     jobs = _Jobs(
         expert=np.concatenate([mexp, de[net]]),
