@@ -266,15 +266,13 @@ def counts_from_segments(
     num_rows, num_items = start.shape
     if order is None:
         order = np.argsort(start, axis=1, kind="stable")  # [R, K] sorted position -> item
-    pos = np.empty_like(order)  # [R, K] item -> sorted position
     rows = np.arange(num_rows)[:, None]
-    pos[rows, order] = np.arange(num_items)
-    cum = np.zeros((num_rows, num_items + 1), dtype=np.int64)
-    np.cumsum(seg_counts, axis=1, out=cum[:, 1:])
-    flat = cum.ravel()
-    base = rows * (num_items + 1)
+    cum = np.zeros((num_rows, num_items), dtype=np.int64)  # tokens before each segment
+    np.cumsum(seg_counts[:, :-1], axis=1, out=cum[:, 1:])
+    at = np.empty_like(cum)  # [R, K] tokens before each item's arc starts
+    at[rows, order] = cum  # the item at sorted position p starts at segment p
     # the item after i starts where i ends
-    inside = flat[base + np.roll(pos, -1, axis=1)] - flat[base + pos]  # [R, K]
+    inside = np.roll(at, -1, axis=1) - at  # [R, K]
     return np.where(
         end > start,
         inside,
