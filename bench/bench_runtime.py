@@ -19,9 +19,13 @@ every row is a fresh runtime on it (new workers, initial weights, same seed).
    CPU around ``train()`` beyond the steps'; beside them the old plane's figures, static
    at 1 Gbit/s, from ``oldplane_record.json`` (not re-run).
 2. **Policies**: ``--steps`` steps per row, plans after step 0 and every ``--every``
-   steps; medians of ``seconds`` (end to end: everything included) over the steps after
-   the first (fresh workers); "vs static" is static's median of the same group over the
-   row's. ``hybrid-bf16``: replica weights and gradients travel in bfloat16.
+   steps; medians of ``seconds`` (end to end: everything included) over the steps that
+   ran on a plan the controller made (from the first step whose plan version differs from
+   step 0's: ``expertmesh.sim.replay.planned_from``; before it every row runs the initial
+   placement, and a median over both phases is an order statistic of a two-valued
+   mixture); the median over every step but the first is kept beside it
+   (``median_all_seconds``). "vs static" is static's median of the same group and steps
+   over the row's. ``hybrid-bf16``: replica weights and gradients travel in bfloat16.
 3. **Prediction**: ``expertmesh sim replay`` of the trace.npz and plans.npz every row's
    runtime wrote (``--trace-dir``/``<D>dc-<speed>-<policy>/``) with the constants of
    ``--trace-dir``/``cal-<D>dc-<speed>.yaml``: ``planner.stepmodel.spmd_step_cost`` per
@@ -31,16 +35,21 @@ every row is a fresh runtime on it (new workers, initial weights, same seed).
    and a sync that switches), the bytes of every collective as the workers counted them;
    ``a`` and ``c`` calibrated per group (DC count and bandwidth) on static over free
    links (1e4 Gbit/s, 0 ms) at the full batch and a quarter of it, one run of each just
-   before and one just after the group, their steps pooled (the machine's drift over
-   the group hits the constants as it hits the rows). Median predicted vs median
-   measured; beside it the workers' own counts (collectives, seconds waiting in the
+   before and one just after the group, their steps pooled; then per row, both times
+   the row's drift factor: a full-batch static run on free links (a probe) between each
+   two rows of the group, and the row's factor the pooled median step (less links) of
+   the probes on either side of it over the group's full-batch one (a machine that
+   slows down within the group slows the row and its probes alike; the constants'
+   split between tokens and collectives stays the group's). Each row's constants go to
+   ``cal-<D>dc-<speed>-<policy>.yaml``. Median predicted vs median measured over the
+   same steps; beside it the workers' own counts (collectives, seconds waiting in the
    link shaper) against the model's.
 4. Tokens per second per worker: tokens a rank trains per step over the median step.
 
     make bench-runtime      # or: python bench/bench_runtime.py [--quick] [--json out.json]
     expertmesh sim replay --trace out/bench-runtime/2dc-1gbps-hybrid/trace.npz \
         --plan out/bench-runtime/2dc-1gbps-hybrid/plans.npz \
-        --calibration out/bench-runtime/cal-2dc-1gbps.yaml
+        --calibration out/bench-runtime/cal-2dc-1gbps-hybrid.yaml
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ import json
 import os
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +74,7 @@ from spmdbench import (  # noqa: E402
     SpmdRun,
     calibrate,
     replay_run,
+    residual,
     run_bench,
     run_spmd,
     tokens_per_rank,
@@ -119,21 +130,28 @@ def row(run: SpmdRun, cal: Calibration, static: SpmdRun | None) -> dict[str, Any
     """Medians over the measured steps (the first left out), the replay's prediction and
     the workers' own counts beside them."""
     steps = run.measured()
-    med = run.median("seconds")
-    rep = replay_run(run, cal.constants())
+    rep = replay_run(run, cal.constants(), skip=None)  # from the first step on its plans
+    k = rep.skip
+    med = run.median("seconds", k)
     extra = rep_meta(run)
     out: dict[str, Any] = {
         "policy": run.settings.policy
         + ("-bf16" if "encoding" in run.settings.policy_settings else ""),
+        "measured_from": k,
         "median_seconds": med,
-        "median_step_seconds": run.median("step_seconds"),
+        "median_all_seconds": run.median("seconds"),  # steps 1-: the initial placement too
+        "median_step_seconds": run.median("step_seconds", k),
         "predicted_seconds": rep.predicted_median,
         "predicted_over_measured": rep.predicted_median / med,
-        "predicted_parts": {k: statistics.median(v[1:].tolist()) for k, v in rep.parts.items()},
-        "model_collectives": statistics.median(rep.counts["collectives"][1:].tolist()),
-        "model_crossing": statistics.median(rep.counts["crossing"][1:].tolist()),
-        "measured_collectives": statistics.median(extra["collectives"][1:]),
-        "measured_shaped_seconds": statistics.median(extra["shaped_seconds"][1:]),
+        "predicted_all_over_measured": statistics.median(rep.predicted[1:].tolist())
+        / run.median("seconds"),
+        "predicted_parts": {
+            k: statistics.median(v[rep.skip :].tolist()) for k, v in rep.parts.items()
+        },
+        "model_collectives": statistics.median(rep.counts["collectives"][k:].tolist()),
+        "model_crossing": statistics.median(rep.counts["crossing"][k:].tolist()),
+        "measured_collectives": statistics.median(extra["collectives"][k:]),
+        "measured_shaped_seconds": statistics.median(extra["shaped_seconds"][k:]),
         "ray_fraction": statistics.median((s.ray_seconds or 0.0) / s.seconds for s in steps),  # type: ignore[operator]
         "outside_fraction": statistics.median(
             (s.seconds - s.step_seconds) / s.seconds  # type: ignore[operator]
@@ -157,10 +175,11 @@ def row(run: SpmdRun, cal: Calibration, static: SpmdRun | None) -> dict[str, Any
         "ray_seconds": [s.ray_seconds for s in run.steps],
         "predicted": rep.predicted.tolist(),
         "losses": [s.loss for s in run.steps],
+        "control_seconds": [s.control_seconds for s in run.steps],
         "errors": [s.error for s in run.steps if s.error],
     }
     if static is not None:
-        out["speedup_vs_static"] = static.median("seconds") / med
+        out["speedup_vs_static"] = static.median("seconds", k) / med
         out["loss_rel_diff_vs_static"] = max(
             abs(a.loss - b.loss) / abs(b.loss) for a, b in zip(run.steps, static.steps, strict=True)
         )
@@ -197,16 +216,23 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                     run_spmd(settings(free, small, "static", args), args.calib_steps),
                 )
 
+            def probe(free: Topology = free) -> SpmdRun:
+                return run_spmd(settings(free, lm, "static", args), args.calib_steps)
+
             before = calibration_runs()
             policies = args.policies_3dc if dcs >= 3 and args.policies_3dc else args.policies
             labels = [p for p in policies if p.removesuffix("-bf16") in have]
             for gbps in args.gbps:
-                runs = _group_runs(dcs, gbps, lm, labels, args)
+                runs, probes = _group_runs(dcs, gbps, lm, labels, args, probe)
                 after = calibration_runs()  # the next group's "before"
                 cal = calibrate([before[0], after[0]], [before[1], after[1]])
                 name = f"cal-{dcs}dc-{_speed(gbps)}.yaml"
                 cal.write(root / name)
                 info = _calibration_info(dcs, gbps, cal, before, after, lm, small)
+                # the full-batch probes on either side of each row: [before, p1, ..., after]
+                fulls = [before[0], *probes, after[0]]
+                row_cals = _row_calibrations(cal, fulls, list(runs), root, dcs, gbps)
+                info["probe_medians"] = [f.median("seconds") for f in fulls]
                 out["calibrations"].append(info)
                 print(
                     f"{dcs} DCs {fmt_gbps(gbps)} calibration (static, free links, before and "
@@ -225,7 +251,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                         f"batch's ({cal.full_median:.3f}s), so a = 0; the machine was busy",
                         flush=True,
                     )
-                out["groups"].append(_group(dcs, gbps, runs, cal, name))
+                out["groups"].append(_group(dcs, gbps, runs, row_cals, name))
                 _save(out, args)  # what is measured so far, should the run be cut short
                 before = after
     return out
@@ -272,24 +298,63 @@ def _save(out: dict[str, Any], args: argparse.Namespace) -> None:
 
 
 def _group_runs(
-    dcs: int, gbps: float, lm: LMConfig, labels: list[str], args: argparse.Namespace
-) -> dict[str, SpmdRun]:
+    dcs: int,
+    gbps: float,
+    lm: LMConfig,
+    labels: list[str],
+    args: argparse.Namespace,
+    probe: Callable[[], SpmdRun],
+) -> tuple[dict[str, SpmdRun], list[SpmdRun]]:
+    """The group's rows, a full-batch calibration probe (static, free links) between each
+    two: ``(runs by label, probes)``."""
     topo = topology(dcs, gbps, args.latency_ms, lm.num_experts)
     runs: dict[str, SpmdRun] = {}
-    for label in labels:
+    probes: list[SpmdRun] = []
+    for i, label in enumerate(labels):
+        if i:
+            probes.append(probe())
         where = args.trace_dir / f"{dcs}dc-{_speed(gbps)}-{label}"
         runs[label] = run_spmd(settings(topo, lm, label, args), args.steps, where)
-    return runs
+    return runs, probes
+
+
+def _row_calibrations(
+    cal: Calibration,
+    fulls: list[SpmdRun],
+    labels: list[str],
+    root: Path,
+    dcs: int,
+    gbps: float,
+) -> dict[str, tuple[Calibration, float]]:
+    """Each row's constants: the group's ``a`` and ``c`` (their split from the two batch
+    sizes) times the drift factor of the full-batch probes just before and just after the
+    row (``fulls[i]`` and ``fulls[i + 1]``, steps pooled: their median step less links)
+    over the group's full-batch median; written as ``cal-<D>dc-<speed>-<policy>.yaml``."""
+    base = residual([fulls[0], fulls[-1]])[1]
+    out: dict[str, tuple[Calibration, float]] = {}
+    for i, label in enumerate(labels):
+        factor = residual([fulls[i], fulls[i + 1]])[1] / base if base > 0 else 1.0
+        row_cal = cal.scaled(factor)
+        row_cal.write(root / f"cal-{dcs}dc-{_speed(gbps)}-{label}.yaml")
+        out[label] = (row_cal, factor)
+    return out
 
 
 def _group(
-    dcs: int, gbps: float, runs: dict[str, SpmdRun], cal: Calibration, cal_name: str
+    dcs: int,
+    gbps: float,
+    runs: dict[str, SpmdRun],
+    cals: dict[str, tuple[Calibration, float]],
+    cal_name: str,
 ) -> dict[str, Any]:
     static = runs.get("static")
     rows = []
     for label, run in runs.items():
+        cal, factor = cals[label]
         r = row(run, cal, static)
         r["policy"] = label
+        r["drift_factor"] = factor
+        r["calibration"] = f"cal-{dcs}dc-{_speed(gbps)}-{label}.yaml"
         rows.append(r)
         print(f"  {dcs} DCs {fmt_gbps(gbps):>11} {_line(r)}", flush=True)
     return {
@@ -302,7 +367,8 @@ def _line(r: dict[str, Any]) -> str:
     return (
         f"{r['policy']:11s} median {r['median_seconds']:.3f}s "
         f"x{r.get('speedup_vs_static', 1.0):.2f} vs static, predicted "
-        f"{r['predicted_seconds']:.3f}s ({r['predicted_over_measured']:.2f}); Ray "
+        f"{r['predicted_seconds']:.3f}s ({r['predicted_over_measured']:.2f}; steps "
+        f"{r['measured_from']}-, drift x{r['drift_factor']:.2f}); Ray "
         f"{r['ray_fraction']:.1%}, outside training {r['outside_fraction']:.1%}, driver "
         f"{r['driver_fraction']:.1%} (CPU {r['driver_cpu_fraction']:.1%}); "
         f"{r['tokens_per_second_per_worker']:.0f} tok/s/worker; collectives "
@@ -338,7 +404,8 @@ def markdown(result: dict[str, Any]) -> str:
     lines += [
         "",
         "Calibration (static, free links, one run per batch size just before and one just "
-        "after each group, their steps pooled):",
+        "after each group, their steps pooled; a full-batch probe between each two rows, "
+        "their medians in order before, probes, after):",
         "",
     ]
     lines += [
@@ -347,7 +414,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"{c['small_median']:.3f} s (quarter; {c['small_medians'][0]:.3f}, "
         f"{c['small_medians'][1]:.3f}) -> a = {c['seconds_per_token'] * 1e6:.1f} "
         f"us per token, c = {c['collective_seconds'] * 1e3:.2f} ms per collective "
-        f"({c['collectives']} per static step; load {c['load']:.1f})"
+        f"({c['collectives']} per static step; load {c['load']:.1f}); probes "
+        + ", ".join(f"{m:.3f}" for m in c["probe_medians"])
         for c in result["calibrations"]
     ]
     return "\n".join(lines) + "\n"
@@ -359,10 +427,11 @@ def _replay_table(result: dict[str, Any]) -> list[str]:
         "",
         "Replay (`expertmesh sim replay` of each row's trace; medians over the measured steps):",
         "",
-        "| DCs | inter-DC | policy | measured s | predicted s | pred / meas | compute s "
+        "| DCs | inter-DC | policy | measured s | predicted s | pred / meas | drift "
+        "| pred / meas, steps 1- | compute s "
         "| collectives s | latency s | transfer s | collectives (model / workers) "
         "| crossing (model) | shaper waits s (workers) |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for g in result["groups"]:
         for r in g["rows"]:
@@ -370,6 +439,7 @@ def _replay_table(result: dict[str, Any]) -> list[str]:
             lines.append(
                 f"| {g['dcs']} | {fmt_gbps(g['gbps'])} | {r['policy']} | {r['median_seconds']:.3f} "
                 f"| {r['predicted_seconds']:.3f} | {r['predicted_over_measured']:.2f} "
+                f"| {r['drift_factor']:.2f} | {r['predicted_all_over_measured']:.2f} "
                 f"| {q['compute']:.3f} | {q['software']:.3f} | {q['latency']:.3f} "
                 f"| {q['transfer']:.3f} | {r['model_collectives']:g} / "
                 f"{r['measured_collectives']:g} | {r['model_crossing']:g} "

@@ -165,14 +165,24 @@ class Calibration:
             ranks=self.ranks,
         )
 
+    def scaled(self, factor: float) -> Calibration:
+        """Both constants times ``factor`` (the machine ``factor`` times as slow as when
+        they were measured: its CPU time per token and per collective alike)."""
+        return dataclasses.replace(
+            self,
+            seconds_per_token=self.seconds_per_token * factor,
+            collective_seconds=self.collective_seconds * factor,
+        )
+
     def write(self, path: Path) -> None:
         """The constants as ``expertmesh sim replay --calibration`` reads them."""
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(yaml.safe_dump(self.constants().model_dump()))
 
 
-def replay_run(run: SpmdRun, constants: Constants, skip: int = 1) -> Replay:
-    """``expertmesh sim replay`` of ``run``'s trace.npz and plans.npz."""
+def replay_run(run: SpmdRun, constants: Constants, skip: int | None = 1) -> Replay:
+    """``expertmesh sim replay`` of ``run``'s trace.npz and plans.npz (``skip=None``: its
+    medians from the first step on a plan the controller made, as the CLI's)."""
     trace = read_trace(run.trace_dir / "trace.npz")
     plan = read_plan(run.trace_dir / "plans.npz")
     if trace.load.shape[0] != len(run.steps):
@@ -194,6 +204,21 @@ def predict(run: SpmdRun, cal: Calibration) -> list[float]:
     return [float(x) for x in replay_run(run, cal.constants()).predicted]
 
 
+def residual(runs: list[SpmdRun], skip: int = 1) -> tuple[float, float, int]:
+    """Of ``runs`` (static on one layout) pooled: ``(median step, median step less its
+    modeled links, collectives of a step)``; on free links the two medians nearly agree."""
+    ranks = Topology.from_dict(runs[0].settings.topology).num_ranks
+    zero = Constants(seconds_per_token=0.0, collective_seconds=0.0, ranks=ranks)
+    steps, rest, colls = [], [], []
+    for run in runs:
+        res = replay_run(run, zero, skip)  # latency and transfer only
+        seconds = [float(s.seconds or 0.0) for s in run.measured(skip)]
+        steps += seconds
+        rest += [x - float(p) for x, p in zip(seconds, res.predicted[skip:], strict=True)]
+        colls += res.counts["collectives"][skip:].tolist()
+    return statistics.median(steps), statistics.median(rest), int(statistics.median(colls))
+
+
 def calibrate(
     full: SpmdRun | list[SpmdRun], small: SpmdRun | list[SpmdRun], skip: int = 1
 ) -> Calibration:
@@ -205,21 +230,8 @@ def calibrate(
     fulls = full if isinstance(full, list) else [full]
     smalls = small if isinstance(small, list) else [small]
     ranks = Topology.from_dict(fulls[0].settings.topology).num_ranks
-    zero = Constants(seconds_per_token=0.0, collective_seconds=0.0, ranks=ranks)
-
-    def residual(runs: list[SpmdRun]) -> tuple[float, float, int]:
-        """(median step, median step less its links, collectives of a step)"""
-        steps, rest, colls = [], [], []
-        for run in runs:
-            res = replay_run(run, zero, skip)  # latency and transfer only
-            seconds = [float(s.seconds or 0.0) for s in run.measured(skip)]
-            steps += seconds
-            rest += [x - float(p) for x, p in zip(seconds, res.predicted[skip:], strict=True)]
-            colls += res.counts["collectives"][skip:].tolist()
-        return statistics.median(steps), statistics.median(rest), int(statistics.median(colls))
-
-    full_median, tf, n = residual(fulls)
-    small_median, ts, _ = residual(smalls)
+    full_median, tf, n = residual(fulls, skip)
+    small_median, ts, _ = residual(smalls, skip)
     dt = tokens_per_rank(fulls[0].settings) - tokens_per_rank(smalls[0].settings)
     a = max((tf - ts) / dt, 0.0)
     c = max((tf - a * tokens_per_rank(fulls[0].settings)) / n, 0.0)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 pytestmark = pytest.mark.integration
 
@@ -33,12 +34,15 @@ def test_bench_runtime_quick(repo, tmp_path, capsys):
     static = rows["static"]
     for r in rows.values():
         assert r["backend"] == "gloo" and not r["errors"]
-        measured = r["seconds"][1:]  # the first step is not measured
-        assert r["median_seconds"] == pytest.approx(statistics.median(measured))
+        # medians from the first step on a plan the controller made (never step 0: fresh
+        # workers); the quick run's 4 steps all run on the first plan
+        k = r["measured_from"]
+        assert k == 1
+        assert r["median_seconds"] == pytest.approx(statistics.median(r["seconds"][k:]))
         assert r["speedup_vs_static"] == pytest.approx(
-            statistics.median(static["seconds"][1:]) / r["median_seconds"]
+            statistics.median(static["seconds"][k:]) / r["median_seconds"]
         )
-        assert r["predicted_seconds"] == pytest.approx(statistics.median(r["predicted"][1:]))
+        assert r["predicted_seconds"] == pytest.approx(statistics.median(r["predicted"][k:]))
         assert r["predicted_over_measured"] == pytest.approx(
             r["predicted_seconds"] / r["median_seconds"]
         )
@@ -50,13 +54,25 @@ def test_bench_runtime_quick(repo, tmp_path, capsys):
     assert len(cal["full_medians"]) == 2 and len(cal["small_medians"]) == 2
     assert min(cal["full_medians"]) <= cal["full_median"] <= max(cal["full_medians"])
     assert group["calibration"] == "cal-2dc-20mbps.yaml"
+    # a full-batch probe between the two rows: each row's constants are the group's times
+    # the drift of the probes on either side of it (before, probe, after)
+    assert len(cal["probe_medians"]) == 3
+    for r in rows.values():
+        assert r["calibration"] == f"cal-2dc-20mbps-{r['policy']}.yaml"
+        scaled = yaml.safe_load((traces / r["calibration"]).read_text())
+        assert scaled["seconds_per_token"] == pytest.approx(
+            cal["seconds_per_token"] * r["drift_factor"]
+        )
+        assert scaled["collective_seconds"] == pytest.approx(
+            cal["collective_seconds"] * r["drift_factor"]
+        )
     # each row's prediction is `expertmesh sim replay` of the trace its runtime wrote
     from expertmesh.cli.main import main
 
     row = traces / "2dc-20mbps-hybrid"
     assert rows["hybrid"]["trace_dir"] == str(row)
     args = ["sim", "replay", "--trace", str(row / "trace.npz"), "--plan", str(row / "plans.npz"),
-            "--calibration", str(traces / "cal-2dc-20mbps.yaml")]  # fmt: skip
+            "--calibration", str(traces / rows["hybrid"]["calibration"])]  # fmt: skip
     capsys.readouterr()
     assert main(args) == 0
     out = capsys.readouterr().out

@@ -14,7 +14,7 @@ from expertmesh.planner import Topology
 from expertmesh.planner.static import static_placement
 from expertmesh.runtime.settings import RuntimeSettings, StepResult
 from expertmesh.runtime.trace import RunTrace, migration_collectives
-from expertmesh.sim.replay import Calibration, RuntimeMeta, replay
+from expertmesh.sim.replay import Calibration, RuntimeMeta, planned_from, replay
 from expertmesh.workers.model import LMConfig
 
 TOPO = Topology.generate(2, 2, masters=1, spare=1).with_inter_dc(1.0, 10.0)  # 4 ranks, 2 slots
@@ -99,9 +99,26 @@ def test_each_step_is_the_spmd_step_model_of_the_plan_it_ran():
     extra = np.array([4, 4, 4 + 8]) * 2e-3
     np.testing.assert_allclose(fast.predicted - res.predicted, extra, rtol=1e-9)
     assert res.measured.tolist() == pytest.approx([0.4, 0.5, 0.6])
-    assert res.measured_median == pytest.approx(0.55)  # the first step is left out
-    assert res.predicted_median == pytest.approx(np.median(want[1:]))
-    assert res.error == pytest.approx(res.predicted_median / 0.55 - 1)
+    # the medians start at the first step on a plan the controller made (step 2 ran on
+    # version 1); before it every policy runs the initial placement
+    assert res.skip == planned_from([0, 0, 1]) == 2
+    assert res.measured_median == pytest.approx(0.6)
+    assert res.predicted_median == pytest.approx(want[2])
+    assert res.error == pytest.approx(want[2] / 0.6 - 1)
+    tr = _trace()
+    load, meta, plans, pmeta = tr.arrays()
+    mig = {int(v): c for v, c in pmeta["migration_collectives"].items()}
+    every = replay(load, RuntimeMeta(**meta), plans["phy2log"], plans["master"],
+                   plans["route"], migration=mig, calibration=CAL, skip=1)  # fmt: skip
+    assert every.measured_median == pytest.approx(0.55)  # only the first step left out
+    assert every.predicted_median == pytest.approx(np.median(want[1:]))
+
+
+def test_planned_from_is_the_first_step_on_a_new_plan_and_never_step_0():
+    assert planned_from([0, 0, 0, 1, 1, 2]) == 3
+    assert planned_from([3, 3, 3]) == 1  # one plan throughout: all but the first step
+    assert planned_from([0, 1, 1]) == 1
+    assert planned_from([]) == 1
 
 
 def test_a_background_switch_is_one_transfer_in_the_step_and_the_sync_switches():
@@ -222,7 +239,7 @@ def test_cli_replay_and_bad_input(tmp_path, capsys):
     out = capsys.readouterr().out
     want = _replay(_trace())
     assert f"predicted median step {want.predicted_median:.4g} s" in out
-    assert "measured 0.55 s" in out
+    assert "measured 0.6 s" in out
     rows = (tmp_path / "o" / "replay.csv").read_text().splitlines()
     assert rows[0].startswith("step,predicted_seconds,measured_seconds,compute") and len(rows) == 4
     (tmp_path / "bad.yaml").write_text("seconds_per_token: -1\ncollective_seconds: 0\n")

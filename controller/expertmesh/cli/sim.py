@@ -454,7 +454,7 @@ def run_replay_cmd(args: argparse.Namespace) -> int:
     line = f"{meta.policy}: predicted median step {res.predicted_median:.4g} s"
     if res.measured.size:
         line += f", measured {res.measured_median:.4g} s, error {res.error:+.1%}"
-    print(line + f" (medians without the first {res.skip} step)")
+    print(line + f" (medians of steps {res.skip}-{res.predicted.size - 1})")
     return 0
 
 

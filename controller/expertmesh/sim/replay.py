@@ -41,7 +41,7 @@ from expertmesh.planner.plan import Placement
 from expertmesh.planner.stepmodel import SpmdCollectives, spmd_step_cost, sync_hops
 from expertmesh.planner.topology import Topology
 
-__all__ = ["Calibration", "Replay", "RuntimeMeta", "replay"]
+__all__ = ["Calibration", "Replay", "RuntimeMeta", "planned_from", "replay"]
 
 
 class Calibration(BaseModel):
@@ -104,6 +104,18 @@ class RuntimeMeta(BaseModel):
     )
 
 
+def planned_from(plan_versions: Sequence[int]) -> int:
+    """The first step that ran on a plan the controller made (its version differs from
+    step 0's); 1 when every step ran on the first plan (the first step is never measured:
+    fresh workers). The medians :func:`replay` compares start there: before it a row runs
+    the initial placement whatever its policy, and a median over both phases is an order
+    statistic of a two-valued mixture (it lands in the tail of the faster phase's noise)."""
+    for t, v in enumerate(plan_versions):
+        if v != plan_versions[0]:
+            return max(t, 1)
+    return 1
+
+
 @dataclass(frozen=True)
 class Replay:
     """Per-step predicted seconds ``[T]`` and their parts; measured ones ``[T]`` (empty if
@@ -144,7 +156,7 @@ def replay(
     *,
     migration: Mapping[int, Sequence[int]],
     calibration: Calibration,
-    skip: int = 1,
+    skip: int | None = None,
 ) -> Replay:
     """Model every step of an SPMD run.
 
@@ -153,6 +165,8 @@ def replay(
       ``master``: [T, L, E] flat slots; ``route``: [N, 6] ``(step, layer, src, expert,
       dst, tokens)`` rows; ``migration``: plan version -> ``(collectives, crossing)`` of
       switching to it.
+    - ``skip``: the first steps the medians leave out (None: up to the first step on a
+      plan the controller made, :func:`planned_from`).
     - Returns one predicted step time per ``t`` (``ValueError`` when the inputs disagree).
     """
     from expertmesh.workers.layer import LayerPlan  # which layers let tokens cross DCs
@@ -256,6 +270,8 @@ def replay(
             v[t] = getattr(st, k)
         counts["collectives"][t], counts["crossing"][t] = coll.total, coll.crossing
         counts["migration"][t] = int(mig[0])
+    if skip is None:
+        skip = planned_from(versions)
     return Replay(out, np.asarray(meta.step_seconds, dtype=np.float64), parts, counts, skip)
 
 
