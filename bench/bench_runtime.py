@@ -507,7 +507,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=16, help="steps per row (the first not measured)")
     p.add_argument("--warmup", action="store_true", help="one unused run before calibrating")
     p.add_argument("--every", type=int, default=3, help="steps between plans")
-    p.add_argument("--calib-steps", type=int, default=8, help="steps of each calibration run")
+    p.add_argument(
+        "--calib-steps", type=int, default=16, help="steps of each calibration run and probe"
+    )
     p.add_argument("--batch", type=int, default=LMConfig().batch, help="sequences per rank")
     p.add_argument("--corpus-bytes", type=int, default=300_000)
     p.add_argument(
