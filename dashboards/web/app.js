@@ -165,18 +165,21 @@
     }
   }
 
-  // ---- measured balance (SPMD steps): every microbatch's measured max/mean, within-DC and
-  // cross-DC floor, static EP per step; balancedness per layer of the newest step ----
+  // ---- measured balance (SPMD steps): every microbatch's measured max/mean, the
+  // planner's level on the same counts, within-DC and cross-DC floor, static EP per step;
+  // balancedness per layer of the newest step ----
   function microbatches(x) {
-    // [{x, measured, within, floor}] one per microbatch (max over layers); a step that
-    // did not say its microbatches is one point at the step
+    // [{x, measured, planner, within, floor}] one per microbatch (max over layers); a step
+    // that did not say its microbatches is one point at the step
     const mx = (row) => Math.max(...row);
+    const planner = x.planner || [];
     if (!x.microbatches || !x.microbatches.length) {
-      return [{ x: x.step, measured: x.imbalance, within: null, floor: null }];
+      return [{ x: x.step, measured: x.imbalance, planner: null, within: null, floor: null }];
     }
     const k = x.microbatches.length;
     return x.microbatches.map((row, i) => ({
       x: x.step + i / k, measured: mx(row),
+      planner: planner.length ? mx(planner[i]) : null,
       within: x.within_dc.length ? mx(x.within_dc[i]) : null,
       floor: x.floor.length ? mx(x.floor[i]) : null,
     }));
@@ -184,14 +187,15 @@
   function drawBalance(d) {
     const b = d.balance, box = $("balance-chart");
     $("balance-note").hidden = b.length > 0;
-    const xs = [], meas = [], within = [], floor = [], stat = [];
+    const xs = [], meas = [], plan = [], within = [], floor = [], stat = [];
     for (const x of b) {
       microbatches(x).forEach((m, i) => {
-        xs.push(m.x); meas.push(m.measured); within.push(m.within); floor.push(m.floor);
+        xs.push(m.x); meas.push(m.measured); plan.push(m.planner);
+        within.push(m.within); floor.push(m.floor);
         stat.push(i === 0 ? x.imbalance_static : null);
       });
     }
-    const data = [xs, meas, within, floor, stat];
+    const data = [xs, meas, plan, within, floor, stat];
     const last = b.length ? b[b.length - 1] : null;
     const lastMb = last ? microbatches(last) : [];
     // what the chart plots, for tests and the curious: the newest point of each series
@@ -199,15 +203,20 @@
     box.dataset.lastStep = last ? last.step : "";
     box.dataset.lastMeasured = last ? fmt(meas.at(-1), 4) : "";
     box.dataset.lastStatic = last ? fmt(last.imbalance_static, 4) : "";
+    box.dataset.lastPlanner = last && last.imbalance_planner != null ? fmt(last.imbalance_planner, 4) : "";
     box.dataset.lastMicrobatches = lastMb.map((m) => fmt(m.measured, 4)).join(",");
     $("balance-summary").replaceChildren(...(last ? [
       document.createTextNode(`step ${last.step}: measured `), el("b", { class: last.imbalance <= last.imbalance_static ? "better" : "worse" }, fmt(last.imbalance)),
+      ...(last.imbalance_planner != null ? [document.createTextNode(" · planner's level "),
+        el("b", null, fmt(last.imbalance_planner))] : []),
       document.createTextNode(" vs static EP "), el("b", null, fmt(last.imbalance_static)),
       document.createTextNode(` · ${last.replicas} replicas, ${bytes(last.fanout_bytes)} fanned out, fast loop exposed ${fmt(last.balance_seconds * 1000, 1)} ms of ${fmt(last.seconds * 1000, 0)} ms`),
     ] : []));
     const mbRows = last && last.microbatches.length ? last.microbatches.map((row, i) => {
       const tr = el("tr", { "data-microbatch": i, "data-value": fmt(Math.max(...row), 4) });
+      const planner = last.planner || [];
       tr.append(el("td", null, String(i)), el("td", null, row.map((v) => fmt(v)).join(" / ")),
+        el("td", null, planner.length ? fmt(Math.max(...planner[i])) : "–"),
         el("td", null, last.within_dc.length ? fmt(Math.max(...last.within_dc[i])) : "–"),
         el("td", null, last.floor.length ? fmt(Math.max(...last.floor[i])) : "–"));
       return tr;
@@ -231,6 +240,7 @@
                { stroke: "#8a9aab", grid: { stroke: "#263341" }, label: "max/mean" }],
         series: [{ label: "step" },
           { label: "measured", stroke: "#3ddc97", width: 2 },
+          { label: "planner level", stroke: "#c792ea", width: 1, spanGaps: true },
           { label: "within DC", stroke: "#4fb3ff", width: 1, spanGaps: true },
           { label: "cross-DC floor", stroke: "#ffa94d", width: 1, dash: [2, 3], spanGaps: true },
           { label: "static EP", stroke: "#ff6b6b", width: 1, dash: [4, 4], spanGaps: true }],

@@ -41,9 +41,11 @@ def _feed(tel: Telemetry, steps: range, seed: int = 0) -> list[dict]:
             "microbatches": ratio.tolist(),
             "within_dc": (ratio / floor).tolist(),
             "floor": floor.tolist(),
+            "planner": np.maximum(1.0, ratio - 0.01).tolist(),
         }
         tel.record_balance(step, **rec)
-        out.append({"step": step, **rec})
+        level = float(np.maximum(1.0, ratio - 0.01).max())
+        out.append({"step": step, **rec, "imbalance_planner": level})
     return out
 
 
@@ -74,6 +76,11 @@ def test_balance_resource_returns_measured_steps_bounded_and_filtered(tmp_path):
         last = fed[-1]
         assert samples[("expertmesh_measured_imbalance_ratio", ())] == last["imbalance"]
         assert samples[("expertmesh_static_imbalance_ratio", ())] == last["imbalance_static"]
+        assert samples[("expertmesh_planner_imbalance_ratio", ())] == last["imbalance_planner"]
+        for i, row in enumerate(last["planner"]):
+            for layer, x in enumerate(row):
+                labels = (("layer", str(layer)), ("microbatch", str(i)))
+                assert samples[("expertmesh_planner_microbatch_imbalance_ratio", labels)] == x
         for layer, b in enumerate(last["balancedness"]):
             key = ("expertmesh_measured_balancedness_ratio", (("layer", str(layer)),))
             assert samples[key] == b

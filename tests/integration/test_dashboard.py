@@ -101,6 +101,7 @@ class Feeder:
             microbatches=mbs,
             within_dc=[[1.0 + (v - 1.0) / 2 for v in row] for row in mbs],
             floor=[[1.0 + (v - 1.0) / 3 for v in row] for row in mbs],
+            planner=[[1.0 + (v - 1.0) / 4 for v in row] for row in mbs],
             imbalance=max(per),
             imbalance_static=max(float(t.max() / t.mean()) for t in static),
             balancedness=[float(t.mean() / t.max()) for t in per_layer],
@@ -206,19 +207,23 @@ def test_dashboard_shows_measured_balance_beside_static(browser, tmp_path):
         table = browser.eval(
             "[...document.querySelectorAll('#balance-mb tbody tr')]"
             ".map(r => [r.dataset.microbatch, r.dataset.value, r.children[2].textContent,"
-            " r.children[3].textContent])"
+            " r.children[3].textContent, r.children[4].textContent])"
         )
         assert table == [
-            [str(i), f"{per_mb[i]:.4f}", f"{max(last.within_dc[i]):.3f}",
-             f"{max(last.floor[i]):.3f}"]
+            [str(i), f"{per_mb[i]:.4f}", f"{max(last.planner[i]):.3f}",
+             f"{max(last.within_dc[i]):.3f}", f"{max(last.floor[i]):.3f}"]
             for i in range(K)
         ]  # fmt: skip
+        level = max(max(row) for row in last.planner)
+        assert box["lastPlanner"] == f"{level:.4f}"
         assert browser.eval("document.querySelectorAll('#balance-chart canvas').length") >= 1
         legend = browser.eval(
             "[...document.querySelectorAll('#balance-chart .u-legend .u-label')]"
             ".map(x => x.textContent)"
         )
-        assert legend[1:] == ["measured", "within DC", "cross-DC floor", "static EP"], legend
+        assert legend[1:] == [
+            "measured", "planner level", "within DC", "cross-DC floor", "static EP"
+        ], legend  # fmt: skip
         rows = browser.eval(
             "[...document.querySelectorAll('#balance-layers .row')]"
             ".map(r => [r.dataset.layer, r.dataset.value, r.textContent])"
@@ -228,7 +233,8 @@ def test_dashboard_shows_measured_balance_beside_static(browser, tmp_path):
         assert all(r[2].startswith(f"layer {i}") for i, r in enumerate(rows)), rows
         summary = browser.eval("document.getElementById('balance-summary').textContent")
         assert summary.startswith(
-            f"step 4: measured {last.imbalance:.3f} vs static EP {last.imbalance_static:.3f}"
+            f"step 4: measured {last.imbalance:.3f} · planner's level {level:.3f} vs static EP "
+            f"{last.imbalance_static:.3f}"
         ), summary
         assert browser.eval("document.getElementById('balance-note').hidden") is True
         # a new step reaches the page without a reload

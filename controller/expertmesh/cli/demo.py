@@ -73,6 +73,12 @@ def add_parser(sub: Any) -> None:
         "tokens then split by the committed plan's route",
     )
     p.add_argument(
+        "--no-planner-level",
+        action="store_true",
+        help="do not solve the planner's level on every step's exact counts (the controller's "
+        "imbalance_planner, beside the measured imbalance)",
+    )
+    p.add_argument(
         "--address",
         help="run on this existing Ray cluster (e.g. 10.0.0.1:6379; its nodes labeled "
         "dc=<name> as in the topology) instead of starting a local one; pair with --no-shaper "
@@ -236,17 +242,25 @@ def _runtime_settings(args: argparse.Namespace, topo: Topology, lm: Any) -> Any:
         checkpoint_dir=str(args.checkpoint_dir) if args.checkpoint_dir else None,
         checkpoint_keep=args.checkpoint_keep,
         trace_dir=str(args.json.parent) if args.json else None,
+        planner_level=not args.no_planner_level,
         replace_dead_workers=not args.no_replace,
         step_deadline_s=args.step_deadline,
     )
 
 
+#: hybrid's settings under the fast loop unless --policy-settings says otherwise: one slot
+#: per rank left free for the fast loop's replicas; the holder sets evened out for the split
+#: by DC (even_dcs); the slow loop re-planned at every plan (every 5 steps, the trigger's
+#: default) on the newest load window only (routing drifts fast while the model trains)
+FAST_LOOP_HYBRID = {"reserve_slots": 1, "even_dcs": True, "period": 5, "window": 1}
+
+
 def _policy_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """``--policy-settings``; with the fast loop on, hybrid keeps one slot per rank free for
-    it (``reserve_slots: 1``) unless the settings say otherwise."""
+    """``--policy-settings``; with the fast loop on, hybrid's :data:`FAST_LOOP_HYBRID`
+    fill in what the settings do not say."""
     given = json_object(args.policy_settings, "--policy-settings")
-    if args.policy == "hybrid" and not args.no_balance and "reserve_slots" not in given:
-        given = {**given, "reserve_slots": 1}
+    if args.policy == "hybrid" and not args.no_balance:
+        given = {**FAST_LOOP_HYBRID, **given}
     return given
 
 
@@ -315,6 +329,7 @@ def run(args: argparse.Namespace) -> int:
                 f"{summary['median_step_seconds']:.3f}s, plan v{status['version']}, "
                 f"controller errors {status['errors']}"
             )
+            console.print(_imbalance_line(summary))
             if args.json is not None:
                 args.json.write_text(json.dumps({"summary": summary, "steps": rows}, indent=1))
                 console.print(f"wrote {args.json}")
@@ -346,6 +361,16 @@ def _resume(args: argparse.Namespace, settings: Any) -> tuple[Any, int]:
     return rs, left
 
 
+def _imbalance_line(summary: dict[str, Any]) -> str:
+    """The summary's imbalance medians in one line."""
+    level = summary["median_imbalance_planner"]
+    return (
+        f"imbalance (max/mean, worst microbatch and layer) median from step {WARMUP_STEPS}: "
+        f"measured {summary['median_imbalance']:.3f}"
+        + (f", planner's level on the same tokens {level:.3f}" if level is not None else "")
+    )
+
+
 def _interrupt(*_: object) -> None:
     raise KeyboardInterrupt
 
@@ -356,8 +381,8 @@ def _train(rt: Any, steps: int, console: Any) -> list[dict[str, Any]]:
 
     rows: list[dict[str, Any]] = []
     table = Table(
-        "step", "loss", "step s", "imbalance", "static EP", "plan", "WAN tokens", "WAN weights",
-        "migration",
+        "step", "loss", "step s", "imbalance", "planner", "static EP", "plan", "WAN tokens",
+        "WAN weights", "migration",
     )  # fmt: skip
 
     def show(r: Any) -> None:
@@ -366,7 +391,8 @@ def _train(rt: Any, steps: int, console: Any) -> list[dict[str, Any]]:
             str(r.step),
             f"{r.loss:.4f}",
             f"{r.seconds if r.seconds is not None else r.step_seconds:.3f}",
-            f"{r.imbalance:.2f}",
+            f"{r.imbalance:.3f}",
+            f"{r.imbalance_planner:.3f}" if r.imbalance_planner is not None else "",
             f"{r.imbalance_static:.2f}" if r.imbalance_static is not None else "",
             f"v{r.plan_version}",
             _mb(r.cross_dc_token_bytes),
@@ -383,6 +409,11 @@ def _train(rt: Any, steps: int, console: Any) -> list[dict[str, Any]]:
     return rows
 
 
+#: the summary's medians of the per-step imbalance start here (the first plans switch in
+#: after steps 6-7 with the default trigger)
+WARMUP_STEPS = 10
+
+
 def _mb(n: int) -> str:
     return f"{n / 1e6:.2f} MB"
 
@@ -391,6 +422,8 @@ def _summary(rows: list[dict[str, Any]], status: dict[str, Any], settings: Any) 
     import statistics
 
     writes = [c["write_seconds"] for c in status.get("checkpoints", [])]
+    after = [r for r in rows if r["step"] >= WARMUP_STEPS] or rows
+    levels = [r["imbalance_planner"] for r in after if r.get("imbalance_planner") is not None]
     return {
         "policy": settings.policy,
         "steps": len(rows),
@@ -399,6 +432,10 @@ def _summary(rows: list[dict[str, Any]], status: dict[str, Any], settings: Any) 
         "median_step_seconds": statistics.median(
             r["seconds"] if r.get("seconds") is not None else r["step_seconds"] for r in rows
         ),
+        # per-step imbalance (max over microbatches and layers) from step WARMUP_STEPS on:
+        # measured, and the planner's level on the same exact counts
+        "median_imbalance": statistics.median(r["imbalance"] for r in after),
+        "median_imbalance_planner": statistics.median(levels) if levels else None,
         "plan_version": status["version"],
         "controller_errors": status["errors"],
         "retried_steps": status.get("retried_steps", []),

@@ -18,7 +18,12 @@ Series (absent until a step is recorded; no data is not a value):
   ``expertmesh_within_dc_imbalance_ratio`` (the worst DC's max/mean over its own ranks: what
   the fast loop, which balances inside each DC, reaches) and
   ``expertmesh_cross_dc_floor_ratio`` (the busiest DC's mean over the global mean: the
-  floor under the first that the slow loop's choice of experts per DC sets).
+  floor under the first that the slow loop's choice of experts per DC sets) and, where the
+  runtime solves it (``RuntimeSettings.planner_level``),
+  ``expertmesh_planner_microbatch_imbalance_ratio`` (the planner's level: max/mean its own
+  split by DC and quota reach on the same exact counts under the same plan);
+- ``expertmesh_planner_imbalance_ratio``: the planner's level, max over microbatches and
+  layers of the newest step (absent where not solved), beside the measured one.
 
 Counters (0 until counted): ``expertmesh_fast_loop_replicas_total`` (replicas the fast loop
 added, summed over layers and domains), ``expertmesh_fast_loop_fanout_bytes_total`` (replica
@@ -61,6 +66,8 @@ class BalanceRecord:
     microbatches: tuple[tuple[float, ...], ...] = ()
     within_dc: tuple[tuple[float, ...], ...] = ()
     floor: tuple[tuple[float, ...], ...] = ()
+    # [k][L] the planner's level on the same exact counts (empty where not solved)
+    planner: tuple[tuple[float, ...], ...] = ()
 
 
 def _ratio(x: float, name: str, lo: float, hi: float) -> float:
@@ -111,10 +118,11 @@ class BalanceMetrics:
         microbatches: Sequence[Sequence[float]] = (),
         within_dc: Sequence[Sequence[float]] = (),
         floor: Sequence[Sequence[float]] = (),
+        planner: Sequence[Sequence[float]] = (),
     ) -> BalanceRecord:
         """Validate and keep one step; ``ValueError`` (nothing recorded) on bad values.
-        ``microbatches``, ``within_dc``, ``floor``: [k][L] ratios >= 1 (or empty), the same
-        k; ``imbalance`` is the max of ``microbatches`` when given."""
+        ``microbatches``, ``within_dc``, ``floor``, ``planner``: [k][L] ratios >= 1 (or
+        empty), the same k; ``imbalance`` is the max of ``microbatches`` when given."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         bal = tuple(float(b) for b in balancedness)
@@ -127,11 +135,13 @@ class BalanceMetrics:
         per = {
             name: self._grid(name, grid)
             for name, grid in (("microbatches", microbatches), ("within_dc", within_dc),
-                               ("floor", floor))
+                               ("floor", floor), ("planner", planner))
         }  # fmt: skip
         sizes = {len(g) for g in per.values() if g}
         if len(sizes) > 1:
-            raise ValueError("microbatches, within_dc and floor must have the same microbatches")
+            raise ValueError(
+                "microbatches, within_dc, floor and planner must have the same microbatches"
+            )
         mbs = per["microbatches"]
         if mbs and not math.isclose(max(max(r) for r in mbs), float(imbalance), rel_tol=1e-9):
             raise ValueError("imbalance must be the largest of the microbatches' values")
@@ -148,6 +158,7 @@ class BalanceMetrics:
             microbatches=mbs,
             within_dc=per["within_dc"],
             floor=per["floor"],
+            planner=per["planner"],
         )
         with self._lock:
             self._records.append(rec)
@@ -203,6 +214,14 @@ class _Collector:
         )
         static.add_metric([], rec.imbalance_static)
         out = [bal, measured, static]
+        if rec.planner:
+            level = GaugeMetricFamily(
+                "expertmesh_planner_imbalance_ratio",
+                "The planner's level on the newest step's exact counts (its split by DC and "
+                "quota under the same plan): max over microbatches and layers of max/mean",
+            )
+            level.add_metric([], max(max(r) for r in rec.planner))
+            out.append(level)
         for name, doc, grid in (
             ("expertmesh_microbatch_imbalance_ratio",
              "Max/mean tokens computed per rank, per microbatch and layer of the newest step",
@@ -214,6 +233,10 @@ class _Collector:
              "The busiest DC's mean tokens per rank over the global mean (the floor the slow "
              "loop's experts per DC set), per microbatch and layer of the newest step",
              rec.floor),
+            ("expertmesh_planner_microbatch_imbalance_ratio",
+             "The planner's level: max/mean tokens per rank its own split by DC and quota "
+             "reach on the same exact counts, per microbatch and layer of the newest step",
+             rec.planner),
         ):  # fmt: skip
             if not grid:
                 continue

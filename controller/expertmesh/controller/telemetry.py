@@ -288,15 +288,17 @@ class Telemetry:
         microbatches: Sequence[Sequence[float]] = (),
         within_dc: Sequence[Sequence[float]] = (),
         floor: Sequence[Sequence[float]] = (),
+        planner: Sequence[Sequence[float]] = (),
     ) -> BalanceRecord:
         """Record what the fast loop did in one SPMD step (measured from the tokens each rank
         computed; see :mod:`expertmesh.controller.balance`): ``microbatches``, ``within_dc``,
-        ``floor`` [k][L] per microbatch and layer. ``ValueError`` on bad values."""
+        ``floor`` [k][L] per microbatch and layer, and ``planner`` [k][L], the planner's
+        level on the same counts (empty: not solved). ``ValueError`` on bad values."""
         return self.balance.record(
             step, imbalance=imbalance, imbalance_static=imbalance_static,
             balancedness=balancedness, replicas=replicas, fanout_bytes=fanout_bytes,
             balance_seconds=balance_seconds, seconds=seconds, at=self._clock(),
-            microbatches=microbatches, within_dc=within_dc, floor=floor,
+            microbatches=microbatches, within_dc=within_dc, floor=floor, planner=planner,
         )  # fmt: skip
 
     def set_worker_state(self, rank: int, up: bool) -> None:

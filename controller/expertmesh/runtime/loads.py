@@ -77,6 +77,8 @@ class LeadLoads:
     def __init__(self, settings: Any, topology: Topology, rank: int) -> None:
         self.mode, self.window = load_mode(settings), load_window(settings)
         self.keep_load = getattr(settings, "trace_dir", None) is not None  # for the trace
+        # every microbatch's counts, for the planner's level (runtime/stepstats.py)
+        self.keep_mb = bool(getattr(settings, "planner_level", False))
         self.topology, self.rank = topology, rank
         self.num_layers, self.num_experts = settings.lm.num_layers, settings.lm.num_experts
         self.dc = int(topology.rank_dc[rank])
@@ -104,7 +106,10 @@ class LeadLoads:
 
     def after_step(self, st: Any, stats: dict[str, Any]) -> None:
         """Fill ``stats`` (the step's report): the lead's windows and counters; no per-rank
-        load (``rank`` mode, or a run writing its trace, keeps ``stats["load"]``)."""
+        load (``rank`` mode, or a run writing its trace, keeps ``stats["load"]``; a run
+        measuring the planner's level keeps ``stats["load_mb"]``)."""
+        if not self.keep_mb:
+            stats.pop("load_mb", None)
         if self.mode == "rank":
             return
         if not self.keep_load:

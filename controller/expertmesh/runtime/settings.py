@@ -61,6 +61,13 @@ class RuntimeSettings(BaseModel):
         "go to the holding DCs so that the DCs' tokens per rank even out (the world's exact "
         "counts, all-gathered); off: to the DC the plan's route names",
     )
+    planner_level: bool = Field(
+        default=False,
+        description="every rank's per-microbatch counts ride its step report and the "
+        "controller solves the planner's split by DC and quota on them (imbalance_planner: "
+        "the planner's level on the step's exact tokens, beside the measured imbalance); a "
+        "few ms of controller time per step at the demo's size",
+    )
     migration: Literal["background", "boundary"] = Field(
         default="background",
         description="a new plan's moved masters travel in the background during the step "
@@ -163,6 +170,11 @@ class StepResult(BaseModel):
     imbalance_within_dc: list[list[float]] | None = None
     imbalance_floor: list[list[float]] | None = None
     imbalance_static: float | None = None  # what static EP would have had on the same tokens
+    # the planner's level on the step's exact counts (RuntimeSettings.planner_level): its
+    # split by DC and quota inside DCs solved by the controller on the counts, under the
+    # plan the step ran: max over microbatches and layers, and per microbatch and layer
+    imbalance_planner: float | None = None
+    imbalance_planner_microbatches: list[list[float]] | None = None
     imbalance_before: float | None = None  # of the plan made after this step (max over layers)
     imbalance_after: float | None = None
     plan_version: int  # the plan this step ran under

@@ -23,7 +23,7 @@ from expertmesh.planner import Placement, Topology, imbalance
 from expertmesh.planner.rounds import migration_rounds
 from expertmesh.runtime.loads import LoadIngest
 from expertmesh.runtime.settings import RuntimeSettings, initial_placements
-from expertmesh.runtime.stepstats import per_microbatch, switch_summary
+from expertmesh.runtime.stepstats import per_microbatch, planner_level, switch_summary
 from expertmesh.runtime.trace import migration_collectives
 
 __all__ = ["SpmdSteps"]
@@ -141,6 +141,7 @@ class SpmdSteps:
         seconds = max(float(reports[r]["wall_seconds"]) for r in ranks)
         per_mb = np.stack([np.asarray(reports[r]["computed_mb"]) for r in ranks])  # [R', k, L]
         measured, within, floor = per_microbatch(per_mb, self.topology.rank_dc[alive])
+        planner = self._planner_level(reports, ranks)
         loss = float(sum(reports[r]["loss"] for r in ranks))
         self.telemetry.record_step(
             step, seconds, loss, computed.sum(axis=1),
@@ -163,6 +164,8 @@ class SpmdSteps:
                 "imbalance_static": max(
                     imbalance(static[layer, alive]) for layer in range(num_layers)
                 ),
+                "imbalance_planner": max(max(row) for row in planner) if planner else None,
+                "imbalance_planner_microbatches": planner,  # [k][L] or None
                 "plan_version": int(reports[ranks[0]]["version"]),
                 "cross_dc_token_bytes": int(delta[0].sum()),
                 "cross_dc_weight_bytes": int(delta[1].sum()),
@@ -197,7 +200,39 @@ class SpmdSteps:
             balancedness=res["balancedness"], replicas=res["replicas"],
             fanout_bytes=res["fanout_bytes"], balance_seconds=res["balance_seconds"],
             seconds=seconds, microbatches=measured, within_dc=within, floor=floor,
+            planner=planner or (),
         )  # fmt: skip
+
+    def _planner_level(
+        self, reports: dict[int, dict[str, Any]], ranks: list[int]
+    ) -> list[list[float]] | None:
+        """The planner's level on the step's exact counts (:func:`planner_level`: its split
+        by DC and quota inside DCs, solved here on every rank's per-microbatch counts under
+        the plan the step ran), or ``None`` when not asked for (``planner_level``), a
+        report lacks its counts or the plan is no longer known."""
+        if not self.settings.planner_level or any("load_mb" not in reports[r] for r in ranks):
+            return None
+        version = int(reports[ranks[0]]["version"])
+        if version == 0:
+            placements = initial_placements(self.topology, self.settings.lm)
+        else:
+            try:
+                placements = [lp.placement for lp in self.core.get(version).layers]
+            except ValueError:  # pruned from memory (a long-lived plan's store copy)
+                return None
+        first = np.asarray(reports[ranks[0]]["load_mb"])  # [k, L, E]
+        counts = np.zeros(
+            (first.shape[0], first.shape[1], self.topology.num_ranks, first.shape[2]), np.int64
+        )  # [k, L, R, E]
+        for r in ranks:
+            counts[:, :, r] = np.asarray(reports[r]["load_mb"])
+        rank_dc = np.full(self.topology.num_ranks, -1, np.int64)
+        rank_dc[ranks] = self.topology.rank_dc[ranks]
+        cost = None
+        if self.settings.shaper:  # the workers' shaper prices crossings by bandwidth
+            bw = self.topology.dc_gbps * 1e9 / 8.0
+            cost = np.where(np.eye(self.topology.num_dcs, dtype=bool), 0.0, 1.0 / bw)
+        return planner_level(counts, placements, rank_dc, cost)
 
     def _offer(self, step: int) -> dict[str, Any]:
         """Plan if the trigger fires and offer the plan to every worker (prepare happens on

@@ -1,6 +1,8 @@
 """What the controller derives from one SPMD step's reports (pure; no Ray): the measured
 balance per microbatch and layer, split into what balancing inside each DC reaches and the
-floor between DCs, and the plan switch the ranks made."""
+floor between DCs; the planner's level on the same exact counts (what the planner's own
+solve reaches on them, beside what the ranks measured); and the plan switch the ranks
+made."""
 
 from __future__ import annotations
 
@@ -8,9 +10,17 @@ from typing import Any
 
 import numpy as np
 
-from expertmesh.planner import imbalance
+from expertmesh.planner import Placement, imbalance
+from expertmesh.planner.dcsplit import split_dcs
+from expertmesh.planner.fastquota import EXACT
+from expertmesh.workers.balance import DomainBase, solve
+from expertmesh.workers.moe import relay_counts
 
-__all__ = ["per_microbatch", "switch_summary"]
+__all__ = ["PLANNER_RULE", "per_microbatch", "planner_level", "switch_summary"]
+
+#: the solve inside each DC the planner's level uses: quota's exact rule (no replica
+#: economy, as the ``quota`` policy plans) and the chains after it
+PLANNER_RULE = EXACT.model_copy(update={"chains": True})
 
 
 def per_microbatch(
@@ -34,6 +44,59 @@ def per_microbatch(
         busiest = np.max([per[m].mean(axis=0) for m in dcs], axis=0)  # [L]
         floor.append([float(b / a) if a > 0 else 1.0 for a, b in zip(mean, busiest, strict=True)])
     return measured, within, floor
+
+
+def planner_level(
+    counts: np.ndarray,
+    placements: list[Placement],
+    rank_dc: np.ndarray,
+    cost: np.ndarray | None = None,
+) -> list[list[float]]:
+    """What the planner reaches on one step's exact counts, per microbatch and layer: a
+    [k][L] grid of max/mean tokens per rank, solved here from the counts alone (not from
+    what the ranks did), so that the measured ``imbalance_microbatches`` can be held
+    against it.
+
+    - ``counts``: [k, L, R, E] every rank's gate counts per microbatch and layer (zero rows
+      for ranks not taking part);
+    - ``placements``: [L] the plan the step's tokens ran under (which experts each DC
+      holds, where the homes are: the slow loop's decision);
+    - ``rank_dc``: [R] DC of each rank, ``-1`` for one not taking part;
+    - ``cost``: [D, D] per byte between DCs (as the workers' shaper), ``None``: equal.
+
+    Per microbatch and layer: the split by DC of the crossing tokens at its exact level
+    (:func:`~expertmesh.planner.dcsplit.split_dcs`; a token whose DC holds its expert
+    stays home), then inside each DC quota's exact rule and the chains
+    (:data:`PLANNER_RULE`) over the DC's base; max/mean over the ranks taking part."""
+    counts = np.asarray(counts, dtype=np.int64)
+    rank_dc = np.asarray(rank_dc, dtype=np.int64)
+    if counts.ndim != 4 or counts.shape[1] != len(placements) or counts.shape[2] != rank_dc.size:
+        raise ValueError(
+            f"counts must be [k, {len(placements)}, {rank_dc.size}, E], got {counts.shape}"
+        )
+    live = rank_dc >= 0
+    dcs = [np.flatnonzero(rank_dc == d) for d in range(int(rank_dc.max(initial=-1)) + 1)]
+    out: list[list[float]] = []
+    for mb in counts:  # [L, R, E]
+        row = []
+        for layer, placement in enumerate(placements):
+            held = placement.holds()  # [R, E]
+            holds = np.stack([held[m].any(axis=0) for m in dcs])  # [D, E] over live ranks
+            split = split_dcs(mb[layer], holds, rank_dc, cost)
+            per = np.zeros(rank_dc.size, np.int64)
+            for d, ranks in enumerate(dcs):
+                if ranks.size == 0:
+                    continue
+                step = solve(
+                    relay_counts(split.tokens, d, rank_dc),
+                    DomainBase.of(placement, ranks),
+                    settings=PLANNER_RULE,
+                )
+                per[ranks] = np.bincount(step.route[:, 2], weights=step.route[:, 3],
+                                         minlength=ranks.size).astype(np.int64)  # fmt: skip
+            row.append(imbalance(per[live]))
+        out.append(row)
+    return out
 
 
 def switch_summary(reports: dict[int, dict[str, Any]], ranks: list[int]) -> dict[str, Any] | None:

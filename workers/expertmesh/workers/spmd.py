@@ -74,6 +74,7 @@ class SpmdRank:
         self.loss = 0.0
         self.agreed = 0  # the plan version every rank has received (after a step)
         self._counts = np.zeros((cfg.num_layers, cfg.num_experts), np.int64)
+        self._counts_mb = np.zeros((cfg.microbatches, cfg.num_layers, cfg.num_experts), np.int64)
         self._computed = np.zeros((cfg.microbatches, cfg.num_layers), np.int64)
         self._fast: list[Any] = [np.zeros(cfg.num_layers, np.int64), 0, 0.0]
         self._crossings = np.zeros((cfg.num_layers, comm.num_dcs), np.int64)
@@ -105,7 +106,7 @@ class SpmdRank:
         k = self.cfg.microbatches
         total = self.cfg.tokens_per_rank * self.comm.world.size * k
         self.loss = 0.0
-        counts = np.zeros((len(self.layers), self.cfg.num_experts), np.int64)
+        counts = np.zeros((k, len(self.layers), self.cfg.num_experts), np.int64)  # [k, L, E]
         computed = np.zeros((k, len(self.layers)), np.int64)  # [k, L] per microbatch
         fast: list[Any] = [np.zeros(len(self.layers), np.int64), 0, 0.0]  # summed over k
         crossings = np.zeros((len(self.layers), self.comm.num_dcs), np.int64)  # [L, D]
@@ -117,7 +118,7 @@ class SpmdRank:
             for layer, moe in enumerate(self.layers):
                 a, u = self.dense.mix(layer, h)
                 h = a + moe(u).reshape(a.shape)
-                counts[layer] += moe.counts
+                counts[i, layer] = moe.counts
                 computed[i, layer] = moe.computed
                 crossings[layer] += moe.crossings
                 routed[layer].append(moe.routed)
@@ -131,7 +132,8 @@ class SpmdRank:
                 fast[1] += moe.fanout_bytes
                 fast[2] += moe.balance_seconds + moe.fetch_wait_seconds
             self.loss += float(loss.detach())
-        self._counts, self._computed, self._fast = counts, computed, fast
+        self._counts, self._computed, self._fast = counts.sum(axis=0), computed, fast
+        self._counts_mb = counts
         self._crossings, self._routed = crossings, [_sum_rows(r) for r in routed]
         t1 = time.perf_counter()
         self.sync(offer)
@@ -224,6 +226,7 @@ class SpmdRank:
             "fanout_bytes": int(self._fast[1]),
             "balance_seconds": float(self._fast[2]),
             "load": self._counts.copy(),  # [L, E] summed over the step's microbatches
+            "load_mb": self._counts_mb.copy(),  # [k, L, E] per microbatch
             "expert_seconds": np.array([m.expert_seconds for m in self.layers]),  # [L]
             # summed over the step's microbatches: distinct tokens sent to each DC [L, D] and
             # per layer [N, 4] (rank, expert, dst, assignments) dispatched

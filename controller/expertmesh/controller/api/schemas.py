@@ -307,6 +307,17 @@ class BalanceStepOut(_Out):
         description="[k][L] the busiest DC's mean tokens per rank over the global mean (the "
         "floor the slow loop's experts per DC set under the measured imbalance)",
     )
+    planner: list[list[float]] = Field(
+        default_factory=list,
+        description="[k][L] the planner's level: max/mean tokens per rank its own split by DC "
+        "and quota reach on the same exact counts under the same plan, solved by the "
+        "controller (empty where the runtime does not solve it)",
+    )
+    imbalance_planner: float | None = Field(
+        default=None,
+        description="the planner's level, max over microbatches and layers (null where not "
+        "solved), beside the measured imbalance",
+    )
 
 
 class BalanceOut(_Out):

@@ -72,8 +72,13 @@ def layer_out(st: LayerStats) -> s.LayerOut:
 
 
 def balance_out(rec: BalanceRecord) -> s.BalanceStepOut:
-    grids = {k: [list(r) for r in getattr(rec, k)] for k in ("microbatches", "within_dc", "floor")}
-    return s.BalanceStepOut(**{**vars(rec), "balancedness": list(rec.balancedness), **grids})
+    names = ("microbatches", "within_dc", "floor", "planner")
+    grids = {k: [list(r) for r in getattr(rec, k)] for k in names}
+    level = max(max(r) for r in rec.planner) if rec.planner else None
+    return s.BalanceStepOut(
+        **{**vars(rec), "balancedness": list(rec.balancedness), **grids},
+        imbalance_planner=level,
+    )
 
 
 def summary_out(sm: PlanSummary) -> s.PlanSummaryOut:
