@@ -146,14 +146,30 @@ ROWS: list[tuple[str, list[tuple[str, str, str, str, list[tuple[str, str]]]]]] =
         "Fast loop (SPMD data plane, measured)",
         [
             (
-                "Measured vs static EP imbalance (max/mean)",
+                "Measured vs the planner's level vs static EP imbalance (max/mean)",
                 "Newest step: max over microbatches and layers of max/mean tokens each rank "
-                "computed, beside what static EP would have had on the same tokens",
+                "computed, beside the planner's level (its own split by DC and quota solved "
+                "on the same exact counts under the same plan) and what static EP would have "
+                "had on the same tokens",
                 "none",
                 "timeseries",
                 [
                     (f"expertmesh_measured_imbalance_ratio{SEL}", "measured"),
+                    (f"expertmesh_planner_imbalance_ratio{SEL}", "planner's level"),
                     (f"expertmesh_static_imbalance_ratio{SEL}", "static EP"),
+                ],
+            ),
+            (
+                "The planner's level per microbatch and layer (max/mean)",
+                "Newest step: max/mean tokens per rank the planner's split by DC and quota "
+                "reach on each microbatch's exact counts, per layer",
+                "none",
+                "timeseries",
+                [
+                    (
+                        f"expertmesh_planner_microbatch_imbalance_ratio{SEL}",
+                        "microbatch {{microbatch}} layer {{layer}}",
+                    )
                 ],
             ),
             (

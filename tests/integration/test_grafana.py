@@ -51,7 +51,7 @@ def families(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, obj
             )  # fmt: skip
             s.telemetry.record_balance(
                 step, imbalance=1.1, imbalance_static=1.5, balancedness=[0.9] * L, replicas=3,
-                fanout_bytes=4096, balance_seconds=0.002, seconds=0.1,
+                fanout_bytes=4096, balance_seconds=0.002, seconds=0.1, planner=[[1.05] * L],
             )  # fmt: skip
         text = httpx.get(f"{s.rest_url}/metrics", timeout=10).text
     yield {f.name: f for f in text_string_to_metric_families(text)}
