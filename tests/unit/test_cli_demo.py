@@ -62,3 +62,20 @@ def test_the_trace_goes_beside_the_json(tmp_path) -> None:
     assert _settings().trace_dir is None
     s = _settings("--json", str(tmp_path / "run" / "demo.json"))
     assert s.trace_dir == str(tmp_path / "run")
+
+
+def test_the_fast_loops_hybrid_and_the_planner_level() -> None:
+    """With the fast loop, hybrid keeps a slot per rank free, evens out its DCs and re-plans
+    at every plan on the newest window, unless --policy-settings says otherwise; the
+    controller solves the planner's level unless told not to."""
+    parse = build_parser().parse_args
+    s = build_settings(parse(["demo", "--policy", "hybrid"]))
+    assert s.policy_settings == {"reserve_slots": 1, "even_dcs": True, "period": 5, "window": 1}
+    assert s.planner_level
+    s = build_settings(
+        parse(["demo", "--policy", "hybrid", "--policy-settings", '{"even_dcs": false}'])
+    )
+    assert s.policy_settings["even_dcs"] is False and s.policy_settings["reserve_slots"] == 1
+    s = build_settings(parse(["demo", "--policy", "hybrid", "--no-balance"]))
+    assert s.policy_settings == {}
+    assert not _settings("--no-planner-level").planner_level
