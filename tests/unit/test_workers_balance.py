@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from expertmesh.planner import Placement
-from expertmesh.planner.fastquota import EXACT
+from expertmesh.planner.fastquota import EXACT, BalanceSettings
 from expertmesh.planner.quota import balance_demand
 from expertmesh.workers.balance import DomainBase, solve
 
@@ -63,3 +63,23 @@ def test_tokens_for_an_expert_the_dc_does_not_hold_are_refused() -> None:
     counts[0, missing] = 1
     with pytest.raises(ValueError, match="does not hold"):
         solve(counts, base)
+
+
+def test_the_economy_never_ends_above_the_exact_rule_with_chains() -> None:
+    """A DC of ``make demo`` (step 33, layer 0): the rule alone leaves T at 2,548 for a mean
+    of 2,059, so the economy's 1% tolerance takes no replica at all and the chains from
+    there stop at 2,421; the exact rule with the chains reaches 2,060. The solve takes the
+    lower one (the planner's level, runtime/stepstats.py)."""
+    phy2log = np.array([[0, 1, 2, 11, -1], [3, 4, 5, 9, -1], [6, 7, 8, 10, 2]], np.int32)
+    master = np.array([0, 1, 2, 5, 6, 7, 10, 11, 12, 8, 13, 3], np.int64)
+    counts = np.array(
+        [[111, 222, 486, 204, 410, 14, 84, 1, 101, 175, 171, 75],
+         [93, 221, 463, 162, 467, 9, 77, 1, 104, 275, 151, 64],
+         [75, 215, 474, 193, 440, 5, 75, 0, 130, 194, 163, 73]], np.int64,
+    )  # fmt: skip
+    base = DomainBase.of(Placement(phy2log, master), np.arange(3))
+    exact = BalanceSettings(tolerance=0.0, min_replica_share=0.0, chains=True)
+    step = solve(counts, base)  # the defaults: tolerance 0.01, min share 0.005, chains
+    assert step.quota == solve(counts, base, settings=exact).quota == 2060
+    per = np.bincount(step.route[:, 2], weights=step.route[:, 3], minlength=3)
+    assert per.sum() == counts.sum() and per.max() == 2060

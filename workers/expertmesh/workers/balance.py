@@ -115,8 +115,28 @@ def solve(
     ``settings``: the replica economy (:mod:`expertmesh.planner.fastquota`: a quota within
     ``tolerance`` of the smallest with fewer replicas, none below ``min_replica_share``)
     and ``chains``: then tokens shift along chains of copies where the rule left a rank
-    above another (:mod:`expertmesh.planner.chains`; no new replica below the minimum).
+    above another (:mod:`expertmesh.planner.chains`; no new replica below the minimum);
+    with chains and an economy, the result is never above the exact rule's with chains
+    (whose busiest rank is taken instead when lower).
     ``ValueError`` if a count names an expert the DC does not hold."""
+    step = _solve(counts, base, replicate, settings)
+    exact = settings.model_copy(
+        update={"tolerance": 0.0, "min_replica_share": 0.0, "min_tokens_per_replica": 0}
+    )
+    if replicate and settings.chains and exact != settings and step.quota > 0:
+        # the economy weighs replicas against the rule's own T, which the rule may leave far
+        # above what its chains reach (one spare slot per rank); the exact rule with the
+        # chains is the planner's level: never end above it
+        alt = _solve(counts, base, replicate, exact)
+        if alt.quota < step.quota:
+            return alt
+    return step
+
+
+def _solve(
+    counts: np.ndarray, base: DomainBase, replicate: bool, settings: BalanceSettings
+) -> DomainStep:
+    """:func:`solve` under one rule (its checks first)."""
     counts = np.asarray(counts, dtype=np.int64)
     rd, num_experts = base.resident.shape
     if counts.shape != (rd, num_experts):
