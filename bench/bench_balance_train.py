@@ -9,15 +9,19 @@ plane, one local Ray cluster for the run, a fresh runtime per row (same seed and
    assignments each rank computed (``1 / balancedness``; with 1 microbatch per step each
    layer of a step is one microbatch), for ``hybrid`` with the fast loop (``balance=True``,
    ``reserve_slots: 1`` as the demo; crossing tokens' DCs chosen every microbatch from the
-   world's counts, ``spread=True``, and, as before, by the plan's route), ``hybrid`` slow
+   world's counts, ``spread=True``: the counts all-gather stands in for the dispatch's
+   sizes exchange, ``spread_fused``, or the sizes exchanged after the split; and, as
+   before, by the plan's route), ``hybrid`` slow
    loop only (``balance=False``) and ``static``; beside them static EP on the fast loop's
    own tokens (``imbalance_static``) and the floor the fast loop can reach: it balances
    inside each DC only, so a layer's
    max/mean is at least (max over DCs of the DC's mean) / (global mean), from the same
    tokens. Medians over the steps after the first plan switched in.
 2. **Time**: end-to-end median step (``seconds``) with balancing on vs off, and the exposed
-   balancing overhead ``balance_seconds / seconds`` (counts all-gather + quota solve +
-   replica fetch, max over ranks; summed over layers; in the forward's critical path).
+   balancing overhead ``balance_seconds / seconds`` (the counts all-gather where it is an
+   exchange of its own (not where it stands in for the dispatch's sizes exchange) + the
+   split by DC + quota solve + replica fetch, max over ranks; summed over layers; in the
+   forward's critical path), and the cross-DC token bytes per step.
 3. **Constrained links**: ``hybrid`` with the fast loop vs ``static`` at 20 Mbit/s on 2
    DCs (2 x 3 ranks, 4 master + 2 spare slots: a DC holds 18 of 24) and 3 DCs, with 1 and
    4 microbatches per optimizer step, each row with the SPMD step model's prediction
@@ -67,11 +71,12 @@ from expertmesh.workers.model import LMConfig  # noqa: E402
 from expertmesh.workers.moe import relay_counts  # noqa: E402
 
 EXPERTS, SPARE, RANKS_PER_DC, LATENCY_MS = 24, 2, 3, 20.0
-MODES = {  # label -> (policy, fast loop, crossing tokens' DCs per microbatch)
-    "hybrid + fast loop": ("hybrid", True, True),
-    "hybrid + fast loop, route's DCs": ("hybrid", True, False),
-    "hybrid, slow loop only": ("hybrid", False, False),
-    "static": ("static", False, False),
+MODES = {  # label -> (policy, fast loop, crossing tokens' DCs per microbatch, fused)
+    "hybrid + fast loop": ("hybrid", True, True, True),
+    "hybrid + fast loop, sizes exchanged": ("hybrid", True, True, False),
+    "hybrid + fast loop, route's DCs": ("hybrid", True, False, True),
+    "hybrid, slow loop only": ("hybrid", False, False, True),
+    "static": ("static", False, False, True),
 }
 
 
@@ -90,7 +95,7 @@ def settings(
     migration: str = "background",
     every: int | None = None,
 ) -> RuntimeSettings:
-    policy, fast, spread = MODES[mode]
+    policy, fast, spread, fused = MODES[mode]
     return RuntimeSettings(
         topology=topo.to_dict(),
         lm=lm,
@@ -99,6 +104,7 @@ def settings(
         trigger=Trigger(mode="every_n", every=every or args.every),
         balance=fast,
         spread=spread,
+        spread_fused=fused,
         corpus_bytes=args.corpus_bytes,
         migration=migration,  # type: ignore[arg-type]
     )
@@ -265,6 +271,7 @@ def balance_row(label: str, run: SpmdRun, base: SpmdRun | None) -> dict[str, Any
         ),
         "median_replicas": statistics.median(s.replicas for s in steps),
         "median_fanout_mb": statistics.median(s.fanout_bytes for s in steps) / 1e6,
+        "median_token_mb": statistics.median(s.cross_dc_token_bytes for s in steps) / 1e6,
         "per_microbatch": per_mb,
         "seconds": [s.seconds for s in run.steps],
         "imbalance": [s.imbalance for s in run.steps],
@@ -416,8 +423,9 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "| mode | max/mean per microbatch and layer, median | max | worst layer per step, "
         "median | static EP on the same tokens | floor (max DC mean / mean) | median s/step "
-        "| vs static | balancing % of step | replicas/step | fan-out MB/step |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| vs static | balancing % of step | replicas/step | fan-out MB/step "
+        "| cross-DC token MB/step |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["balance"]:
         lines.append(
@@ -425,7 +433,8 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {r['median_worst_layer']:.3f} | {r['median_static_same_tokens']:.2f} "
             f"| {r['median_floor']:.3f} | {r['median_seconds']:.3f} "
             f"| {r.get('speedup_vs_static', 1.0):.2f}x | {100 * r['median_balance_fraction']:.1f} "
-            f"| {r['median_replicas']:g} | {r['median_fanout_mb']:.2f} |"
+            f"| {r['median_replicas']:g} | {r['median_fanout_mb']:.2f} "
+            f"| {r['median_token_mb']:.3f} |"
         )
     for r in result["balance"]:
         if "replay" not in r:

@@ -89,6 +89,7 @@ def test_bench_balance_train_quick(repo, tmp_path):
     rows = {r["mode"]: r for r in result["balance"]}
     assert set(rows) == {
         "hybrid + fast loop",
+        "hybrid + fast loop, sizes exchanged",
         "hybrid + fast loop, route's DCs",
         "hybrid, slow loop only",
         "static",
@@ -97,6 +98,7 @@ def test_bench_balance_train_quick(repo, tmp_path):
         assert r["median_max_over_mean"] == pytest.approx(statistics.median(r["per_microbatch"]))
         assert r["median_max_over_mean"] >= r["median_floor"] - 1e-9 >= 1.0 - 1e-9
     assert rows["static"]["median_replicas"] == 0  # no fast loop, no replicas
+    assert all(r["median_token_mb"] >= 0 for r in rows.values())
     links = result["links"]
     assert {(r["microbatches"], r["mode"]) for r in links} == {
         (2, m) for m in ("static", "hybrid + fast loop")

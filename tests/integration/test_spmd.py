@@ -44,21 +44,38 @@ def _train(
     k: int = 1,
     background: bool = False,
     spread: bool = True,
+    fused: bool = True,
+    bad_split: bool = False,
 ) -> dict[str, Any]:
     from expertmesh.workers.spmd import SpmdRank
+
+    if bad_split and comm.rank == 1:  # a planted bug: this rank splits other counts
+        import expertmesh.workers.layer as layer_mod
+
+        real = layer_mod.split_dcs
+
+        def other(counts: np.ndarray, *a: Any) -> Any:
+            counts = counts.copy()
+            counts[0] = np.roll(counts[0], 1)  # rank 0's row, as this rank sees it
+            return real(counts, *a)
+
+        layer_mod.split_dcs = other  # type: ignore[assignment]
 
     topo = Topology.from_dict(topo_dict)
     static = static_placement(
         topo.num_ranks, topo.slots_per_rank, CFG.num_experts, topo.masters_per_rank
     )
     cfg = CFG.model_copy(update={"microbatches": k})
-    rank = SpmdRank(comm, cfg, CORPUS, [static] * CFG.num_layers, balance=balance, spread=spread)
+    rank = SpmdRank(
+        comm, cfg, CORPUS, [static] * CFG.num_layers, balance=balance, spread=spread, fused=fused
+    )
     current: list[Placement] = [static] * CFG.num_layers
-    out: dict[str, Any] = {"losses": [], "stats": [], "migration": []}
+    out: dict[str, Any] = {"losses": [], "stats": [], "migration": [], "fused": 0}
     if background:  # plan s+1 prepared after step s, in flight during step s+1, switched
         plans = _plans(topo, seed)  # at its sync
         for step in range(STEPS):
             out["stats"].append(rank.train_step(step))
+            out["fused"] += sum(m._split is not None for m in rank.layers)
             if step < len(plans):
                 rank.prepare(step + 1, [(p.phy2log, p.master, r) for p, r in plans[step]])
     for step, plan in enumerate([None, *_plans(topo, seed)] if not background else []):
@@ -69,6 +86,7 @@ def _train(
             out["migration"].append(rank.apply_plan(step, layers, rounds))
             current = new
         out["stats"].append(rank.train_step(step))
+        out["fused"] += sum(m._split is not None for m in rank.layers)
     out["weights"] = {
         (layer, e): rank.expert_weights(layer, e)
         for layer in range(CFG.num_layers)
@@ -79,20 +97,28 @@ def _train(
 
 
 @pytest.mark.parametrize(
-    ("dcs", "balance", "k", "background", "spread"),
-    [(2, False, 1, False, True), (3, False, 1, False, True), (3, True, 2, False, True),
-     (2, False, 1, True, True), (3, True, 2, True, True), (3, True, 1, False, False)],
+    ("dcs", "balance", "k", "background", "spread", "fused"),
+    [(2, False, 1, False, True, True), (3, False, 1, False, True, True),
+     (3, True, 2, False, True, True), (2, False, 1, True, True, True),
+     (3, True, 2, True, True, True), (3, True, 1, False, False, True),
+     (3, True, 1, False, True, False)],
 )  # fmt: skip
 def test_spmd_training_equals_the_reference_under_plan_changes(
-    dcs: int, balance: bool, k: int, background: bool, spread: bool
+    dcs: int, balance: bool, k: int, background: bool, spread: bool, fused: bool
 ) -> None:
     """``background``: each plan's moved masters travel during the step after it is
     offered and that step's sync switches (:meth:`SpmdRank.prepare`); else the plan's
     migration rounds run between steps (:meth:`SpmdRank.apply_plan`). ``spread`` (with the
     fast loop): crossing tokens' DCs from the world's counts every microbatch; off: the
-    plan's route picks them."""
+    plan's route picks them. ``fused`` (with both): the counts all-gather stands in for the
+    dispatch's sizes exchange; off: the sizes are exchanged after the split."""
     topo = Topology.generate(dcs, 2, masters=2 if dcs == 2 else 1, spare=3)
-    res = run_ranks(_train, topo.rank_dc, topo.to_dict(), dcs, balance, k, background, spread)
+    res = run_ranks(
+        _train, topo.rank_dc, topo.to_dict(), dcs, balance, k, background, spread, fused
+    )
+    # the fused dispatch ran (an expert some DC lacks and two DCs hold, in some layer and
+    # step) exactly where it is asked for
+    assert (sum(r["fused"] for r in res) > 0) == (balance and spread and fused)
     ref = ReferenceLM(CFG.model_copy(update={"microbatches": k}))
     ranks = list(range(topo.num_ranks))
     want = [ref.train_step(CORPUS, s, ranks) for s in range(STEPS)]
@@ -156,3 +182,15 @@ def test_spmd_training_equals_the_reference_under_plan_changes(
                 assert (comp[ranks].max(0) <= np.ceil(comp[ranks].mean(0)) * 1.5).all()
     else:
         assert replicas == 0 and fetched == 0
+
+
+def test_spmd_a_rank_splitting_other_counts_fails_loudly() -> None:
+    """Every rank must make the same split by DC: with the fused dispatch a rank derives
+    what it receives from its own split, so one rank that splits other counts (a planted
+    bug: it sees rank 0's row rotated) must stop the step with an error, never train on."""
+    topo = Topology.generate(3, 2, masters=1, spare=3)
+    with pytest.raises(RuntimeError, match=r"rank [0-9] failed"):
+        run_ranks(
+            _train, topo.rank_dc, topo.to_dict(), 3, True, 1, False, True, True, True,
+            timeout=60.0,
+        )  # fmt: skip

@@ -68,6 +68,14 @@ class RuntimeSettings(BaseModel):
         "the planner's level on the step's exact tokens, beside the measured imbalance); a "
         "few ms of controller time per step at the demo's size",
     )
+    spread_fused: bool = Field(
+        default=True,
+        description="with spread: the world counts all-gather stands in for the dispatch's "
+        "sizes exchange (one WAN round trip per layer and microbatch instead of two): every "
+        "rank derives what it receives from the split, and a crossing bundle carries one row "
+        "per assignment (a token two of whose experts go to one DC crosses twice); off: the "
+        "sizes are exchanged after the split and each token crosses a DC pair once",
+    )
     migration: Literal["background", "boundary"] = Field(
         default="background",
         description="a new plan's moved masters travel in the background during the step "

@@ -171,6 +171,7 @@ class SpmdWorker(WorkerResume):
             self.state = SpmdRank(
                 comm, self.settings.lm, self.corpus, self.placements,
                 balance=self.settings.balance, spread=self.settings.spread,
+                fused=self.settings.spread_fused,
             )  # fmt: skip
         else:
             self.state.rebind(comm)

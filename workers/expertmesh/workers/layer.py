@@ -10,6 +10,10 @@
    instead and every rank makes the same split by DC
    (:func:`~expertmesh.planner.dcsplit.split_dcs`): a token whose DC holds its expert stays
    home, the others cross to the holders so that the DCs' tokens per rank even out;
+   ``fused`` (the default), the all-gather is also the dispatch's sizes exchange: every
+   rank reads what it receives off the split, so the layer has one WAN round trip before
+   the tokens move, as with the route's DCs (a crossing bundle then carries one row per
+   assignment, since the distinct tokens of another rank's bundle are not known);
 3. dispatch, hierarchical (the NVIDIA Hybrid-EP structure): a token crosses each DC pair
    once, to the *relay* of the remote DC (:func:`~expertmesh.workers.moe.relay_rank`),
    which fans it out inside its DC (stage A over the world group, stage B over the DC's);
@@ -105,7 +109,9 @@ class MoELayer(nn.Module):
     with ``spread`` (and ``balance``) it also picks, every microbatch, which holding DC
     computes each token that must cross (:func:`~expertmesh.planner.dcsplit.split_dcs` on
     the world's all-gathered counts, which then stand in for the DC's own all-gather), to
-    the cheapest holders by the link shaper's bandwidths when it has them.
+    the cheapest holders by the link shaper's bandwidths when it has them. ``fused``
+    (with ``spread``): no sizes exchange after the split (:meth:`_relay_sizes`); off: the
+    sizes are exchanged and each token crosses a DC pair once.
     """
 
     def __init__(
@@ -120,11 +126,13 @@ class MoELayer(nn.Module):
         on_counts: Callable[[np.ndarray], None] | None = None,
         balance: bool = False,
         spread: bool = True,
+        fused: bool = True,
     ) -> None:
         super().__init__()
         self.comm, self.top_k, self.gate, self.ffn_hidden = comm, top_k, gate, ffn_hidden
         self.balance = balance  # the fast loop: quota inside the DC every microbatch
         self.spread = spread  # with it: crossing tokens' DCs from the world's exact counts
+        self.fused = fused  # with it: the counts all-gather is the dispatch's sizes exchange
         self.num_experts = gate.out_features
         self.on_counts = on_counts
         self.experts = nn.ParameterDict()
@@ -143,9 +151,11 @@ class MoELayer(nn.Module):
         self.crossings = np.zeros(comm.num_dcs, np.int64)  # distinct tokens sent per DC
         self.routed = np.zeros((0, 4), np.int64)  # [N, 4] (rank, expert, dst, assignments)
         self.expert_seconds = 0.0
-        self.spread_seconds = 0.0  # world counts all-gather + split by DC, last forward
+        self.spread_seconds = 0.0  # split by DC (+ the world counts all-gather unless fused)
+        self.counts_seconds = 0.0  # the world counts all-gather, last forward
         self.floor = 1.0  # the split's max DC tokens per rank / mean, last forward
         self._dc_counts: np.ndarray | None = None  # [Rd, E] this DC's, from the split
+        self._split: np.ndarray | None = None  # [R, E, D] the split, when fused
 
     # ---- the experts this rank holds ----
 
@@ -212,7 +222,8 @@ class MoELayer(nn.Module):
         if self.on_counts is not None:
             self.on_counts(self.counts)
         c = self.comm
-        self._dc_counts, self.spread_seconds = None, 0.0
+        self._dc_counts, self._split, self.spread_seconds = None, None, 0.0
+        self.counts_seconds = 0.0
         if self.balance and self.spread and self.cross and self.can_spread:
             dst = self._spread(idx_np).reshape(-1)
         else:
@@ -233,13 +244,19 @@ class MoELayer(nn.Module):
         t0 = time.perf_counter()
         c = self.comm
         rows = c.all_gather_rows(self.counts, c.world)  # [G, E]
+        t1 = time.perf_counter()
+        self.counts_seconds = t1 - t0
         counts = np.zeros((c.rank_dc.size, self.num_experts), np.int64)  # [R, E]
         counts[c.world.ranks] = rows
         split = split_dcs(counts, self.dc_holder >= 0, c.rank_dc, self.dc_cost)
         self.floor = split.floor
         self._dc_counts = relay_counts(split.tokens, c.dc, c.rank_dc)
         dst = split_destinations(idx, split.tokens[c.rank], self.dc_holder)
-        self.spread_seconds = time.perf_counter() - t0
+        if self.fused:
+            self._split = split.tokens
+        # fused: the all-gather stands in for the dispatch's sizes exchange (every mode
+        # has one), so only the split is the fast loop's own
+        self.spread_seconds = time.perf_counter() - (t1 if self.fused else t0)
         return dst
 
     def _dispatch_combine(
@@ -254,9 +271,13 @@ class MoELayer(nn.Module):
         bundles: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         dst_dc = c.rank_dc[dst]
         self.crossings[:] = 0
+        fused = self._split is not None
         for b in np.unique(dst_dc).tolist():
             a_ids = np.flatnonzero(dst_dc == b)
-            uniq, pos = np.unique(tok[a_ids], return_inverse=True)
+            if fused and b != c.dc:  # one row per assignment: sizes known from the split
+                uniq, pos = tok[a_ids], np.arange(a_ids.size)
+            else:
+                uniq, pos = np.unique(tok[a_ids], return_inverse=True)
             relay = c.rank if b == c.dc else relay_rank(c.rank, b, c.rank_dc)
             bundles[world.index[relay]] = (uniq, a_ids, pos)
             if b != c.dc:
@@ -268,8 +289,12 @@ class MoELayer(nn.Module):
             raise ValueError(
                 f"rank {c.rank}: tokens leave the DC under a plan that keeps them home"
             )
-        # [G, 2] (tokens, assignments) from each rank; a plan that keeps tokens home: mine
-        got = c.exchange_counts(sizes, world) if self.cross else sizes
+        # [G, 2] (tokens, assignments) from each rank; a plan that keeps tokens home: mine;
+        # fused: what the split sends to this rank as relay (no sizes exchange)
+        if fused:
+            got = self._relay_sizes(sizes)
+        else:
+            got = c.exchange_counts(sizes, world) if self.cross else sizes
         parts, order = [], sorted(bundles)
         for i in order:
             uniq, a_ids, pos = bundles[i]
@@ -311,6 +336,21 @@ class MoELayer(nn.Module):
         # nothing came back, so every rank's backward runs the same collectives
         rows = np.concatenate([bundles[i][0] for i in order] + [np.zeros(0, np.int64)])
         return u.new_zeros(n, d).index_add(0, _ix(rows, dev), y_parts.reshape(-1, d))
+
+    def _relay_sizes(self, sizes: np.ndarray) -> np.ndarray:
+        """[G, 2] (rows, assignments) each world member sends this rank in stage A, from the
+        world's split (:attr:`_split`, the same on every rank): this rank's own bundle, and
+        one row per assignment from each rank of another DC whose relay it is."""
+        c, split = self.comm, self._split
+        assert split is not None
+        got = np.zeros_like(sizes)
+        me = c.world.index[c.rank]
+        got[me] = sizes[me]
+        for i, r in enumerate(c.world.ranks):
+            if c.rank_dc[r] != c.dc and relay_rank(r, c.dc, c.rank_dc) == c.rank:
+                m = int(split[r, :, c.dc].sum())
+                got[i] = (m, m)
+        return got
 
     def _balance(self, experts: np.ndarray) -> np.ndarray:
         """The fast loop on this relay's assignments ``experts`` [M] (token order): the DC's

@@ -50,6 +50,7 @@ class SpmdRank:
         report: Any = None,
         balance: bool = False,
         spread: bool = True,
+        fused: bool = True,
     ) -> None:
         if len(placements) != cfg.num_layers:
             raise ValueError(f"need {cfg.num_layers} placements, got {len(placements)}")
@@ -66,7 +67,7 @@ class SpmdRank:
             gate: torch.nn.Linear = self.dense.gates[layer]  # type: ignore[assignment]
             moe = MoELayer(
                 comm, plan, mine, top_k=cfg.top_k, ffn_hidden=cfg.ffn_hidden, gate=gate,
-                balance=balance, spread=spread,
+                balance=balance, spread=spread, fused=fused,
             )  # fmt: skip
             self.layers.append(moe)
         self.experts = ExpertParallel(comm, self.layers, lr=cfg.lr)
