@@ -104,6 +104,10 @@ def split_destinations(idx: np.ndarray, tokens: np.ndarray, holder: np.ndarray) 
     tokens to a DC without a copy."""
     flat = idx.reshape(-1)
     dst = np.empty(flat.size, dtype=np.int64)
+    have = np.bincount(flat, minlength=tokens.shape[0])
+    if have.size != tokens.shape[0] or (tokens.sum(axis=1) != have).any():
+        bad = np.flatnonzero(tokens.sum(axis=1) != have[: tokens.shape[0]])[:1].tolist()
+        raise ValueError(f"the split of expert {bad} does not fit its assignments")
     order = np.argsort(flat, kind="stable")
     experts, starts, counts = np.unique(flat[order], return_index=True, return_counts=True)
     for e, s, c in zip(experts.tolist(), starts.tolist(), counts.tolist(), strict=True):
