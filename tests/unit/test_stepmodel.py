@@ -95,3 +95,21 @@ def test_spmd_step_cost_adds_compute_software_latency_and_the_busiest_pair():
         TOPO, coll, split, tokens_per_rank=0, seconds_per_token=0, collective_seconds=0
     )
     assert per.transfer == pytest.approx(0.003)
+
+
+def test_spmd_collectives_fast_loop_split_by_dc_crosses_and_fused_drops_the_sizes_exchange():
+    """Per microbatch and layer with the fast loop (``MoELayer``): the counts all-gather is
+    in the DC unless the layer splits crossing tokens by DC (``spread``), where it runs over
+    the world and crosses; ``fused``, it also stands in for the bundle sizes exchange."""
+
+    def one(**kw):
+        c = SpmdCollectives.of([True], num_dcs=2, balance=True, **kw)
+        return c.total - 3, c.crossing - 1  # less the per-step dense sum, broadcast, leaders
+
+    assert one() == (11, 5)  # 5 crossing + 5 in the DC + the DC's counts all-gather
+    assert one(spread=[True]) == (11, 6)  # the all-gather crosses, sizes still exchanged
+    assert one(spread=[True], fused=True) == (10, 5)  # the all-gather is the sizes exchange
+    no_cross = SpmdCollectives.of([False], num_dcs=2, balance=True, spread=[True], fused=True)
+    assert (no_cross.total - 3, no_cross.crossing - 1) == (6, 0)  # nothing crosses: no split
+    off = SpmdCollectives.of([True], num_dcs=2, balance=False, spread=[True], fused=True)
+    assert (off.total - 3, off.crossing - 1) == (10, 5)  # without the fast loop: no change

@@ -29,7 +29,11 @@ class SpmdCollectives:
     bundle sizes, stage A dispatch, combine A; backward: combine A and stage A back); always
     5 inside the DC (fan-out sizes, stage B, combine B, and their 2 backward); with the fast
     loop (``balance``) 1 more in the DC (the counts all-gather) and 2 when it fetches
-    replicas (``fetch``: the weights, and their gradients home). Per step (``SpmdRank.sync``):
+    replicas (``fetch``: the weights, and their gradients home); where the fast loop also
+    splits crossing tokens by DC (``spread``, per layer: the layer's tokens cross and two
+    or more DCs hold an expert some DC lacks) the counts all-gather runs over the world
+    and crosses, and with ``fused`` it stands in for the bundle sizes exchange (which is
+    then not issued). Per step (``SpmdRank.sync``):
     2 in the DC (dense gradient sum, broadcast) and, with several DCs, 1 across the DC
     leaders; then the expert sync, one world all-to-all per non-empty hop (``hops``:
     replica gradients in DC, over the WAN, fresh weights over the WAN, in DC; the WAN
@@ -52,17 +56,22 @@ class SpmdCollectives:
         hops: Sequence[bool] = (False, False, False, False),
         migration: int = 0,
         migration_cross: int = 0,
+        spread: Sequence[bool] | None = None,
+        fused: bool = False,
     ) -> SpmdCollectives:
         if microbatches < 1 or num_dcs < 1 or migration_cross > migration or len(hops) != 4:
             raise ValueError("microbatches, num_dcs >= 1; migration_cross <= migration; 4 hops")
         fetch = fetch if fetch is not None else [False] * len(cross)
-        if len(fetch) != len(cross):
-            raise ValueError("need one fetch flag per layer")
+        spread = spread if spread is not None else [False] * len(cross)
+        if len(fetch) != len(cross) or len(spread) != len(cross):
+            raise ValueError("need one fetch and one spread flag per layer")
         per_mb_total = per_mb_cross = 0
-        for c, f in zip(cross, fetch, strict=True):
-            local = 5 + ((1 + (2 if f else 0)) if balance else 0)
-            per_mb_cross += 5 if c else 0
-            per_mb_total += local + (5 if c else 0)
+        for c, f, sp in zip(cross, fetch, spread, strict=True):
+            world = bool(balance and sp and c)  # the counts all-gather over the world
+            local = 5 + ((int(not world) + (2 if f else 0)) if balance else 0)
+            crossing = (5 - int(world and fused) + int(world)) if c else 0
+            per_mb_cross += crossing
+            per_mb_total += local + crossing
         leaders = 1 if num_dcs > 1 else 0
         sync_cross = leaders + int(hops[1]) + int(hops[2])
         sync_total = 2 + leaders + sum(int(h) for h in hops)

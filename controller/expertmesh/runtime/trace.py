@@ -129,6 +129,8 @@ class RunTrace:
             "encoding": policy,
             "policy": s.policy,
             "balance": s.balance,
+            "spread": s.spread,  # with balance: the split by DC (world counts all-gather)
+            "spread_fused": s.spread_fused,  # ... standing in for the sizes exchange
             "migration": s.migration,  # background: moved masters travel before the switch
             "microbatches": lm.microbatches,
             "tokens_per_rank": lm.tokens_per_rank,

@@ -76,6 +76,14 @@ class RuntimeMeta(BaseModel):
     encoding: TransferEncoding = Field(default_factory=TransferEncoding)
     policy: str = "?"
     balance: bool = Field(default=False, description="the fast loop was on")
+    spread: bool = Field(
+        default=False,
+        description="with the fast loop: crossing tokens split by DC on the world's counts "
+        "(RuntimeSettings.spread; a trace written before it: False)",
+    )
+    spread_fused: bool = Field(
+        default=False, description="with spread: the counts all-gather is the sizes exchange"
+    )
     microbatches: int = Field(default=1, ge=1, le=1 << 16)
     tokens_per_rank: int = Field(
         ge=1, le=1 << 40, description="tokens a rank trains per microbatch"
@@ -240,6 +248,7 @@ def replay(
         elif switch:
             mig = tuple(migration[versions[t + 1]])  # type: ignore[assignment]
         fetch = bool(meta.fanout_bytes and meta.fanout_bytes[t] > 0)
+        spread = [meta.balance and meta.spread and _can_spread(p, rank_dc, d) for p in placements]
         coll = SpmdCollectives.of(
             cross,
             microbatches=meta.microbatches,
@@ -249,6 +258,8 @@ def replay(
             hops=hops,
             migration=int(mig[0]),
             migration_cross=int(mig[1]),
+            spread=spread,
+            fused=meta.spread_fused,
         )
         # the step's tokens and weights and its plan switch's migration: background, the
         # transfer started after the step before (the workers count it in this step's
@@ -273,6 +284,17 @@ def replay(
     if skip is None:
         skip = planned_from(versions)
     return Replay(out, np.asarray(meta.step_seconds, dtype=np.float64), parts, counts, skip)
+
+
+def _can_spread(placement: Placement, rank_dc: np.ndarray, num_dcs: int) -> bool:
+    """Whether the fast loop's split by DC has a choice on this layer (``MoELayer``'s
+    ``can_spread``): an expert that two or more DCs hold and some DC lacks."""
+    held = np.zeros((num_dcs, placement.master.size), bool)  # [D, E]
+    p2l = np.asarray(placement.phy2log)
+    for r in range(p2l.shape[0]):
+        e = p2l[r][p2l[r] >= 0]
+        held[rank_dc[r], e] = True
+    return bool(((held.sum(axis=0) >= 2) & ~held.all(axis=0)).any())
 
 
 _MIGRATION = 2  # the kind index of a plan switch's transfers (workers/comm.py KINDS)
