@@ -376,13 +376,17 @@ def _interrupt(*_: object) -> None:
 
 
 def _train(rt: Any, steps: int, console: Any) -> list[dict[str, Any]]:
+    from rich import box
     from rich.live import Live
     from rich.table import Table
 
     rows: list[dict[str, Any]] = []
+    # compact (no borders): fits an 80-column console. s: end-to-end step seconds;
+    # max/mean: measured, the planner's level and static EP on the same tokens; WAN MB
+    # between DCs: tokens, replica weights, migration
     table = Table(
-        "step", "loss", "step s", "imbalance", "planner", "static EP", "plan", "WAN tokens",
-        "WAN weights", "migration",
+        "step", "loss", "s", "max/mean", "planner", "static", "plan", "WAN MB tok", "wts",
+        "migr", box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, collapse_padding=True,
     )  # fmt: skip
 
     def show(r: Any) -> None:
@@ -406,6 +410,8 @@ def _train(rt: Any, steps: int, console: Any) -> list[dict[str, Any]]:
 
     with Live(table, console=console, refresh_per_second=4, transient=False):
         rt.train(steps, on_step=show)
+    if not console.is_terminal:  # Live leaves a redirected output on the table's last line
+        console.line()
     return rows
 
 
@@ -415,7 +421,7 @@ WARMUP_STEPS = 10
 
 
 def _mb(n: int) -> str:
-    return f"{n / 1e6:.2f} MB"
+    return f"{n / 1e6:.2f}"
 
 
 def _summary(rows: list[dict[str, Any]], status: dict[str, Any], settings: Any) -> dict[str, Any]:
