@@ -76,22 +76,21 @@ def planner_level(
         )
     live = rank_dc >= 0
     dcs = [np.flatnonzero(rank_dc == d) for d in range(int(rank_dc.max(initial=-1)) + 1)]
+    # per layer, what its plan fixes for every microbatch: [D, E] holder sets over the live
+    # ranks, and each DC's base (None for a DC without ranks)
+    holds = [np.stack([p.holds()[m].any(axis=0) for m in dcs]) for p in placements]
+    bases = [[DomainBase.of(p, m) if m.size else None for m in dcs] for p in placements]
     out: list[list[float]] = []
     for mb in counts:  # [L, R, E]
         row = []
-        for layer, placement in enumerate(placements):
-            held = placement.holds()  # [R, E]
-            holds = np.stack([held[m].any(axis=0) for m in dcs])  # [D, E] over live ranks
-            split = split_dcs(mb[layer], holds, rank_dc, cost)
+        for layer in range(len(placements)):
+            split = split_dcs(mb[layer], holds[layer], rank_dc, cost)
             per = np.zeros(rank_dc.size, np.int64)
             for d, ranks in enumerate(dcs):
-                if ranks.size == 0:
+                base = bases[layer][d]
+                if base is None:
                     continue
-                step = solve(
-                    relay_counts(split.tokens, d, rank_dc),
-                    DomainBase.of(placement, ranks),
-                    settings=PLANNER_RULE,
-                )
+                step = solve(relay_counts(split.tokens, d, rank_dc), base, settings=PLANNER_RULE)
                 per[ranks] = np.bincount(step.route[:, 2], weights=step.route[:, 3],
                                          minlength=ranks.size).astype(np.int64)  # fmt: skip
             row.append(imbalance(per[live]))

@@ -120,13 +120,14 @@ def solve(
     (whose busiest rank is taken instead when lower).
     ``ValueError`` if a count names an expert the DC does not hold."""
     step = _solve(counts, base, replicate, settings)
-    exact = settings.model_copy(
-        update={"tolerance": 0.0, "min_replica_share": 0.0, "min_tokens_per_replica": 0}
-    )
-    if replicate and settings.chains and exact != settings and step.quota > 0:
+    economy = settings.tolerance or settings.min_replica_share or settings.min_tokens_per_replica
+    if replicate and settings.chains and economy and step.quota > 0:
         # the economy weighs replicas against the rule's own T, which the rule may leave far
         # above what its chains reach (one spare slot per rank); the exact rule with the
         # chains is the planner's level: never end above it
+        exact = settings.model_copy(
+            update={"tolerance": 0.0, "min_replica_share": 0.0, "min_tokens_per_replica": 0}
+        )
         alt = _solve(counts, base, replicate, exact)
         if alt.quota < step.quota:
             return alt
