@@ -220,3 +220,11 @@ def test_destinations_and_a_dcs_counts_follow_the_split(seed: int) -> None:
         np.testing.assert_array_equal(relay_counts(out.tokens, d, rank_dc), got[rank_dc == d])
     with pytest.raises(ValueError, match="does not fit"):
         split_destinations(idx[0], out.tokens[1] + 1, holder)
+    # the right sums, but a token sent to a DC without a copy of its expert
+    e = int(np.flatnonzero((~holds).any(axis=0) & (out.tokens[0].sum(axis=1) > 0))[0])
+    wrong = out.tokens[0].copy()
+    src = int(np.flatnonzero(wrong[e])[0])
+    wrong[e, src] -= 1
+    wrong[e, int(np.flatnonzero(~holds[:, e])[0])] += 1
+    with pytest.raises(ValueError, match="does not fit its holders"):
+        split_destinations(idx[0], wrong, holder)

@@ -105,16 +105,17 @@ def split_destinations(idx: np.ndarray, tokens: np.ndarray, holder: np.ndarray) 
     flat = idx.reshape(-1)
     dst = np.empty(flat.size, dtype=np.int64)
     have = np.bincount(flat, minlength=tokens.shape[0])
-    if have.size != tokens.shape[0] or (tokens.sum(axis=1) != have).any():
-        bad = np.flatnonzero(tokens.sum(axis=1) != have[: tokens.shape[0]])[:1].tolist()
+    rows = tokens.sum(axis=1)
+    if have.size != tokens.shape[0] or (rows != have).any():
+        bad = np.flatnonzero(rows != have[: tokens.shape[0]])[:1].tolist()
         raise ValueError(f"the split of expert {bad} does not fit its assignments")
+    nowhere = ((tokens > 0) & (holder.T < 0)).any(axis=1)  # [E] tokens to a DC without a copy
+    if nowhere.any():
+        raise ValueError(f"the split of expert {int(np.argmax(nowhere))} does not fit its holders")
     order = np.argsort(flat, kind="stable")
     experts, starts, counts = np.unique(flat[order], return_index=True, return_counts=True)
     for e, s, c in zip(experts.tolist(), starts.tolist(), counts.tolist(), strict=True):
-        split = tokens[e]
-        if int(split.sum()) != c or (holder[split > 0, e] < 0).any():
-            raise ValueError(f"the split of expert {e} does not fit its {c} assignments")
-        dst[order[s : s + c]] = np.repeat(holder[:, e], split)
+        dst[order[s : s + c]] = np.repeat(holder[:, e], tokens[e])
     return dst.reshape(idx.shape)
 
 
