@@ -209,6 +209,11 @@ class MoELayer(nn.Module):
         if c.shaper is not None:
             bw = np.asarray(c.shaper.bandwidth_Bps, dtype=np.float64)
             self.dc_cost = np.where(np.eye(c.num_dcs, dtype=bool), 0.0, 1.0 / bw)
+        # (world index, rank) of the other DCs' ranks whose bundles for this DC relay here
+        self.relayed = [
+            (i, r) for i, r in enumerate(c.world.ranks)
+            if c.rank_dc[r] != c.dc and relay_rank(r, c.dc, c.rank_dc) == c.rank
+        ]  # fmt: skip
 
     # ---- forward ----
 
@@ -346,10 +351,9 @@ class MoELayer(nn.Module):
         got = np.zeros_like(sizes)
         me = c.world.index[c.rank]
         got[me] = sizes[me]
-        for i, r in enumerate(c.world.ranks):
-            if c.rank_dc[r] != c.dc and relay_rank(r, c.dc, c.rank_dc) == c.rank:
-                m = int(split[r, :, c.dc].sum())
-                got[i] = (m, m)
+        for i, r in self.relayed:
+            m = int(split[r, :, c.dc].sum())
+            got[i] = (m, m)
         return got
 
     def _balance(self, experts: np.ndarray) -> np.ndarray:
