@@ -1,0 +1,109 @@
+"""The simulator's modeled results and the generated traces stay the same to the bit when
+the engine, the cost model or the sampler are made faster.
+
+``data/sim_golden.json`` holds what the code of commit 2d4121a (before the scale-run speed
+work of #13 item 7) gives: every policy on two EP groups of 8 DCs (``simulate_groups``,
+2 layers, 4 steps, solve time off the critical path so every modeled column is
+deterministic), and sha256 digests of generated traces. Every column but
+``solve_seconds`` (CPU time) must match exactly. Regenerate only for an intended change of
+the model: ``python tests/unit/test_sim_golden.py --write``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+from expertmesh.planner.costmodel import CostSettings
+from expertmesh.planner.model import ModelSpec
+from expertmesh.planner.topology import Topology
+from expertmesh.planner.trace import generate_trace
+from expertmesh.sim.engine import COLUMNS, dense_source, simulate
+from expertmesh.sim.groups import simulate_groups
+from expertmesh.sim.sweep import TraceSpec
+
+DATA = Path(__file__).parent / "data" / "sim_golden.json"
+POLICIES = ["static", "eplb", "fastermoe", "quota", "hybrid"]
+TRACES = {  # name: TraceSpec fields, ranks
+    "drift": ({"steps": 12, "drift": 0.05, "imbalance": 2.0, "seed": 3}, 64),
+    "regimes": ({"steps": 9, "regime_every": 4, "imbalance": 1.5, "seed": 7}, 32),
+}
+
+
+def _model(layers: int = 2) -> ModelSpec:
+    return ModelSpec(num_experts=256, num_layers=layers)
+
+
+def _rows(result) -> dict[str, list[list[object]]]:
+    out: dict[str, list[list[object]]] = {}
+    for run in result.runs:
+        assert run.skipped is None, run.skipped
+        out[run.name] = [
+            [v for c, v in zip(COLUMNS, r.values(), strict=True) if c != "solve_seconds"]
+            for r in run.rows
+        ]
+    return out
+
+
+def _world() -> dict[str, list[list[object]]]:
+    """Every policy on 2 EP groups of 8 DCs x 8 ranks (the scale run's group), 4 steps."""
+    group = Topology.generate(8, 8, inter_dc_gbps=10.0)
+    model = _model()
+    spec = TraceSpec(steps=4, drift=0.05)
+
+    def trace(g: int):
+        s = spec.model_copy(update={"seed": spec.seed + g}).settings(group.num_ranks, model)
+        return dense_source(generate_trace(s).load)
+
+    cost = CostSettings(solve_on_critical_path=False)
+    return _rows(simulate_groups(group, 2, trace, model, POLICIES, cost=cost))
+
+
+def _single() -> dict[str, list[list[object]]]:
+    """One group through :func:`simulate` (the path sweeps and replay use), 2 microbatches."""
+    topo = Topology.generate(4, 16, nodes_per_dc=2, inter_dc_gbps=1.0)
+    model = _model(1)
+    s = TraceSpec(steps=3, drift=0.1, seed=11).settings(topo.num_ranks, model)
+    cost = CostSettings(solve_on_critical_path=False, microbatches_per_update=2)
+    return _rows(simulate(dense_source(generate_trace(s).load), topo, model, POLICIES, cost=cost))
+
+
+def _trace_digests() -> dict[str, str]:
+    out = {}
+    for name, (fields, ranks) in TRACES.items():
+        s = TraceSpec(**fields).settings(ranks, _model())
+        out[name] = hashlib.sha256(generate_trace(s).load.tobytes()).hexdigest()
+    return out
+
+
+def _now() -> dict[str, object]:
+    return {"world": _world(), "single": _single(), "traces": _trace_digests()}
+
+
+def _same(got: dict[str, list[list[object]]], want: dict[str, list[list[object]]]) -> None:
+    assert sorted(got) == sorted(want)
+    cols = [c for c in COLUMNS if c != "solve_seconds"]
+    for name in want:
+        assert len(got[name]) == len(want[name]), name
+        for g, w in zip(got[name], want[name], strict=True):
+            for c, a, b in zip(cols, g, w, strict=True):
+                assert a == b, f"{name} step {g[1]} {c}: {a!r} != {b!r} (golden)"
+
+
+def test_multi_group_run_matches_the_golden_rows_to_the_bit():
+    _same(_world(), json.loads(DATA.read_text())["world"])
+
+
+def test_single_group_run_matches_the_golden_rows_to_the_bit():
+    _same(_single(), json.loads(DATA.read_text())["single"])
+
+
+def test_generated_traces_match_the_golden_digests():
+    assert _trace_digests() == json.loads(DATA.read_text())["traces"]
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
+    DATA.write_text(json.dumps(_now(), indent=None) + "\n")
+    print(f"wrote {DATA}")
