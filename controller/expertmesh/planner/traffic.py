@@ -94,8 +94,58 @@ class TokenTraffic:
 
 
 def _dc_tokens(load: np.ndarray, topology: Topology, top_k: int) -> np.ndarray:
+    stats = _load_stats(load)
+    key = ("dc_tokens", topology, top_k)
+    if stats is not None and key in stats.memo:
+        return stats.memo[key]  # type: ignore[no-any-return]
     per_rank = load.sum(axis=1, dtype=np.float64)
-    return np.bincount(topology.rank_dc, weights=per_rank, minlength=topology.num_dcs) / top_k
+    out = np.bincount(topology.rank_dc, weights=per_rank, minlength=topology.num_dcs) / top_k
+    if stats is not None:
+        out.flags.writeable = False
+        stats.memo[key] = out
+    return out
+
+
+@dataclass(eq=False)
+class _LoadStats:
+    """What the traffic functions derive from one read-only load (the simulator's step
+    loads, asked for by every policy): ``memo`` maps a key to a read-only result."""
+
+    load: np.ndarray
+    memo: dict[tuple[object, ...], object]
+
+
+#: the last few read-only loads' :class:`_LoadStats` (held, so their ids stay theirs)
+_LOADS: list[_LoadStats] = []
+_LOADS_KEPT = 4
+
+
+def _load_stats(load: np.ndarray) -> _LoadStats | None:
+    """The memo of ``load`` when it is read-only (a writable load may change between calls:
+    nothing is kept), else ``None``."""
+    if load.flags.writeable:
+        return None
+    for st in _LOADS:
+        if st.load is load:
+            return st
+    st = _LoadStats(load, {})
+    _LOADS.append(st)
+    if len(_LOADS) > _LOADS_KEPT:
+        _LOADS.pop(0)
+    return st
+
+
+def _float_load(load: np.ndarray, stats: _LoadStats | None) -> tuple[np.ndarray, np.ndarray]:
+    """``load`` as float64 [R, E] and its per-expert sums [E] (read-only when memoized)."""
+    got = stats.memo.get(("float",)) if stats is not None else None
+    if got is None:
+        lf = load.astype(np.float64)
+        got = (lf, lf.sum(axis=0))
+        if stats is not None:
+            for a in got:
+                a.flags.writeable = False
+            stats.memo[("float",)] = got
+    return got  # type: ignore[return-value]
 
 
 def _pairs(dense: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -264,11 +314,20 @@ def even_traffic(
     if remote not in ("spread", "master"):
         raise ValueError("remote must be 'spread' or 'master'")
     level = _LEVEL[domain]
-    lf = load.astype(np.float64)  # [R, E]
+    stats = _load_stats(load)
+    memo_key = None
+    if stats is not None:  # the same load and placement asked again (fastermoe: place, cost)
+        p2l, master = placement.phy2log, placement.master
+        memo_key = ("even", topology, top_k, level, remote, p2l.shape, p2l.dtype.str,
+                    p2l.tobytes(), master.dtype.str, master.tobytes())  # fmt: skip
+        got = stats.memo.get(memo_key)
+        if got is not None:
+            return got  # type: ignore[return-value]
+    lf, per_expert = _float_load(load, stats)  # [R, E], [E]
     cp = _copies(placement, topology, num_experts)
     cr, cs, ce, group, cnt, total = cp.rank, cp.slot, cp.expert, cp.group, cp.count, cp.total
-    if ((lf.sum(axis=0) > 0) & (total == 0)).any():
-        missing = np.flatnonzero((lf.sum(axis=0) > 0) & (total == 0))
+    if ((per_expert > 0) & (total == 0)).any():
+        missing = np.flatnonzero((per_expert > 0) & (total == 0))
         raise ValueError(f"experts with load but no copy: {missing[:8].tolist()}")
     safe_total = cp.safe_total
     k = cp.k
@@ -300,7 +359,7 @@ def even_traffic(
     in_shell = np.zeros((cr.size, 4))
     if level < 3:
         # sources inside the copy's domain are all local: their load splits over its copies
-        lsum = level_sums(lf, topology)
+        lsum = _level_sums_of(lf, topology, stats)
         kq = cnt[level][qg[level], ce]
         for j in range(level + 1):
             inner = lsum[j][qg[j], ce] - (lsum[j - 1][qg[j - 1], ce] if j else 0.0)
@@ -332,9 +391,29 @@ def even_traffic(
         dense = np.zeros((topology.num_dcs, topology.num_dcs))
         np.add.at(dense.T, mdc, nl_dc.T)  # dense[s, mdc[e]] += nl_dc[s, e]
     ps, pd, pt = _pairs(dense)
-    return TokenTraffic(
+    out = TokenTraffic(
         rank_tokens, rank_out, rank_in, ps, pd, pt, _dc_tokens(load, topology, top_k)
     )
+    if stats is not None and memo_key is not None:
+        for a in (rank_tokens, rank_out, rank_in, ps, pd, pt):
+            a.flags.writeable = False
+        stats.memo[memo_key] = out
+    return out
+
+
+def _level_sums_of(
+    lf: np.ndarray, topology: Topology, stats: _LoadStats | None
+) -> list[np.ndarray]:
+    """:func:`level_sums` of the float load, memoized with the load."""
+    key = ("level_sums", topology)
+    got = stats.memo.get(key) if stats is not None else None
+    if got is None:
+        got = level_sums(lf, topology)
+        if stats is not None:
+            for a in got:
+                a.flags.writeable = False
+            stats.memo[key] = got
+    return got  # type: ignore[return-value]
 
 
 def _shell(topology: Topology, a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -163,15 +163,45 @@ class _History:
         return self.buf[end - self.n : end]
 
 
+class _Memo:
+    """The last few results of a pure function of placements, keyed by their arrays' bytes:
+    policies that reach the same placement from the same one (``quota`` and ``hybrid``
+    often do) share its alignment, migration and replica streams instead of computing
+    them again (the same objects: nothing downstream modifies them)."""
+
+    def __init__(self, kept: int = 16) -> None:
+        self.kept = kept
+        self.items: dict[tuple[object, ...], object] = {}
+        self.hits = 0
+
+    def get(self, key: tuple[object, ...]) -> object | None:
+        got = self.items.get(key)
+        self.hits += got is not None
+        return got
+
+    def put(self, key: tuple[object, ...], value: object) -> None:
+        if len(self.items) >= self.kept:
+            self.items.pop(next(iter(self.items)))
+        self.items[key] = value
+
+
+def _pkey(p: Placement) -> tuple[object, ...]:
+    """A placement's identity by value: shapes, dtypes and bytes of ``phy2log`` and ``master``."""
+    a, m = p.phy2log, p.master
+    return (a.shape, a.dtype.str, a.tobytes(), m.shape, m.dtype.str, m.tobytes())
+
+
 @dataclass(frozen=True)
 class _World:
-    """What every policy shares: topology, model, cost model, history windows."""
+    """What every policy shares: topology, model, cost model, history windows, and the
+    memo of placement functions (:class:`_Memo`)."""
 
     topology: Topology
     model: ModelSpec
     cost: CostSettings
     hist: dict[tuple[int, int], _History]
     shape: tuple[int, int]
+    memo: _Memo = field(default_factory=_Memo)
 
 
 class _PolicyState:
@@ -252,12 +282,13 @@ def simulate(
     world = _World(topology, model, cost, hist, shape)
     for t in range(loads.num_steps):
         step_load = loads.step(t)  # [L, R, E]
+        layers = _layer_views(step_load)
         for st in states:
             if st.run.skipped is not None:
                 continue
             t0 = time.process_time()
             try:
-                st.run.rows.append(_step(st, world, t, step_load))
+                st.run.rows.append(_step(st, world, t, layers))
                 st.run.cpu_seconds += time.process_time() - t0
             except ValueError as err:
                 st.run.skipped = f"failed at step {t}: {err}"
@@ -269,16 +300,28 @@ def simulate(
     return SimResult(runs, time.perf_counter() - t_start)
 
 
-def _step(st: _PolicyState, world: _World, t: int, step_load: np.ndarray) -> StepRow:
-    """Plan and cost every layer of one step for one policy."""
+def _layer_views(step_load: np.ndarray) -> list[np.ndarray]:
+    """Read-only [R, E] views of one step's layers, shared by every policy of the step (the
+    traffic functions memoize what they derive from a read-only load: computed once per
+    step and layer, not once per policy)."""
+    views = []
+    for layer in range(step_load.shape[0]):
+        v = step_load[layer]
+        v.flags.writeable = False
+        views.append(v)
+    return views
+
+
+def _step(st: _PolicyState, world: _World, t: int, layers: list[np.ndarray]) -> StepRow:
+    """Plan and cost every layer of one step for one policy (``layers``: the step's loads)."""
     topology, model, cost = world.topology, world.model, world.cost
     seconds = imb = tok_bytes = w_bytes = mig_bytes = solve = exposed = 0.0
     replicas = 0
     bottleneck = ""
-    num_layers = step_load.shape[0]
+    num_layers = len(layers)
     w = st.policy.history_window()
     for layer in range(num_layers):
-        load = step_load[layer]
+        load = layers[layer]
         prev = st.prev[layer]
         ctx = PolicyContext(
             topology=topology,
@@ -294,7 +337,7 @@ def _step(st: _PolicyState, world: _World, t: int, step_load: np.ndarray) -> Ste
         place_seconds = time.process_time() - t0
         if prev is not None and placement is not prev.placement:
             relabel = bool(getattr(st.policy, "relabel_ranks", False))
-            placement = align_placement(prev.placement, placement, topology, relabel)
+            placement = _aligned(world, prev.placement, placement, relabel)
         solve += time.process_time() - t0
         route = np.zeros((0, 4), np.int64)
         traffic = _fast_traffic(st, ctx, placement)
@@ -308,7 +351,7 @@ def _step(st: _PolicyState, world: _World, t: int, step_load: np.ndarray) -> Ste
         migration = Migration()
         fanout = 0.0  # seconds until this microbatch's replica weights have landed
         if changed and prev is not None:
-            migration = plan_migration(prev.placement, placement, topology, model)
+            migration = _migration(world, prev.placement, placement)
             gap = max(1, t - st.changed_at[layer])
             st.changed_at[layer] = t
             nbytes, src, dst = _migration_bytes(st, world, (layer, t), migration, prev.placement)
@@ -341,6 +384,26 @@ def _step(st: _PolicyState, world: _World, t: int, step_load: np.ndarray) -> Ste
         st.name, t, seconds, imb, tok_bytes, w_bytes, mig_bytes, replicas, solve, exposed,
         bottleneck,
     )  # fmt: skip
+
+
+def _aligned(world: _World, prev: Placement, placement: Placement, relabel: bool) -> Placement:
+    """:func:`align_placement` of ``placement`` to ``prev``, memoized by value."""
+    key = ("align", relabel, _pkey(prev), _pkey(placement))
+    got = world.memo.get(key)
+    if got is None:
+        got = align_placement(prev, placement, world.topology, relabel)
+        world.memo.put(key, got)
+    return got  # type: ignore[return-value]
+
+
+def _migration(world: _World, old: Placement, new: Placement) -> Migration:
+    """:func:`plan_migration` from ``old`` to ``new``, memoized by value."""
+    key = ("migration", _pkey(old), _pkey(new))
+    got = world.memo.get(key)
+    if got is None:
+        got = plan_migration(old, new, world.topology, world.model)
+        world.memo.put(key, got)
+    return got  # type: ignore[return-value]
 
 
 def _fanout_seconds(
@@ -390,7 +453,11 @@ def _sync_streams(
     cached = st.streams[layer]
     if cached is not None and cached[0] is placement:
         return cached[1]
-    streams = replica_streams(placement, world.topology, world.model, world.cost, st.encoding)
+    key = ("replica_streams", st.encoding, _pkey(placement))
+    streams = world.memo.get(key)  # type: ignore[assignment]
+    if streams is None:
+        streams = replica_streams(placement, world.topology, world.model, world.cost, st.encoding)
+        world.memo.put(key, streams)
     st.streams[layer] = (placement, streams)
     return streams
 
