@@ -85,9 +85,9 @@ def _now() -> dict[str, object]:
 def _same(got: dict[str, list[list[object]]], want: dict[str, list[list[object]]]) -> None:
     assert sorted(got) == sorted(want)
     cols = [c for c in COLUMNS if c != "solve_seconds"]
-    for name in want:
-        assert len(got[name]) == len(want[name]), name
-        for g, w in zip(got[name], want[name], strict=True):
+    for name, rows in want.items():
+        assert len(got[name]) == len(rows), name
+        for g, w in zip(got[name], rows, strict=True):
             for c, a, b in zip(cols, g, w, strict=True):
                 assert a == b, f"{name} step {g[1]} {c}: {a!r} != {b!r} (golden)"
 

@@ -26,7 +26,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 import numpy as np
 
@@ -454,10 +454,11 @@ def _sync_streams(
     if cached is not None and cached[0] is placement:
         return cached[1]
     key = ("replica_streams", st.encoding, _pkey(placement))
-    streams = world.memo.get(key)  # type: ignore[assignment]
-    if streams is None:
-        streams = replica_streams(placement, world.topology, world.model, world.cost, st.encoding)
-        world.memo.put(key, streams)
+    got = world.memo.get(key)
+    if got is None:
+        got = replica_streams(placement, world.topology, world.model, world.cost, st.encoding)
+        world.memo.put(key, got)
+    streams = cast(ExpertStreams, got)
     st.streams[layer] = (placement, streams)
     return streams
 
