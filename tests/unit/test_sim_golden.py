@@ -26,9 +26,12 @@ from expertmesh.sim.sweep import TraceSpec
 
 DATA = Path(__file__).parent / "data" / "sim_golden.json"
 POLICIES = ["static", "eplb", "fastermoe", "quota", "hybrid"]
-TRACES = {  # name: TraceSpec fields, ranks
-    "drift": ({"steps": 12, "drift": 0.05, "imbalance": 2.0, "seed": 3}, 64),
-    "regimes": ({"steps": 9, "regime_every": 4, "imbalance": 1.5, "seed": 7}, 32),
+TRACES = {  # name: TraceSpec fields, ranks, experts, top-k
+    "drift": ({"steps": 12, "drift": 0.05, "imbalance": 2.0, "seed": 3}, 64, 256, 8),
+    "regimes": ({"steps": 9, "regime_every": 4, "imbalance": 1.5, "seed": 7}, 32, 256, 8),
+    "reference": ({"steps": 10, "reference_ranks": 48, "imbalance": 1.8, "drift": 0.1}, 48, 256, 8),
+    # the hottest experts capped at pi = 1 in most of the calibration's evaluations
+    "capped": ({"steps": 6, "reference_ranks": 8, "imbalance": 1.8, "drift": 0.2}, 8, 32, 8),
 }
 
 
@@ -72,9 +75,14 @@ def _single() -> dict[str, list[list[object]]]:
 
 def _trace_digests() -> dict[str, str]:
     out = {}
-    for name, (fields, ranks) in TRACES.items():
-        s = TraceSpec(**fields).settings(ranks, _model())
-        out[name] = hashlib.sha256(generate_trace(s).load.tobytes()).hexdigest()
+    for name, (fields, ranks, experts, top_k) in TRACES.items():
+        model = ModelSpec(num_experts=experts, top_k=top_k, num_layers=2)
+        s = TraceSpec(**fields).settings(ranks, model)
+        tr = generate_trace(s)
+        h = hashlib.sha256(tr.load.tobytes())
+        h.update(tr.exponent.tobytes())  # the calibration's exponents and expectations too
+        h.update(tr.expected_imbalance.tobytes())
+        out[name] = h.hexdigest()
     return out
 
 

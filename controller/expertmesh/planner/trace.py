@@ -195,20 +195,40 @@ class _Imbalance:
         self.pos[perm] = np.arange(num_experts)  # [E] popularity position of each expert
         self.expert_rank, self.num_ranks, self.top_k = expert_rank, num_ranks, top_k
         self.head = min(top_k, num_experts)  # inclusion_probabilities' ``m``
-        self.room = (top_k - np.arange(self.head)).astype(np.int64)  # top_k - m
+        self.room_list = [top_k - m for m in range(self.head)]  # top_k - m
+        self.one_each = num_ranks == num_experts and bool(
+            np.array_equal(expert_rank, np.arange(num_experts))
+        )
 
     def __call__(self, s: float) -> float:
+        # (Called ~36 times per calibration, once per step and layer: the same IEEE
+        # operations as the plain form above, with fewer numpy calls on 256 elements.)
         w = self.base**-s
-        w = w / w[0]
+        if w[0] != 1.0:  # 1 ** -s is 1, and w / 1.0 is w: divide only if pow said otherwise
+            w = w / w[0]
         tail = np.cumsum(w[::-1])[::-1]
-        ok = np.flatnonzero(self.room * w[: self.head] <= tail[: self.head] * (1 + 1e-12))
-        capped = int(ok[0]) if ok.size else self.top_k
-        pi = np.ones(w.shape[0])
-        if capped < w.shape[0]:
-            pi[capped:] = (self.top_k - capped) * w[capped:] / tail[capped]
-        pi = np.minimum(pi, 1.0)[self.pos]  # by expert
-        per_rank = np.bincount(self.expert_rank, weights=pi, minlength=self.num_ranks)
-        return float(per_rank.max() / (per_rank.sum() / per_rank.shape[0]))
+        capped = self.top_k
+        one = 1 + 1e-12
+        head_w, head_tail = w[: self.head].tolist(), tail[: self.head].tolist()
+        for m, (wm, tm) in enumerate(zip(head_w, head_tail, strict=True)):
+            if self.room_list[m] * wm <= tm * one:  # uncapped from position m on
+                capped = m
+                break
+        num = w.shape[0]
+        if capped < num:
+            pi = w * (self.top_k - capped)  # (top_k - m) * w[m:] / tail[m], then 1 before m
+            pi /= tail[capped]
+            pi[:capped] = 1.0
+            np.minimum(pi, 1.0, out=pi)
+        else:
+            pi = np.ones(num)
+        pi = pi[self.pos]  # by expert
+        if self.one_each:  # one expert per rank: the bincount is pi itself (0.0 + x is x)
+            per_rank = pi
+        else:
+            per_rank = np.bincount(self.expert_rank, weights=pi, minlength=self.num_ranks)
+        top, total = float(per_rank.max()), float(per_rank.sum())
+        return top / (total / per_rank.shape[0])
 
 
 def _drift(rng: np.random.Generator, perm: np.ndarray, drift: float) -> bool:
@@ -241,7 +261,8 @@ def systematic_arcs(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     c = np.cumsum(q, axis=1) - q  # [R, K] exclusive cumulative sum
     # Snap to 1e-12: a cumulative sum that lands a hair below an integer would otherwise
     # give a start of 1 - 1e-16, and an empty arc there would look like a full wrap.
-    start = np.round(c - np.floor(c), 12) % 1.0
+    start = np.round(c - np.floor(c), 12)  # in [0, 1]: c >= 0, so no -0.0
+    start[start >= 1.0] = 0.0  # ``% 1.0``, the same floats, without its slow division
     end = np.roll(start, -1, axis=1)
     end[:, -1] = 0.0
     return start, end
