@@ -442,8 +442,8 @@ def step_cost(
     out_t, in_t = traffic.rank_out * tb, traffic.rank_in * tb  # [R, 3]
     assign_out = np.bincount(traffic.pair_src, weights=traffic.pair_tokens, minlength=num_dcs)
     cross_out = np.bincount(traffic.pair_src, weights=x, minlength=num_dcs)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        dedup = np.where(assign_out > 0, cross_out / assign_out, 1.0)  # [D]
+    dedup = np.ones(num_dcs)  # [D]
+    np.divide(cross_out, assign_out, out=dedup, where=assign_out > 0)
     node_out, node_in = out_t[:, 0], in_t[:, 0]
     nic_out = out_t[:, 1] + out_t[:, 2] * dedup[topology.rank_dc]
     nic_in = in_t[:, 1] + in_t[:, 2]
@@ -466,7 +466,9 @@ def step_cost(
     flops_fwd = 2.0 * model.expert_params
     compute_fwd = float(traffic.rank_tokens.max(initial=0.0)) * flops_fwd
     compute_fwd /= settings.flops_per_second
-    mean_tokens = float(traffic.rank_tokens.mean()) if traffic.rank_tokens.size else 0.0
+    # the mean as np.mean computes it (pairwise sum, then / count), without its overhead
+    size = traffic.rank_tokens.size
+    mean_tokens = float(traffic.rank_tokens.sum()) / size if size else 0.0
     imbalance = float(traffic.rank_tokens.max()) / mean_tokens if mean_tokens > 0 else 1.0
 
     phases = {"dispatch": dispatch, "compute_fwd": compute_fwd, "combine": combine}

@@ -22,6 +22,7 @@ No file I/O, no printing: the caller passes a ``progress`` callback.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -202,6 +203,33 @@ class _World:
     hist: dict[tuple[int, int], _History]
     shape: tuple[int, int]
     memo: _Memo = field(default_factory=_Memo)
+    #: this step's validated contexts without a previous plan, by (history window, layer)
+    contexts: dict[tuple[int, int], PolicyContext] = field(default_factory=dict)
+
+
+def _context(
+    world: _World, t: int, key: tuple[int, int], load: np.ndarray, prev: LayerPlan | None
+) -> PolicyContext:
+    """Step ``t``'s context for layer ``key[1]`` with history window ``key[0]``. Its load and
+    history are checked once per step, not once per policy (``PolicyContext`` scans both);
+    a policy's own previous plan (the engine's, of this topology and model) goes into a
+    copy."""
+    base = world.contexts.get(key)
+    if base is None:
+        base = PolicyContext(
+            topology=world.topology,
+            model=world.model,
+            step=t,
+            layer=key[1],
+            load=load,
+            history=world.hist[key].view(world.shape),
+        )
+        world.contexts[key] = base
+    if prev is None:
+        return base
+    ctx = copy.copy(base)
+    object.__setattr__(ctx, "previous", prev)
+    return ctx
 
 
 class _PolicyState:
@@ -283,6 +311,7 @@ def simulate(
     for t in range(loads.num_steps):
         step_load = loads.step(t)  # [L, R, E]
         layers = _layer_views(step_load)
+        world.contexts.clear()
         for st in states:
             if st.run.skipped is not None:
                 continue
@@ -323,15 +352,7 @@ def _step(st: _PolicyState, world: _World, t: int, layers: list[np.ndarray]) -> 
     for layer in range(num_layers):
         load = layers[layer]
         prev = st.prev[layer]
-        ctx = PolicyContext(
-            topology=topology,
-            model=model,
-            step=t,
-            layer=layer,
-            load=load,
-            history=world.hist[(w, layer)].view(world.shape),
-            previous=prev,
-        )
+        ctx = _context(world, t, (w, layer), load, prev)
         t0 = time.process_time()
         placement = st.policy.place(ctx)
         place_seconds = time.process_time() - t0
