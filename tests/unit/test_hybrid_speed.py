@@ -359,3 +359,17 @@ def test_plans_of_a_small_run_equal_those_without_the_memo(monkeypatch):
     without = _sim_rows(["hybrid"], monkeypatch, memo=False)
     assert len(with_memo) == 12
     assert with_memo == without
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), dcs=st.sampled_from([1, 2, 3, 5]), shuffle=st.booleans())
+def test_ordinal_of_the_ranks_without_an_expert_equals_the_cumsum(seed, dcs, shuffle):
+    rng = np.random.default_rng(seed)
+    rank_dc = np.sort(rng.integers(0, dcs, 3 * dcs))
+    if shuffle:  # DCs whose ranks are not consecutive: the cumsum itself
+        rng.shuffle(rank_dc)
+    holds = rng.random((dcs, 7)) < 0.5
+    away = ~holds[rank_dc]
+    got = domainquota._ordinal(holds, rank_dc, away)
+    want = np.cumsum(away, axis=0) - 1
+    assert np.array_equal(np.where(away, got, 0), np.where(away, want, 0))

@@ -135,7 +135,7 @@ def remote_holder(holds: np.ndarray, rank_dc: np.ndarray) -> np.ndarray:
     first = _virtual(holds)[3]
     h = np.diff(first)  # [E] holders of each expert
     away = ~holds[rank_dc]  # [R, E] the source's DC lacks e
-    k = np.cumsum(away, axis=0) - 1  # [R, E] ordinal among the ranks without e
+    k = _ordinal(holds, rank_dc, away)  # [R, E] ordinal among the ranks without e
     e = np.arange(holds.shape[1])
     j = (k + e[None, :]) % np.maximum(h, 1)[None, :]
     out = np.where(away & (h > 0)[None, :], first[:-1][None, :] + j, -1)
@@ -145,6 +145,20 @@ def remote_holder(holds: np.ndarray, rank_dc: np.ndarray) -> np.ndarray:
             del _HOLDERS[next(iter(_HOLDERS))]  # the oldest
         _HOLDERS[key] = out
     return out
+
+
+def _ordinal(holds: np.ndarray, rank_dc: np.ndarray, away: np.ndarray) -> np.ndarray:
+    """[R, E] ranks before ``r`` (rank order) whose DC lacks ``e``, where ``away``: with
+    each DC's ranks consecutive, the ranks of the DCs before ``r``'s that lack ``e`` plus
+    ``r``'s place in its DC (the same integers as ``cumsum(away, axis=0) - 1`` from
+    ``[D, E]`` sums instead of ``[R, E]``); else that cumsum."""
+    if rank_dc.size and np.any(rank_dc[1:] < rank_dc[:-1]):
+        return np.cumsum(away, axis=0) - 1
+    sizes = np.bincount(rank_dc, minlength=holds.shape[0])
+    lacking = np.where(holds, 0, sizes[:, None])  # [D, E] ranks of d without e
+    before = np.cumsum(lacking, axis=0) - lacking  # [D, E] in the DCs before d
+    place = np.arange(rank_dc.size) - np.searchsorted(rank_dc, rank_dc)  # [R] in its DC
+    return before[rank_dc] + place[:, None]
 
 
 #: :func:`remote_holder` of the last few holder sets (a pure function of its inputs,
