@@ -429,3 +429,9 @@ def test_cli_writes_where_the_cpu_went(tmp_path, capsys, ep_dcs):
         solve = sum(float(r["solve_seconds"]) for r in rows if r["policy"] == name)
         assert part["solve"] == pytest.approx(solve, abs=2e-3)  # the solve column, summed
         assert part["cost"] > 0  # every step is costed, which takes some CPU
+        # the cost model's parts: each timed, together within the policy's cost
+        from expertmesh.sim.engine import COST_PARTS
+
+        assert list(part["cost_parts"]) == list(COST_PARTS)
+        assert min(part["cost_parts"].values()) >= 0
+        assert 0 < sum(part["cost_parts"].values()) <= part["cost"] + 2e-3

@@ -47,12 +47,26 @@ from expertmesh.planner.policy import Policy, PolicyContext, make_policy
 from expertmesh.planner.topology import Topology
 from expertmesh.planner.traffic import TokenTraffic, even_traffic, traffic_from_route
 
-__all__ = ["COLUMNS", "LoadSource", "PolicyRun", "SimResult", "StepRow", "dense_source", "simulate"]
+__all__ = [
+    "COLUMNS",
+    "COST_PARTS",
+    "LoadSource",
+    "PolicyRun",
+    "SimResult",
+    "StepRow",
+    "dense_source",
+    "simulate",
+]
 
 log = logging.getLogger(__name__)
 
 #: the even split of policies that do not say so themselves (checked by tests)
 EVEN_SPLITS: dict[str, tuple[str, str]] = {"static": ("global", "spread"), "eplb": ("dc", "spread")}
+
+#: the cost model's parts timed per policy (``PolicyRun.cost_parts``): the token traffic
+#: of the route, the replica sync streams, the migration (its plan, bytes, streams and the
+#: microbatch fan-out), and the step cost over all of them
+COST_PARTS = ("traffic", "replica streams", "migration", "step cost")
 
 COLUMNS = (
     "policy", "step", "seconds", "imbalance", "cross_dc_token_bytes", "cross_dc_weight_bytes",
@@ -105,6 +119,8 @@ class PolicyRun:
     #: CPU seconds of this policy's steps in the simulator: its solves (``solve_seconds``)
     #: plus the cost model and bookkeeping of every step
     cpu_seconds: float = 0.0
+    #: CPU seconds of the cost model's parts (:data:`COST_PARTS`) of this policy's steps
+    cost_parts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COST_PARTS, 0.0))
 
     def total(self, column: str) -> float:
         return float(sum(getattr(r, column) for r in self.rows))
@@ -349,6 +365,7 @@ def _step(st: _PolicyState, world: _World, t: int, layers: list[np.ndarray]) -> 
     bottleneck = ""
     num_layers = len(layers)
     w = st.policy.history_window()
+    parts = st.run.cost_parts
     for layer in range(num_layers):
         load = layers[layer]
         prev = st.prev[layer]
@@ -359,16 +376,21 @@ def _step(st: _PolicyState, world: _World, t: int, layers: list[np.ndarray]) -> 
         if prev is not None and placement is not prev.placement:
             relabel = bool(getattr(st.policy, "relabel_ranks", False))
             placement = _aligned(world, prev.placement, placement, relabel)
-        solve += time.process_time() - t0
+        clock = time.process_time()
+        solve += clock - t0
         route = np.zeros((0, 4), np.int64)
+        route_seconds = 0.0
         traffic = _fast_traffic(st, ctx, placement)
         if traffic is None:  # the policy's route rows (timed: routing is part of planning)
             t0 = time.process_time()
             route = st.policy.route(ctx, placement)
-            solve += time.process_time() - t0
+            route_seconds = time.process_time() - t0
+            solve += route_seconds
             traffic = traffic_from_route(route, load, topology, model.top_k)
+        clock = _lap(parts, "traffic", clock, route_seconds)
         changed = prev is not None and not np.array_equal(prev.placement.phy2log, placement.phy2log)
         streams = _sync_streams(st, world, layer, placement)
+        clock = _lap(parts, "replica streams", clock)
         migration = Migration()
         fanout = 0.0  # seconds until this microbatch's replica weights have landed
         if changed and prev is not None:
@@ -382,7 +404,9 @@ def _step(st: _PolicyState, world: _World, t: int, layers: list[np.ndarray]) -> 
                 fanout = _fanout_seconds(
                     st.microbatch, st.policy, migration, (nbytes, src, dst), topology
                 )
+        clock = _lap(parts, "migration", clock)
         c = step_cost(topology, model, traffic, streams, cost)
+        _lap(parts, "step cost", clock)
         if st.microbatch is not None:
             # the microbatch's solve and replica fan-out run while the tokens for copies
             # already in place are dispatched (FEPLB's two-phase dispatch); what is left
@@ -405,6 +429,13 @@ def _step(st: _PolicyState, world: _World, t: int, layers: list[np.ndarray]) -> 
         st.name, t, seconds, imb, tok_bytes, w_bytes, mig_bytes, replicas, solve, exposed,
         bottleneck,
     )  # fmt: skip
+
+
+def _lap(parts: dict[str, float], part: str, since: float, minus: float = 0.0) -> float:
+    """Add the CPU seconds since ``since`` (less ``minus``) to ``parts[part]``; the time now."""
+    now = time.process_time()
+    parts[part] += now - since - minus
+    return now
 
 
 def _aligned(world: _World, prev: Placement, placement: Placement, relabel: bool) -> Placement:

@@ -105,7 +105,13 @@ def simulate_groups(
             continue
         steps = min(len(p.rows) for p in parts)
         rows = [_combine([p.rows[t] for p in parts], dp) for t in range(steps)]
-        runs.append(PolicyRun(name, rows=rows, cpu_seconds=sum(p.cpu_seconds for p in parts)))
+        cost_parts = {k: sum(p.cost_parts[k] for p in parts) for k in parts[0].cost_parts}
+        runs.append(
+            PolicyRun(
+                name, rows=rows, cpu_seconds=sum(p.cpu_seconds for p in parts),
+                cost_parts=cost_parts,
+            )
+        )  # fmt: skip
     return SimResult(runs, wall, num_groups=num_groups, dp_seconds=dp)
 
 

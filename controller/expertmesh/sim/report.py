@@ -64,12 +64,15 @@ def summary_rows(result: SimResult, baseline: str = "static") -> list[dict[str, 
 def cpu_breakdown(result: SimResult, trace_seconds: float) -> dict[str, Any]:
     """Where a run's CPU went (``cpu.json``): ``trace_seconds`` generating traces, and per
     policy ``solve`` (its solves, the solve column) and ``cost`` (the cost model and the
-    simulator's bookkeeping of its steps: the rest of its CPU). The process's CPU beyond
+    simulator's bookkeeping of its steps: the rest of its CPU), and ``cost_parts``: the
+    cost model's parts of it (``expertmesh.sim.engine.COST_PARTS``; the rest of ``cost``
+    is bookkeeping). The process's CPU beyond
     these is start-up, combining groups and writing."""
     runs = {
         r.name: {
             "solve": round(r.total("solve_seconds"), 3),
             "cost": round(r.cpu_seconds - r.total("solve_seconds"), 3),
+            "cost_parts": {k: round(v, 3) for k, v in r.cost_parts.items()},
         }
         for r in result.runs
         if r.skipped is None
