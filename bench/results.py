@@ -488,47 +488,72 @@ def _breakdown(run: dict[str, Any]) -> list[str]:
     return out
 
 
-def _multinomial_ms(ranks: int = 64, experts: int = 256, tokens: int = 8192) -> float:
-    """Median CPU ms of numpy's exact multinomial draws of one group-step of the scale run's
-    trace (one row of ``tokens`` per source rank over ``experts`` segments), measured here."""
+def _draws_ms(ranks: int = 64, experts: int = 256, tokens: int = 8192) -> float:
+    """Median CPU ms of the random draws of one group-step of the scale run's trace, measured
+    here: numpy's exact multinomial (one row of ``tokens`` per source rank over ``experts``
+    segments) and the per-rank random order of the experts (``Generator.permuted``)."""
     rng = np.random.default_rng(0)
     p = rng.random((ranks, experts))
     p /= p.sum(axis=1, keepdims=True)
+    order = np.tile(np.arange(experts), (ranks, 1))
     times = []
     for _ in range(7):
         t0 = time.process_time()
         for _ in range(20):
             rng.multinomial(tokens, p)
+            rng.permuted(order, axis=1)
         times.append((time.process_time() - t0) / 20 * 1e3)
     return float(np.median(times))
 
 
+def _cost_parts(run: dict[str, Any]) -> dict[str, float]:
+    """The five policies' cost-model CPU by part (``cost_parts`` of ``cpu.json``) and the
+    rest of their cost (bookkeeping: contexts, plans kept, rows)."""
+    pols = run["breakdown"]["policies"].values()
+    out: dict[str, float] = {}
+    for v in pols:
+        for k, x in v.get("cost_parts", {}).items():
+            out[k] = out.get(k, 0.0) + x
+    out["bookkeeping"] = sum(v["cost"] for v in pols) - sum(out.values())
+    return out
+
+
 def _left(run: dict[str, Any]) -> list[str]:
-    """Where the scale run's CPU over the 100 s target is, from its ``cpu.json``."""
+    """Where the scale run's CPU is against the 100 s target, from its ``cpu.json``."""
     cpu, steps, groups = run["cpu"], run["steps"], run["dcs"] // 8
     b = run["breakdown"]
     per = cpu / (groups * steps) * 1e3
-    draw = _multinomial_ms()
-    largest = sorted(
-        [("trace generation", b["trace"])]
-        + [(f"{n}'s solve", v["solve"]) for n, v in b["policies"].items()]
-        + [("the five cost models", sum(v["cost"] for v in b["policies"].values()))],
-        key=lambda x: -x[1],
-    )[:3]
-    if cpu <= 100:
-        return [f"Within the target: {cpu:.0f} s CPU, {per:.1f} ms per group-step."]
+    draws = _draws_ms() * groups * steps / 1e3
+    solves = sorted(((n, v["solve"]) for n, v in b["policies"].items()), key=lambda x: -x[1])
+    cost = _cost_parts(run)
+    head = (
+        f"Within the target: {cpu:.0f} s CPU, {per:.1f} ms per group-step."
+        if cpu <= 100
+        else f"**Where the {cpu - 100:.0f} s over the target are.** {per:.1f} ms of CPU per"
+        " group-step (one group's trace step and five policies planned and costed on 64"
+        " ranks x 256 experts)."
+    )
     return [
-        f"**Where the {cpu - 100:.0f} s over the target are.** {per:.1f} ms of CPU per",
-        "group-step (one group's trace step and five policies planned and costed on 64",
-        "ranks x 256 experts), spread over many numpy passes on [64, 256] arrays, each",
-        "cheap, in a Python loop over groups x steps x policies; no single call dominates",
-        "(profiled with py-spy at 128 DCs, the slope to 1,000 is linear). The largest parts: "
-        + ", ".join(f"{n} {v:.0f} s" for n, v in largest)
-        + ". The exact multinomial draws",
-        f"of the trace take {draw:.2f} ms per group-step here (numpy's `Generator.multinomial`",
-        f"on [64, 256] at 8,192 tokens: {draw * groups * steps / 1e3:.0f} s of the run), and",
-        "no batching removes them. What is left to reach 100 s: the cost model and the",
-        "policies batched over the EP groups (a leading group axis instead of the loop).",
+        head,
+        f"Trace generation {b['trace']:.0f} s, of which about {draws:.0f} s are its random draws",
+        "(numpy's exact multinomial and per-rank expert orders, measured here on the same",
+        "shapes): a trace must stay the same to the bit, so no rewrite removes them. The",
+        "policies' solves "
+        f"{sum(v for _, v in solves):.0f} s ("
+        + ", ".join(f"{n} {v:.1f}" for n, v in solves)
+        + "). The five cost models "
+        f"{sum(cost.values()):.0f} s, by part: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in sorted(cost.items(), key=lambda x: -x[1]))
+        + " s (migration: the plan's round scheduler, the bytes and streams of its",
+        "transfers; a placement's alignment counts as solve). The simulator computes once",
+        "what policies share at a step (a placement's alignment, migration plan and",
+        "replica streams, memoized by value; the load's statistics; the checked context),",
+        "rows equal to the bit (`tests/unit/test_sim_golden.py`). Not done: running the",
+        f"{groups} groups in lockstep with a leading group axis (one numpy pass over",
+        f"[{groups}, 64, 256] instead of {groups}); it would cut the per-call overhead of",
+        "the cost model's many small passes (the migration scheduler's most of all: a",
+        "re-plan moves a few experts, and each of its rounds is dozens of numpy calls),",
+        "not the draws or the solves.",
     ]
 
 
