@@ -344,7 +344,8 @@ def expected_crossings(n: np.ndarray, a: np.ndarray, top_k: int) -> np.ndarray:
     clipped to ``[a / k, min(a, n)]``. ``n``, ``a``: broadcastable float arrays."""
     n = np.asarray(n, dtype=np.float64)
     a = np.asarray(a, dtype=np.float64)
-    n, a = np.broadcast_arrays(n, a)
+    if n.shape != a.shape:
+        n, a = np.broadcast_arrays(n, a)
     has = n > 0
     p = np.zeros(n.shape)
     np.divide(a, n * top_k, out=p, where=has)  # 0 where there are no tokens
@@ -431,12 +432,9 @@ def step_cost(
     gback = on_keys(inv_e, streams.pair_background) if q else np.zeros(keys.size)
 
     def link_phase(nbytes: np.ndarray) -> float:
-        if nbytes.size == 0:
-            return 0.0
-        m = nbytes > 0
-        if not m.any():
-            return 0.0
-        return float(np.max(lat[m] + nbytes[m] / bw[m]))
+        # the busiest loaded pair: max over nbytes > 0 of lat + nbytes / bw (0 if none)
+        t = np.max(lat + nbytes / bw, where=nbytes > 0, initial=-np.inf)
+        return float(t) if t > -np.inf else 0.0
 
     # ---- rank ports (tokens in bytes per phase) ----
     out_t, in_t = traffic.rank_out * tb, traffic.rank_in * tb  # [R, 3]
@@ -459,8 +457,10 @@ def step_cost(
     pt, pb = streams.port_tail, streams.port_background
     chunks = settings.pipeline_chunks
     msg = settings.message_seconds * chunks  # every communication phase pays it
-    dispatch = max(link_phase(disp), port_phase(node_out, node_in, nic_out, nic_in)) + msg
-    combine = max(link_phase(comb), port_phase(node_in, node_out, nic_in, nic_out)) + msg
+    # a port's time is its busier direction's, so dispatch and combine load the ports alike
+    ports = port_phase(node_out, node_in, nic_out, nic_in)
+    dispatch = max(link_phase(disp), ports) + msg
+    combine = max(link_phase(comb), ports) + msg
 
     # ---- compute ----
     flops_fwd = 2.0 * model.expert_params

@@ -334,7 +334,8 @@ def even_traffic(
 
     # [R, E] does r's domain hold e? ("global": no locality, everything spreads)
     local = np.zeros_like(lf, dtype=bool) if level == 3 else k(level) > 0
-    nonlocal_load = np.where(local, 0.0, lf)
+    # "global": every load is non-local, the same floats as ``lf`` (not modified below)
+    nonlocal_load = lf if level == 3 else np.where(local, 0.0, lf)
     w_nl = nonlocal_load / safe_total  # per-copy share of a spread (r, e)
 
     # ---- what each source sends, by shell: cumulative copies reached up to shell j ----
@@ -364,7 +365,9 @@ def even_traffic(
         for j in range(level + 1):
             inner = lsum[j][qg[j], ce] - (lsum[j - 1][qg[j - 1], ce] if j else 0.0)
             in_shell[:, j] += inner / np.where(kq > 0, kq, 1.0)
-    nsum = level_sums(nonlocal_load, topology)
+    nsum = (
+        _level_sums_of(lf, topology, stats) if level == 3 else level_sums(nonlocal_load, topology)
+    )
     if remote == "spread":
         for j in range(4):
             inner = nsum[j][qg[j], ce] - (nsum[j - 1][qg[j - 1], ce] if j else 0.0)
