@@ -16,7 +16,12 @@ from its route rows. No ``[R, R]`` array. ``solve_seconds`` is the CPU time of `
 (and of ``route`` when rows are built), not of the cost model.
 
 Steps run outer and policies inner, so one step's load is in memory at a time
-and the history windows are shared by policies that ask for the same window.
+and the history windows are shared by policies that ask for the same window. What
+policies compute alike at a step is computed once: a placement's alignment, the
+migration plan between two placements and a placement's replica streams are memoized
+by value (:class:`_Memo`), the load's statistics by the traffic functions (the step's
+layers are read-only views), and each context is checked once per window and layer.
+``PolicyRun.cost_parts``: the CPU seconds of the cost model's parts (:data:`COST_PARTS`).
 No file I/O, no printing: the caller passes a ``progress`` callback.
 """
 
