@@ -152,10 +152,9 @@ def row(run: SpmdRun, cal: Calibration, static: SpmdRun | None) -> dict[str, Any
         "model_crossing": statistics.median(rep.counts["crossing"][k:].tolist()),
         "measured_collectives": statistics.median(extra["collectives"][k:]),
         "measured_shaped_seconds": statistics.median(extra["shaped_seconds"][k:]),
-        "ray_fraction": statistics.median((s.ray_seconds or 0.0) / s.seconds for s in steps),  # type: ignore[operator]
+        "ray_fraction": statistics.median((s.ray_seconds or 0.0) / s.seconds for s in steps),
         "outside_fraction": statistics.median(
-            (s.seconds - s.step_seconds) / s.seconds  # type: ignore[operator]
-            for s in steps
+            (s.seconds - s.step_seconds) / s.seconds for s in steps
         ),
         # the driver's wall around train() beyond the steps' own: starting each chunk,
         # the checkpoints between chunks, waiting for the last reports

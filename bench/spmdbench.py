@@ -90,7 +90,7 @@ class SharedCluster:
 
     def __exit__(self, *exc: object) -> None:
         for mod, cls in self._saved:
-            mod.Cluster = cls  # type: ignore[attr-defined]
+            mod.Cluster = cls
         self._saved = []
         if ray.is_initialized():
             ray.shutdown()
