@@ -7,8 +7,8 @@
 2. destinations: each assignment (token, expert) goes to a rank holding the expert, split
    by the committed route's shares (:func:`~expertmesh.workers.moe.assign_destinations`);
    with the fast loop (``balance``, ``spread``), the world's exact counts are all-gathered
-   instead and every rank makes the same split by DC
-   (:func:`~expertmesh.planner.dcsplit.split_dcs`): a token whose DC holds its expert stays
+   instead and every rank makes the same split by DC (:mod:`expertmesh.workers.dcspread`
+   over :func:`~expertmesh.planner.dcsplit.split_dcs`): a token whose DC holds its expert stays
    home, the others cross to the holders so that the DCs' tokens per rank even out;
    ``fused`` (the default), the all-gather is also the dispatch's sizes exchange: every
    rank reads what it receives off the split, so the layer has one WAN round trip before
@@ -17,7 +17,11 @@
 3. dispatch, hierarchical (the NVIDIA Hybrid-EP structure): a token crosses each DC pair
    once, to the *relay* of the remote DC (:func:`~expertmesh.workers.moe.relay_rank`),
    which fans it out inside its DC (stage A over the world group, stage B over the DC's);
-4. experts: each rank computes the experts it holds on what it received;
+4. experts: with the fast loop, the DC's exact counts and one quota solve
+   (:mod:`expertmesh.workers.balance`) pick the rank of the DC that computes each
+   assignment, fetching replica weights inside the DC
+   (:mod:`expertmesh.workers.replicas`) while the held experts compute; each rank computes
+   the experts it holds, then the fetched copies, on what it received;
 5. combine: results travel back the same way, summed per token at the relay before they
    cross back, and are summed into ``y`` [n, d] at the source.
 
@@ -37,23 +41,24 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from expertmesh.planner.dcsplit import split_dcs
 from expertmesh.planner.plan import Placement
 from expertmesh.workers.balance import DomainBase, solve
 from expertmesh.workers.comm import Comm, exchange
-from expertmesh.workers.model import ExpertWeights, expert_forward
-from expertmesh.workers.moe import (
-    assign_destinations,
-    relay_counts,
-    relay_rank,
-    split_destinations,
+from expertmesh.workers.dcspread import (
+    can_spread,
+    dc_holders,
+    relay_sizes,
+    relayed_sources,
+    spread,
 )
+from expertmesh.workers.model import ExpertWeights, expert_forward
+from expertmesh.workers.moe import assign_destinations, relay_rank
+from expertmesh.workers.replicas import ReplicaFetch
 
 __all__ = ["LayerPlan", "MoELayer"]
 
@@ -139,13 +144,10 @@ class MoELayer(nn.Module):
         self.plan = plan
         self.set_experts(experts)
         self._bases()
-        self.temp: dict[int, ExpertWeights] = {}  # this microbatch's fetched replicas
-        self.fetched = np.zeros((0, 3), np.int64)  # (src_local, dst_local, expert)
+        # the fast loop's replica weights fetched inside the DC for this microbatch
+        self.replica_fetch = ReplicaFetch(gate.in_features, ffn_hidden)
         self.replicas = 0  # replicas the fast loop added in the last forward (this DC)
-        self.fanout_bytes = 0  # replica weights this rank sent in the last forward
         self.balance_seconds = 0.0  # counts exchange + solve + starting the fetch, last forward
-        self.fetch_wait_seconds = 0.0  # waiting for replica weights not hidden by compute
-        self._in_flight: tuple[Any, ...] | None = None
         self.counts = np.zeros(self.num_experts, np.int64)  # of the last forward
         self.computed = 0  # assignments this rank computed in the last forward
         self.crossings = np.zeros(comm.num_dcs, np.int64)  # distinct tokens sent per DC
@@ -174,6 +176,27 @@ class MoELayer(nn.Module):
     def held(self) -> list[int]:
         return sorted({int(k.split("_")[0]) for k in self.experts})
 
+    @property
+    def temp(self) -> dict[int, ExpertWeights]:
+        """This microbatch's fetched replicas (expert -> weights)."""
+        return self.replica_fetch.temp
+
+    @property
+    def fanout_bytes(self) -> int:
+        """Replica weights this rank sent in the last forward."""
+        return self.replica_fetch.fanout_bytes
+
+    @property
+    def fetch_wait_seconds(self) -> float:
+        """Waiting for replica weights not hidden by compute, last forward."""
+        return self.replica_fetch.wait_seconds
+
+    def return_replica_grads(self) -> None:
+        """After the backward: the gradients of this microbatch's fetched replicas go back
+        to the home they came from and add into its gradient (then the slow loop's
+        reduction carries them to the master)."""
+        self.replica_fetch.return_grads(self.comm, self.expert)
+
     def set_plan(self, plan: LayerPlan, experts: dict[int, ExpertWeights]) -> None:
         """Switch to ``plan``; ``experts``: the weights of every expert it gives this rank."""
         want = plan.held_by(self.comm.rank)
@@ -195,25 +218,14 @@ class MoELayer(nn.Module):
         c, plan = self.comm, self.plan
         self.cross = plan.crosses(c.rank_dc)
         self.base = DomainBase.of(plan.placement, c.dc_ranks[c.dc])
-        holder = np.full((c.num_dcs, self.num_experts), -1, np.int64)
-        for d in range(c.num_dcs):
-            for r in c.dc_ranks[d][::-1].tolist():  # the lowest rank written last
-                holder[d, plan.holds[r]] = r
-        self.dc_holder = holder
-        # a choice to make: an expert some live DC lacks and two or more DCs hold (else the
-        # route's destinations are the only ones, and the DC all-gather is enough)
-        live = np.array([r.size > 0 for r in c.dc_ranks])
-        held = holder[live] >= 0  # [D_live, E]
-        self.can_spread = bool(((held.sum(axis=0) >= 2) & ~held.all(axis=0)).any())
+        self.dc_holder = dc_holders(plan.holds, c.dc_ranks)  # [D, E]
+        self.can_spread = can_spread(self.dc_holder, c.dc_ranks)
         self.dc_cost = None
         if c.shaper is not None:
             bw = np.asarray(c.shaper.bandwidth_Bps, dtype=np.float64)
             self.dc_cost = np.where(np.eye(c.num_dcs, dtype=bool), 0.0, 1.0 / bw)
         # (world index, rank) of the other DCs' ranks whose bundles for this DC relay here
-        self.relayed = [
-            (i, r) for i, r in enumerate(c.world.ranks)
-            if c.rank_dc[r] != c.dc and relay_rank(r, c.dc, c.rank_dc) == c.rank
-        ]  # fmt: skip
+        self.relayed = relayed_sources(c)
 
     # ---- forward ----
 
@@ -244,25 +256,12 @@ class MoELayer(nn.Module):
 
     def _spread(self, idx: np.ndarray) -> np.ndarray:
         """Destinations of this rank's assignments ``idx`` [n, k] by the world's split by DC
-        (every rank computes the same from the same all-gathered counts); keeps this DC's
-        counts after the dispatch for :meth:`_balance`."""
-        t0 = time.perf_counter()
-        c = self.comm
-        rows = c.all_gather_rows(self.counts, c.world)  # [G, E]
-        t1 = time.perf_counter()
-        self.counts_seconds = t1 - t0
-        counts = np.zeros((c.rank_dc.size, self.num_experts), np.int64)  # [R, E]
-        counts[c.world.ranks] = rows
-        split = split_dcs(counts, self.dc_holder >= 0, c.rank_dc, self.dc_cost)
-        self.floor = split.floor
-        self._dc_counts = relay_counts(split.tokens, c.dc, c.rank_dc)
-        dst = split_destinations(idx, split.tokens[c.rank], self.dc_holder)
-        if self.fused:
-            self._split = split.tokens
-        # fused: the all-gather stands in for the dispatch's sizes exchange (every mode
-        # has one), so only the split is the fast loop's own
-        self.spread_seconds = time.perf_counter() - (t1 if self.fused else t0)
-        return dst
+        (:mod:`expertmesh.workers.dcspread`); keeps this DC's counts after the dispatch for
+        :meth:`_balance` and, fused, the split for the dispatch's sizes."""
+        sp = spread(self.comm, self.counts, idx, self.dc_holder, self.dc_cost, fused=self.fused)
+        self.floor, self._dc_counts, self._split = sp.floor, sp.dc_counts, sp.tokens
+        self.counts_seconds, self.spread_seconds = sp.counts_seconds, sp.seconds
+        return sp.dst
 
     def _dispatch_combine(
         self, u: torch.Tensor, w: torch.Tensor, flat_e: np.ndarray, dst: np.ndarray
@@ -297,7 +296,8 @@ class MoELayer(nn.Module):
         # [G, 2] (tokens, assignments) from each rank; a plan that keeps tokens home: mine;
         # fused: what the split sends to this rank as relay (no sizes exchange)
         if fused:
-            got = self._relay_sizes(sizes)
+            assert self._split is not None
+            got = relay_sizes(c, self._split, self.relayed, sizes)
         else:
             got = c.exchange_counts(sizes, world) if self.cross else sizes
         parts, order = [], sorted(bundles)
@@ -325,8 +325,8 @@ class MoELayer(nn.Module):
         x_in = torch.cat(xs) if xs else u.new_zeros(0, d)  # [U, d] tokens this relay holds
         w_in = torch.cat(ws) if ws else u.new_zeros(0)  # [M]
         pos_in, e_in, dst_in = (np.concatenate(v) for v in (pos_l, e_l, dst_l))
-        self.temp, self.replicas, self.fanout_bytes, self.balance_seconds = {}, 0, 0, 0.0
-        self.fetch_wait_seconds = 0.0
+        self.replicas, self.balance_seconds = 0, 0.0
+        self.replica_fetch.clear_stats()
         if self.balance:
             dst_in = self._balance(e_in)
         z = self._fan_out(x_in, w_in, pos_in, e_in, dst_in)  # [U, d] summed per token
@@ -341,20 +341,6 @@ class MoELayer(nn.Module):
         # nothing came back, so every rank's backward runs the same collectives
         rows = np.concatenate([bundles[i][0] for i in order] + [np.zeros(0, np.int64)])
         return u.new_zeros(n, d).index_add(0, _ix(rows, dev), y_parts.reshape(-1, d))
-
-    def _relay_sizes(self, sizes: np.ndarray) -> np.ndarray:
-        """[G, 2] (rows, assignments) each world member sends this rank in stage A, from the
-        world's split (:attr:`_split`, the same on every rank): this rank's own bundle, and
-        one row per assignment from each rank of another DC whose relay it is."""
-        c, split = self.comm, self._split
-        assert split is not None
-        got = np.zeros_like(sizes)
-        me = c.world.index[c.rank]
-        got[me] = sizes[me]
-        for i, r in self.relayed:
-            m = int(split[r, :, c.dc].sum())
-            got[i] = (m, m)
-        return got
 
     def _balance(self, experts: np.ndarray) -> np.ndarray:
         """The fast loop on this relay's assignments ``experts`` [M] (token order): the DC's
@@ -372,7 +358,7 @@ class MoELayer(nn.Module):
                 raise ValueError(f"rank {c.rank}: the tokens that arrived differ from the split")
         step = solve(counts, base)
         self.replicas = int(step.replicas.shape[0])
-        self._fetch(step.fetch)
+        self.replica_fetch.start(c, step.fetch, self.expert)
         i = grp.index[c.rank]
         rows = step.route[step.route[:, 0] == i]
         dst = np.empty(experts.size, np.int64)
@@ -384,87 +370,6 @@ class MoELayer(nn.Module):
             dst[ids] = base.ranks[np.repeat(r[:, 2], r[:, 3])]
         self.balance_seconds = time.perf_counter() - t0 + self.spread_seconds
         return dst
-
-    def _splits(self, fetch: np.ndarray) -> tuple[list[int], list[int], list[int], list[int]]:
-        """An all-to-all in the DC group over ``fetch`` [F, 3] rows ``(src_local, dst_local,
-        expert)`` moving one expert's three tensors each: per-member send and receive
-        counts, and the experts this rank sends and receives, in the order both sides use
-        (by destination, then expert, when sending; by source, then expert, on arrival)."""
-        i = self.comm.my_dc.index[self.comm.rank]
-        per = 3 * self.gate.in_features * self.ffn_hidden
-        size = self.comm.my_dc.size
-        send, recv = [0] * size, [0] * size
-        rows = fetch.tolist()
-        for s, t, _ in rows:
-            if s == i:
-                send[t] += per
-            if t == i:
-                recv[s] += per
-        out = [e for s, t, e in sorted(rows, key=lambda x: (x[1], x[2])) if s == i]
-        incoming = [e for s, t, e in sorted(rows, key=lambda x: (x[0], x[2])) if t == i]
-        return send, recv, out, incoming
-
-    def _fetch(self, fetch: np.ndarray) -> None:
-        """Replica weights inside the DC: ``fetch`` [F, 3] ``(src_local, dst_local,
-        expert)``, the same on every rank; what arrives becomes this microbatch's copies."""
-        self.fetched = fetch
-        if fetch.size == 0:
-            return
-        c = self.comm
-        send, recv, out, incoming = self._splits(fetch)
-        parts = [p.detach().reshape(-1) for e in out for p in self.expert(e)]
-        flat = torch.cat(parts) if parts else torch.zeros(0, device=c.device)
-        self.fanout_bytes = int(flat.numel() * flat.element_size())
-        # FEPLB's two phases: the weights travel on the DC's second group while the tokens
-        # are dispatched and the experts this rank already holds compute (_compute waits)
-        got, work = c.all_to_all_async(flat, send, recv, c.my_dc_aux, "weights")
-        self._in_flight = (got, work, incoming, flat)
-
-    def _fetch_wait(self) -> None:
-        """The fetched replicas' weights, once they have landed (time waited is exposed)."""
-        if self._in_flight is None:
-            return
-        t0 = time.perf_counter()
-        got, work, incoming, _ = self._in_flight
-        if work is not None:
-            work.wait()
-        self._in_flight = None
-        self.fetch_wait_seconds += time.perf_counter() - t0
-        d, f = self.gate.in_features, self.ffn_hidden
-        at = 0
-        for e in incoming:
-            ts = []
-            for shape in ((d, f), (d, f), (f, d)):
-                n = shape[0] * shape[1]
-                ts.append(nn.Parameter(got[at : at + n].reshape(shape).clone()))
-                at += n
-            self.temp[e] = (ts[0], ts[1], ts[2])
-
-    def return_replica_grads(self) -> None:
-        """After the backward: the gradients of this microbatch's fetched replicas go back
-        to the home they came from and add into its gradient (then the slow loop's
-        reduction carries them to the master)."""
-        fetch = self.fetched
-        if fetch.size == 0:
-            return
-        c, grp = self.comm, self.comm.my_dc
-        send, recv, out, incoming = self._splits(fetch[:, [1, 0, 2]])  # replica -> home
-        parts = [
-            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-            for e in out
-            for p in self.temp[e]
-        ]
-        flat = torch.cat(parts) if parts else torch.zeros(0, device=c.device)
-        got = c.all_to_all(flat, send, recv, grp, "weights")
-        at = 0
-        for e in incoming:
-            for p in self.expert(e):
-                n = p.numel()
-                g = got[at : at + n].reshape(p.shape)
-                p.grad = g.clone() if p.grad is None else p.grad + g
-                at += n
-        self.fetched = np.zeros((0, 3), np.int64)
-        self.temp = {}
 
     def _fan_out(
         self,
@@ -534,7 +439,7 @@ class MoELayer(nn.Module):
         rest = [e for e in np.unique(experts).tolist() if e not in held]
         for e in [*mine, None, *rest]:  # held experts first, while replica weights travel
             if e is None:
-                self._fetch_wait()
+                self.replica_fetch.wait()
                 continue
             if e not in held and e not in self.temp:
                 raise ValueError(f"rank {self.comm.rank}: tokens for expert {e}, not held here")
