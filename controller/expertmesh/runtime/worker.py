@@ -19,7 +19,6 @@ migration rounds run and commit at that boundary (``"boundary"``).
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
 import os
@@ -35,6 +34,13 @@ import torch.distributed as dist
 
 from expertmesh.planner import Placement, Topology
 from expertmesh.runtime.loads import LeadLoads
+from expertmesh.runtime.procgroup import (
+    connect_store,
+    interface_of,
+    leave_group,
+    listen_store,
+    pin_process,
+)
 from expertmesh.runtime.worker_resume import REPORT_LOG_BYTES, WorkerResume, plan_digest
 from expertmesh.workers.comm import Comm, pick_backend
 from expertmesh.workers.model import Corpus
@@ -45,58 +51,6 @@ from expertmesh.workers.wire import WireFormat
 __all__ = ["REPORT_LOG_BYTES", "SpmdWorker", "connect_store", "listen_store", "pin_process"]
 
 log = logging.getLogger(__name__)
-
-
-def listen_store(host: str, timeout_s: float) -> Any:
-    """A new process group's rendezvous store, listening on ``host`` at a port the kernel
-    picks and this store holds from then on (``.port``); no window in which another
-    process can take the port (as with picking a free port, closing it, and binding later)."""
-    return dist.TCPStore(
-        host, 0, is_master=True, wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )  # fmt: skip
-
-
-def connect_store(host: str, port: int, timeout_s: float) -> Any:
-    """A client of the store :func:`listen_store` opened on ``host:port`` (bounded)."""
-    return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
-
-
-def _leave_group(rank: int, timeout_s: float = 10.0) -> None:
-    """Destroy this process's groups; bounded (a destroy waiting on a dead peer's pending
-    work is left behind in its thread, and the next init starts afresh)."""
-    if not dist.is_initialized():
-        return
-
-    def destroy() -> None:
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
-
-    t = threading.Thread(target=destroy, daemon=True)
-    t.start()
-    t.join(timeout_s)
-    log.warning(
-        "rank %d left its process group%s", rank, "" if not t.is_alive() else " (timed out)"
-    )
-
-
-def pin_process(cpus: set[int]) -> set[int]:
-    """Pin every thread of this process to ``cpus`` (threads started later by them inherit
-    it; Linux: ``/proc/self/task``). Returns the calling thread's CPUs afterwards."""
-    for tid in os.listdir("/proc/self/task"):
-        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-            os.sched_setaffinity(int(tid), cpus)
-    return set(os.sched_getaffinity(0))
-
-
-def _interface_of(ip: str) -> str | None:
-    """The network interface that holds ``ip`` (gloo binds its sockets there)."""
-    import psutil
-
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.family == socket.AF_INET and a.address == ip for a in addrs):
-            return name
-    return None
 
 
 class SpmdWorker(WorkerResume):
@@ -147,8 +101,8 @@ class SpmdWorker(WorkerResume):
     def join(self, members: list[int], addr: str, port: int, timeout_s: float) -> str:
         """(Re-)form the process groups with ``members`` (expertmesh ranks); the store runs
         on ``addr:port`` (the first member's). Returns the backend."""
-        _leave_group(self.rank)
-        iface = _interface_of(self.ip)
+        leave_group(self.rank)
+        iface = interface_of(self.ip)
         if iface is not None:
             os.environ["GLOO_SOCKET_IFNAME"] = iface
         backend = pick_backend(self.device)
@@ -182,7 +136,7 @@ class SpmdWorker(WorkerResume):
     def leave(self) -> None:
         """Leave the process groups (a rank that pauses, or is left out of the new ones);
         plans on offer go (they were made for the old members)."""
-        _leave_group(self.rank)
+        leave_group(self.rank)
         with self._lock:
             self._plans.clear()
 
@@ -233,7 +187,7 @@ class SpmdWorker(WorkerResume):
                 self._switching = None
                 log.warning("rank %d: step %d failed: %s", self.rank, step, err)
                 snap.restore(st)  # a plan switch commits last, so none happened
-                _leave_group(self.rank)
+                leave_group(self.rank)
                 return {"rank": self.rank, "failed_at": step, "error": str(err)[:500]}
             now = time.perf_counter()
             stats["wall_seconds"] = now - t_prev  # the whole step, plan switch included
