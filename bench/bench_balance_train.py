@@ -8,7 +8,9 @@ plane, one local Ray cluster for the run, a fresh runtime per row (same seed and
 1. **Balance** at 1 Gbit/s, 20 ms: per microbatch and layer the measured max/mean of the
    assignments each rank computed (``1 / balancedness``; with 1 microbatch per step each
    layer of a step is one microbatch), for ``hybrid`` with the fast loop (``balance=True``,
-   ``reserve_slots: 1`` as the demo; crossing tokens' DCs chosen every microbatch from the
+   the demo's slow loop: ``cli.demo.FAST_LOOP_HYBRID``, ``reserve_slots: 1``, ``even_dcs``,
+   ``period: 5``, ``window: 1``, and ``planner_level`` on every row; the bench re-plans
+   every 3 steps (``--every``), the demo every 5; crossing tokens' DCs chosen every microbatch from the
    world's counts, ``spread=True``: the counts all-gather stands in for the dispatch's
    sizes exchange, ``spread_fused``, or the sizes exchanged after the split; and, as
    before, by the plan's route), ``hybrid`` slow
@@ -60,7 +62,8 @@ from spmdbench import (  # noqa: E402
     tokens_per_rank,
 )
 
-from expertmesh.controller.core import Trigger  # noqa: E402 (after the source roots)
+from expertmesh.cli.demo import FAST_LOOP_HYBRID  # noqa: E402 (after the source roots)
+from expertmesh.controller.core import Trigger  # noqa: E402
 from expertmesh.formats import read_plan, read_trace  # noqa: E402
 from expertmesh.planner import Placement, Topology  # noqa: E402
 from expertmesh.planner.dcsplit import split_dcs  # noqa: E402
@@ -100,8 +103,9 @@ def settings(
         topology=topo.to_dict(),
         lm=lm,
         policy=policy,
-        policy_settings={"reserve_slots": 1} if policy == "hybrid" and fast else {},
+        policy_settings=dict(FAST_LOOP_HYBRID) if policy == "hybrid" and fast else {},
         trigger=Trigger(mode="every_n", every=every or args.every),
+        planner_level=True,  # as the demo: the planner's level on every step's exact counts
         balance=fast,
         spread=spread,
         spread_fused=fused,
