@@ -34,7 +34,7 @@ __all__ = ["DcSpread", "can_spread", "dc_holders", "relay_sizes", "relayed_sourc
 
 def dc_holders(holds: np.ndarray, dc_ranks: list[np.ndarray]) -> np.ndarray:
     """[D, E] each DC's holder of each expert: the lowest live rank of the DC holding it
-    (-1 none); ``holds`` [R, E] bool, ``dc_ranks[d]`` the live ranks of DC ``d``."""
+    (-1 none); ``holds`` [R, E] bool, ``dc_ranks[d]`` the live ranks of DC ``d``, ascending."""
     holder = np.full((len(dc_ranks), holds.shape[1]), -1, np.int64)
     for d, ranks in enumerate(dc_ranks):
         for r in ranks[::-1].tolist():  # the lowest rank written last
