@@ -49,13 +49,23 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["MAX_EXACT_DCS", "DcSplit", "split_dcs"]
+__all__ = ["MAX_EXACT_DCS", "DcSplit", "can_spread", "split_dcs"]
 
 # up to this many DCs (with ranks) the level is exact (2^D sets of DCs enumerated)
 MAX_EXACT_DCS = 12
 
 # two links cost the same when within this relative difference
 _COST_RTOL = 1e-9
+
+
+def can_spread(held: np.ndarray) -> bool:
+    """Whether the split by DC has a choice to make on a layer: ``held`` [D, E] bool, which
+    DCs (those taking part) hold a copy of each expert; true when an expert is held by two
+    or more DCs and lacked by some (else each crossing token has one holding DC, as the
+    route names). The workers' fast loop (``workers.dcspread``) and the replay's count of
+    its collectives (``sim.replay``) both ask this."""
+    held = np.asarray(held, bool)
+    return bool(((held.sum(axis=0) >= 2) & ~held.all(axis=0)).any())
 
 
 @dataclass(frozen=True, eq=False)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from expertmesh.planner.dcsplit import can_spread as _can_spread
 from expertmesh.planner.dcsplit import split_dcs
 from expertmesh.workers.comm import Comm
 from expertmesh.workers.moe import relay_counts, relay_rank, split_destinations
@@ -47,8 +48,7 @@ def can_spread(holder: np.ndarray, dc_ranks: list[np.ndarray]) -> bool:
     or more live DCs hold (else the route's destinations are the only ones, and the DC's
     own counts all-gather is enough); ``holder`` [D, E] from :func:`dc_holders`."""
     live = np.array([r.size > 0 for r in dc_ranks])
-    held = holder[live] >= 0  # [D_live, E]
-    return bool(((held.sum(axis=0) >= 2) & ~held.all(axis=0)).any())
+    return _can_spread(holder[live] >= 0)  # [D_live, E]
 
 
 def relayed_sources(comm: Comm) -> list[tuple[int, int]]:

@@ -72,6 +72,8 @@ class ExpertParallel:
         self.opt_step = 0
         self.pending: Pending | None = None  # a plan prepared in the background
         self.switched: dict[str, Any] | None = None  # the switch the last step made
+        # the last two (old plans, new plans, comm, live ranks) -> hops (_hops)
+        self._hop_cache: list[tuple[tuple[Any, ...], list[list[Transfer]]]] = []
 
     def rebind(self, comm: Comm) -> None:
         """Use ``comm``'s groups from now on; a plan in preparation is dropped (its transfer
@@ -92,6 +94,28 @@ class ExpertParallel:
         return int(ranks[holds[ranks, e]][0])
 
     def _hops(self, old: list[LayerPlan], new: list[LayerPlan]) -> list[list[Transfer]]:
+        """:meth:`_plan_hops`, remembered: they depend only on the plans, the live ranks and
+        the groups, so a step on the plan of the step before reuses them (the last two
+        pairs are kept: a switch asks for its own hops and the committed plan's). Callers
+        only read the lists."""
+        c = self.comm
+        for key, hops in self._hop_cache:
+            k_old, k_new, k_comm, k_live = key
+            if (
+                k_comm is c
+                and len(k_old) == len(old)
+                and len(k_new) == len(new)
+                and all(a is b for a, b in zip(k_old, old, strict=True))
+                and all(a is b for a, b in zip(k_new, new, strict=True))
+                and np.array_equal(k_live, c.live)
+            ):
+                return hops
+        hops = self._plan_hops(old, new)
+        entry = ((tuple(old), tuple(new), c, c.live.copy()), hops)
+        self._hop_cache = [entry, *self._hop_cache[:1]]
+        return hops
+
+    def _plan_hops(self, old: list[LayerPlan], new: list[LayerPlan]) -> list[list[Transfer]]:
         """The step's four hops: gradients from ``old``'s holders (who computed) to ``new``'s
         masters, inside each DC then over the WAN; fresh weights from ``new``'s masters to
         ``new``'s holders, over the WAN then inside each DC (``old`` is ``new`` except at a
