@@ -110,7 +110,12 @@ def policy_settings(label: str, every: int) -> dict[str, Any]:
     return out
 
 
-def settings(topo: Topology, lm: LMConfig, label: str, args: argparse.Namespace) -> RuntimeSettings:
+def settings(
+    topo: Topology, lm: LMConfig, label: str, args: argparse.Namespace, layout: str = "static"
+) -> RuntimeSettings:
+    """A row's runtime; ``layout="replicated"`` (calibration of ``h``): the replicated
+    initial placement, never re-planned (the DCs' leads report their load once per
+    4,096 steps, so the controller never has a complete load to plan on)."""
     return RuntimeSettings(
         topology=topo.to_dict(),
         lm=lm,
@@ -119,6 +124,8 @@ def settings(topo: Topology, lm: LMConfig, label: str, args: argparse.Namespace)
         trigger=Trigger(mode="every_n", every=args.every),
         balance=False,
         corpus_bytes=args.corpus_bytes,
+        layout=layout,
+        load_window=0 if layout == "static" else 4096,
     )
 
 
@@ -150,6 +157,7 @@ def row(run: SpmdRun, cal: Calibration, static: SpmdRun | None) -> dict[str, Any
         },
         "model_collectives": statistics.median(rep.counts["collectives"][k:].tolist()),
         "model_crossing": statistics.median(rep.counts["crossing"][k:].tolist()),
+        "model_copies": statistics.median(rep.counts["copies"][k:].tolist()),
         "measured_collectives": statistics.median(extra["collectives"][k:]),
         "measured_shaped_seconds": statistics.median(extra["shaped_seconds"][k:]),
         "ray_fraction": statistics.median((s.ray_seconds or 0.0) / s.seconds for s in steps),
@@ -209,10 +217,11 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             if args.warmup:
                 run_spmd(settings(free, small, "static", args), 2)  # warm-up: not used
 
-            def calibration_runs(free: Topology = free) -> tuple[SpmdRun, SpmdRun]:
+            def calibration_runs(free: Topology = free) -> tuple[SpmdRun, SpmdRun, SpmdRun]:
                 return (
                     run_spmd(settings(free, lm, "static", args), args.calib_steps),
                     run_spmd(settings(free, small, "static", args), args.calib_steps),
+                    run_spmd(settings(free, lm, "static", args, "replicated"), args.calib_steps),
                 )
 
             def probe(free: Topology = free) -> SpmdRun:
@@ -224,7 +233,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             for gbps in args.gbps:
                 runs, probes = _group_runs(dcs, gbps, lm, labels, args, probe)
                 after = calibration_runs()  # the next group's "before"
-                cal = calibrate([before[0], after[0]], [before[1], after[1]])
+                cal = calibrate(
+                    [before[0], after[0]], [before[1], after[1]], replicated=[before[2], after[2]]
+                )
                 name = f"cal-{dcs}dc-{_speed(gbps)}.yaml"
                 cal.write(root / name)
                 info = _calibration_info(dcs, gbps, cal, before, after, lm, small)
@@ -239,8 +250,12 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                     f"({info['full_medians'][0]:.3f}, {info['full_medians'][1]:.3f}), "
                     f"{cal.small_median:.3f}s at {small.batch} -> a = "
                     f"{cal.seconds_per_token * 1e6:.1f} us/token, c = "
-                    f"{cal.collective_seconds * 1e3:.2f} ms x {cal.collectives} collectives "
-                    f"(load {info['load']:.1f}); {root / name}",
+                    f"{cal.collective_seconds * 1e3:.2f} ms x {cal.collectives} collectives, "
+                    f"h = {cal.copy_seconds * 1e3:.2f} ms x {cal.copies:g} copies per rank "
+                    f"(replicated layout: {info['replicated_medians'][0]:.3f}, "
+                    f"{info['replicated_medians'][1]:.3f}, {cal.replicated_collectives} "
+                    f"collectives, {cal.replicated_copies:g} copies; load {info['load']:.1f}); "
+                    f"{root / name}",
                     flush=True,
                 )
                 if cal.small_median >= cal.full_median:
@@ -260,8 +275,8 @@ def _calibration_info(
     dcs: int,
     gbps: float,
     cal: Calibration,
-    before: tuple[SpmdRun, SpmdRun],
-    after: tuple[SpmdRun, SpmdRun],
+    before: tuple[SpmdRun, SpmdRun, SpmdRun],
+    after: tuple[SpmdRun, SpmdRun, SpmdRun],
     lm: LMConfig,
     small: LMConfig,
 ) -> dict[str, Any]:
@@ -274,6 +289,7 @@ def _calibration_info(
         "small_batch": small.batch,
         "full_medians": [before[0].median("seconds"), after[0].median("seconds")],
         "small_medians": [before[1].median("seconds"), after[1].median("seconds")],
+        "replicated_medians": [before[2].median("seconds"), after[2].median("seconds")],
         "load": os.getloadavg()[0],
     }
 
@@ -413,7 +429,11 @@ def markdown(result: dict[str, Any]) -> str:
         f"{c['small_median']:.3f} s (quarter; {c['small_medians'][0]:.3f}, "
         f"{c['small_medians'][1]:.3f}) -> a = {c['seconds_per_token'] * 1e6:.1f} "
         f"us per token, c = {c['collective_seconds'] * 1e3:.2f} ms per collective "
-        f"({c['collectives']} per static step; load {c['load']:.1f}); probes "
+        f"({c['collectives']} per static step), h = {c.get('copy_seconds', 0.0) * 1e3:.2f} ms "
+        f"per copy ({c.get('copies', 0.0):g} per rank static; replicated layout "
+        + ", ".join(f"{m:.3f}" for m in c.get("replicated_medians", []))
+        + f" s, {c.get('replicated_collectives', 0)} collectives, "
+        f"{c.get('replicated_copies', 0.0):g} copies; load {c['load']:.1f}); probes "
         + ", ".join(f"{m:.3f}" for m in c["probe_medians"])
         for c in result["calibrations"]
     ]
@@ -428,9 +448,9 @@ def _replay_table(result: dict[str, Any]) -> list[str]:
         "",
         "| DCs | inter-DC | policy | measured s | predicted s | pred / meas | drift "
         "| pred / meas, steps 1- | compute s "
-        "| collectives s | latency s | transfer s | collectives (model / workers) "
-        "| crossing (model) | shaper waits s (workers) |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| collectives s | copies s | latency s | transfer s | collectives (model / workers) "
+        "| crossing (model) | copies per rank | shaper waits s (workers) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for g in result["groups"]:
         for r in g["rows"]:
@@ -439,10 +459,10 @@ def _replay_table(result: dict[str, Any]) -> list[str]:
                 f"| {g['dcs']} | {fmt_gbps(g['gbps'])} | {r['policy']} | {r['median_seconds']:.3f} "
                 f"| {r['predicted_seconds']:.3f} | {r['predicted_over_measured']:.2f} "
                 f"| {r['drift_factor']:.2f} | {r['predicted_all_over_measured']:.2f} "
-                f"| {q['compute']:.3f} | {q['software']:.3f} | {q['latency']:.3f} "
-                f"| {q['transfer']:.3f} | {r['model_collectives']:g} / "
+                f"| {q['compute']:.3f} | {q['software']:.3f} | {q.get('copies', 0.0):.3f} "
+                f"| {q['latency']:.3f} | {q['transfer']:.3f} | {r['model_collectives']:g} / "
                 f"{r['measured_collectives']:g} | {r['model_crossing']:g} "
-                f"| {r['measured_shaped_seconds']:.3f} |"
+                f"| {r.get('model_copies', 0.0):g} | {r['measured_shaped_seconds']:.3f} |"
             )
     return lines
 

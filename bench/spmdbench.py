@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import ray
 import yaml
 from ray.cluster_utils import Cluster
@@ -149,7 +150,8 @@ def _run_once(settings: RuntimeSettings, steps: int, where: Path) -> SpmdRun:
 
 @dataclasses.dataclass(frozen=True)
 class Calibration:
-    """The two machine constants, from static EP on free links at two batch sizes."""
+    """The machine constants: ``a`` and ``c`` from static EP on free links at two batch
+    sizes, and ``h`` (per expert copy a rank holds) from a layout with more copies."""
 
     seconds_per_token: float
     collective_seconds: float
@@ -157,21 +159,28 @@ class Calibration:
     small_median: float  # measured median step, the smaller batch
     collectives: int  # collectives of one static step
     ranks: int  # of the runs it was measured on
+    copy_seconds: float = 0.0  # h (0: no replicated run)
+    copies: float = 0.0  # copies per rank of the static layout (all layers)
+    replicated_median: float | None = None  # measured median step of the replicated layout
+    replicated_collectives: int = 0
+    replicated_copies: float = 0.0
 
     def constants(self) -> Constants:
         return Constants(
             seconds_per_token=self.seconds_per_token,
             collective_seconds=self.collective_seconds,
+            copy_seconds=self.copy_seconds,
             ranks=self.ranks,
         )
 
     def scaled(self, factor: float) -> Calibration:
-        """Both constants times ``factor`` (the machine ``factor`` times as slow as when
-        they were measured: its CPU time per token and per collective alike)."""
+        """The constants times ``factor`` (the machine ``factor`` times as slow as when
+        they were measured: its CPU time per token, per collective and per copy alike)."""
         return dataclasses.replace(
             self,
             seconds_per_token=self.seconds_per_token * factor,
             collective_seconds=self.collective_seconds * factor,
+            copy_seconds=self.copy_seconds * factor,
         )
 
     def write(self, path: Path) -> None:
@@ -207,35 +216,71 @@ def predict(run: SpmdRun, cal: Calibration) -> list[float]:
 def residual(runs: list[SpmdRun], skip: int = 1) -> tuple[float, float, int]:
     """Of ``runs`` (static on one layout) pooled: ``(median step, median step less its
     modeled links, collectives of a step)``; on free links the two medians nearly agree."""
+    med, rest, colls, _ = _residual(runs, skip)
+    return med, rest, colls
+
+
+def _residual(runs: list[SpmdRun], skip: int = 1) -> tuple[float, float, int, float]:
+    """:func:`residual` and the runs' median copies per rank (all layers)."""
     ranks = Topology.from_dict(runs[0].settings.topology).num_ranks
     zero = Constants(seconds_per_token=0.0, collective_seconds=0.0, ranks=ranks)
-    steps, rest, colls = [], [], []
+    steps, rest, colls, copies = [], [], [], []
     for run in runs:
         res = replay_run(run, zero, skip)  # latency and transfer only
         seconds = [float(s.seconds or 0.0) for s in run.measured(skip)]
         steps += seconds
         rest += [x - float(p) for x, p in zip(seconds, res.predicted[skip:], strict=True)]
         colls += res.counts["collectives"][skip:].tolist()
-    return statistics.median(steps), statistics.median(rest), int(statistics.median(colls))
+        copies += res.counts["copies"][skip:].tolist()
+    return (
+        statistics.median(steps),
+        statistics.median(rest),
+        int(statistics.median(colls)),
+        float(statistics.median(copies)),
+    )
 
 
 def calibrate(
-    full: SpmdRun | list[SpmdRun], small: SpmdRun | list[SpmdRun], skip: int = 1
+    full: SpmdRun | list[SpmdRun],
+    small: SpmdRun | list[SpmdRun],
+    skip: int = 1,
+    replicated: SpmdRun | list[SpmdRun] | None = None,
 ) -> Calibration:
     """``a`` and ``c`` from static runs on free links that differ only in batch size:
     ``T = a * tokens + c * collectives + links`` at both sizes (same collectives). Several
     runs of a size (``bench_runtime.py``: one before and one after a group of rows, so
     that the machine's drift over the group hits the constants as it hits the rows) pool
-    their measured steps: the median step of each size over all of its runs."""
+    their measured steps: the median step of each size over all of its runs.
+
+    ``replicated``: full-batch runs on free links of the layout that fills every DC's
+    spare slots with copies (``RuntimeSettings.layout``); then ``c`` and ``h`` (per copy
+    a rank holds) solve ``T - a * tokens = c * collectives + h * copies`` on both layouts
+    (``a`` as above: the batch sizes share the layout). A solution with a negative
+    constant (a machine too noisy to tell them apart) falls back to ``h = 0``."""
     fulls = full if isinstance(full, list) else [full]
     smalls = small if isinstance(small, list) else [small]
     ranks = Topology.from_dict(fulls[0].settings.topology).num_ranks
-    full_median, tf, n = residual(fulls, skip)
-    small_median, ts, _ = residual(smalls, skip)
-    dt = tokens_per_rank(fulls[0].settings) - tokens_per_rank(smalls[0].settings)
+    full_median, tf, n, k = _residual(fulls, skip)
+    small_median, ts, _, _ = _residual(smalls, skip)
+    tokens = tokens_per_rank(fulls[0].settings)
+    dt = tokens - tokens_per_rank(smalls[0].settings)
     a = max((tf - ts) / dt, 0.0)
-    c = max((tf - a * tokens_per_rank(fulls[0].settings)) / n, 0.0)
-    return Calibration(a, c, full_median, small_median, n, ranks)
+    c = max((tf - a * tokens) / n, 0.0)
+    cal = Calibration(a, c, full_median, small_median, n, ranks, copies=k)
+    if replicated is None:
+        return cal
+    reps = replicated if isinstance(replicated, list) else [replicated]
+    rep_median, tr, nr, kr = _residual(reps, skip)
+    lhs = np.array([[n, k], [nr, kr]], dtype=np.float64)
+    rhs = np.array([tf - a * tokens, tr - a * tokens])
+    ch = np.linalg.solve(lhs, rhs) if abs(np.linalg.det(lhs)) > 1e-9 else np.array([c, -1.0])
+    extra = {"replicated_median": rep_median, "replicated_collectives": nr,
+             "replicated_copies": kr}  # fmt: skip
+    if (ch < 0).any():
+        return dataclasses.replace(cal, **extra)
+    return dataclasses.replace(
+        cal, collective_seconds=float(ch[0]), copy_seconds=float(ch[1]), **extra
+    )
 
 
 def run_bench(

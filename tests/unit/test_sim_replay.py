@@ -254,3 +254,21 @@ def test_cli_replay_and_bad_input(tmp_path, capsys):
     write_trace(tmp_path / "nometa.npz", read_trace(trace).load)
     assert main([*args[:2], "--trace", str(tmp_path / "nometa.npz"), *args[4:]]) == 2
     assert "topology" in capsys.readouterr().err
+
+
+def test_the_copy_term_charges_each_steps_copies_per_rank():
+    """h times the (layer, expert) copies a rank holds under the step's plan, the mean
+    over ranks: static holds 1 per layer, the home plan 2 (each DC every expert); the
+    rest of the step is unchanged."""
+    base = _replay(_trace())
+    h = 3e-3
+    cal = Calibration(seconds_per_token=1e-4, collective_seconds=2e-3, copy_seconds=h, ranks=4)
+    res = _replay(_trace(), cal)
+    copies = np.array([1.0, 1.0, 2.0]) * LM.num_layers  # steps 0, 1 static; 2 the home plan
+    assert res.counts["copies"].tolist() == copies.tolist()
+    np.testing.assert_allclose(res.predicted - base.predicted, h * copies, rtol=1e-12)
+    np.testing.assert_allclose(res.parts["copies"], h * copies, rtol=1e-12)
+    np.testing.assert_allclose(
+        res.parts["compute"] + res.parts["software"] + res.parts["copies"]
+        + res.parts["latency"] + res.parts["transfer"], res.predicted, rtol=1e-12,
+    )  # fmt: skip

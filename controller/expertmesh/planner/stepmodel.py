@@ -14,7 +14,7 @@ import numpy as np
 from expertmesh.planner.plan import Placement
 from expertmesh.planner.topology import Topology
 
-__all__ = ["SpmdCollectives", "SpmdStepTime", "spmd_step_cost", "sync_hops"]
+__all__ = ["SpmdCollectives", "SpmdStepTime", "copies_per_rank", "spmd_step_cost", "sync_hops"]
 
 
 # ---- the SPMD data plane (expertmesh.workers.spmd over torch.distributed) ----
@@ -111,6 +111,20 @@ def sync_hops(
     return tuple(hops)
 
 
+def copies_per_rank(placements: Sequence[Placement], live: np.ndarray | None = None) -> float:
+    """The (layer, expert) copies ``placements`` (one per layer) give a rank, the mean over
+    the ranks ``live`` marks (None: all); two slots of one expert on a rank count once, as
+    the workers hold them (``LayerPlan.held_by``)."""
+    total, ranks = 0, None
+    for p in placements:
+        holds = p.holds()  # [R, E]
+        if live is not None:
+            holds = holds[np.asarray(live, bool)]
+        total += int(holds.sum())
+        ranks = holds.shape[0]
+    return total / ranks if ranks else 0.0
+
+
 @dataclass(frozen=True)
 class SpmdStepTime:
     """A modeled SPMD training step (seconds) and its parts."""
@@ -118,6 +132,7 @@ class SpmdStepTime:
     seconds: float
     compute: float
     software: float  # per-collective cost times the collectives
+    copies: float  # per-copy cost times the expert copies a rank holds
     latency: float  # crossing collectives times the pair latency
     transfer: (
         float  # per crossing collective its busiest DC pair's bytes over its bandwidth, summed
@@ -133,17 +148,25 @@ def spmd_step_cost(
     tokens_per_rank: float,
     seconds_per_token: float,
     collective_seconds: float,
+    copies_per_rank: float = 0.0,
+    copy_seconds: float = 0.0,
 ) -> SpmdStepTime:
     """Modeled wall time of one SPMD training step (end to end, plan switch included):
 
     ```
-    T = a * tokens_per_rank + c * collectives.total
+    T = a * tokens_per_rank + c * collectives.total + h * copies_per_rank
         + collectives.crossing * L + sum_c max_ab bytes_cab / B_ab
     ```
 
-    ``a`` (``seconds_per_token``: compute and intra-DC copies per token a rank trains)
-    and ``c`` (``collective_seconds``: the software cost of one collective, whether it
-    crosses or not) are machine constants, calibrated on static EP over free links.
+    ``a`` (``seconds_per_token``: compute and intra-DC copies per token a rank trains),
+    ``c`` (``collective_seconds``: the software cost of one collective, whether it
+    crosses or not) and ``h`` (``copy_seconds``: the cost of one expert copy a rank
+    holds, per step: its own expert call forward and backward, its gradient's and fresh
+    weights' packing in the expert sync, its Adam step where it is the master) are
+    machine constants, calibrated on static EP over free links (``h`` on a second
+    layout, :func:`expertmesh.runtime.settings.replicated_placement`, that holds more
+    copies); ``copies_per_rank``: the (layer, expert) copies the step's plan gives a
+    rank, the mean over ranks.
     Every crossing collective waits for its slowest pair's latency ``L`` (the largest
     inter-DC latency; the link shaper books each send on its DC pair's bucket and the
     sender waits for arrival). Bytes: ``pair_bytes`` [C, D, D], what each of the step's
@@ -160,19 +183,22 @@ def spmd_step_cost(
         nbytes = nbytes[None]
     if nbytes.ndim != 3 or nbytes.shape[1:] != (num_dcs, num_dcs) or (nbytes < 0).any():
         raise ValueError(f"pair_bytes must be [C, {num_dcs}, {num_dcs}] or [D, D] and >= 0")
-    if min(tokens_per_rank, seconds_per_token, collective_seconds) < 0:
-        raise ValueError("tokens, seconds per token and per collective must be >= 0")
+    if min(tokens_per_rank, seconds_per_token, collective_seconds, copies_per_rank,
+           copy_seconds) < 0:  # fmt: skip
+        raise ValueError("tokens, copies, seconds per token, collective and copy must be >= 0")
     off = ~np.eye(num_dcs, dtype=bool)
     lat = float(topology.dc_latency_ms[off].max()) / 1e3 if num_dcs > 1 else 0.0
     per_second = np.where(off, topology.dc_gbps * 1e9 / 8.0, np.inf)  # [D, D] bytes/s
     transfer = float(np.sum(np.max(np.where(off, nbytes / per_second, 0.0), axis=(1, 2))))
     compute = seconds_per_token * tokens_per_rank
     software = collective_seconds * collectives.total
+    copies = copy_seconds * copies_per_rank
     latency = lat * collectives.crossing
     return SpmdStepTime(
-        seconds=compute + software + latency + transfer,
+        seconds=compute + software + copies + latency + transfer,
         compute=compute,
         software=software,
+        copies=copies,
         latency=latency,
         transfer=transfer,
         collectives=collectives,

@@ -85,7 +85,7 @@ class ControllerActor(Reattach, SpmdSteps, MembershipSteps):
         )
         self.telemetry = Telemetry(self.core)
         self.errors = 0
-        self.placements = initial_placements(self.topology, settings.lm)
+        self.placements = initial_placements(self.topology, settings.lm, settings.layout)
         self.live = np.ones(self.topology.num_ranks, bool)
         from expertmesh.controller.store import SqlitePlanStore
 

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import ray
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -30,6 +31,7 @@ __all__ = [
     "check_dc_nodes",
     "initial_placements",
     "make_actor",
+    "replicated_placement",
     "source_roots",
     "stop_ray",
 ]
@@ -81,6 +83,13 @@ class RuntimeSettings(BaseModel):
         description="a new plan's moved masters travel in the background during the step "
         "after every rank has the plan, whose sync switches (background), or its migration "
         "rounds run at that boundary, on the critical path (boundary)",
+    )
+    layout: Literal["static", "replicated"] = Field(
+        default="static",
+        description="the initial placement: static EP (the masters alone), or replicated "
+        "(the same masters, and each DC's spare slots filled so that the DC holds every "
+        "expert: the calibration layout of the SPMD step model's per-copy cost, "
+        "bench/bench_runtime.py)",
     )
     corpus: str | None = Field(default=None, description="corpus file; None: Python's stdlib")
     corpus_bytes: int = Field(default=4_000_000, ge=1024, description="bytes of stdlib text")
@@ -237,11 +246,36 @@ def check_dc_nodes(names: list[str]) -> None:
         )
 
 
-def initial_placements(topology: Topology, lm: LMConfig) -> list[Placement]:
+def initial_placements(topology: Topology, lm: LMConfig, layout: str = "static") -> list[Placement]:
+    """The placement every layer starts on (``RuntimeSettings.layout``)."""
     p = static_placement(
         topology.num_ranks, topology.slots_per_rank, lm.num_experts, topology.masters_per_rank
     )
+    if layout == "replicated":
+        p = replicated_placement(p, np.asarray(topology.rank_dc))
+    elif layout != "static":
+        raise ValueError(f"unknown layout {layout!r}")
     return [p] * lm.num_layers
+
+
+def replicated_placement(placement: Placement, rank_dc: np.ndarray) -> Placement:
+    """``placement``'s masters, and in each DC the experts it lacks copied into its ranks'
+    empty slots (round robin over the DC's ranks, lowest expert first), so that every DC
+    holds every expert. ``ValueError`` when a DC's empty slots are too few."""
+    p2l = np.array(placement.phy2log, copy=True)
+    num_experts = int(placement.master.size)
+    for d in np.unique(rank_dc).tolist():
+        ranks = np.flatnonzero(rank_dc == d)
+        have = np.zeros(num_experts, bool)
+        got = p2l[ranks]
+        have[got[got >= 0]] = True
+        free = [(r, s) for s in range(p2l.shape[1]) for r in ranks.tolist() if p2l[r, s] < 0]
+        lack = np.flatnonzero(~have).tolist()
+        if len(lack) > len(free):
+            raise ValueError(f"DC {d} has {len(free)} empty slots for {len(lack)} missing experts")
+        for (r, s), e in zip(free, lack, strict=False):
+            p2l[r, s] = e
+    return Placement(phy2log=p2l, master=np.array(placement.master, copy=True))
 
 
 def stop_ray(rt: Any) -> None:

@@ -148,7 +148,9 @@ class SpmdRuntime(SpmdMembership, SpmdFaults):
     def _spawn(self, rank: int) -> Any:
         """A ``worker-<rank>`` actor on a node of the rank's DC, with the initial weights."""
         s, dcs = self.settings, self.topology.dcs
-        placements = [(p.phy2log, p.master) for p in initial_placements(self.topology, s.lm)]
+        placements = [
+            (p.phy2log, p.master) for p in initial_placements(self.topology, s.lm, s.layout)
+        ]
         return self._worker_cls.options(
             name=f"worker-{rank}",
             label_selector={"dc": dcs[int(self.topology.rank_dc[rank])].name},

@@ -63,7 +63,9 @@ class SpmdSteps:
         self._bytes = np.zeros((3, self.topology.num_dcs, self.topology.num_dcs), np.int64)
         self._rank_bytes: dict[int, np.ndarray] = {}
         self._spmd_lock = threading.Lock()
-        self._static_owner = initial_placements(self.topology, self.settings.lm)[0].master_rank()
+        self._static_owner = initial_placements(
+            self.topology, self.settings.lm, self.settings.layout
+        )[0].master_rank()
         if not hasattr(self, "_trace"):  # kept across a re-formed group (recovery)
             self._trace: dict[str, dict[int, Any]] = _empty_trace()
         self.loads = LoadIngest(self.core, self.settings)
@@ -214,7 +216,7 @@ class SpmdSteps:
             return None
         version = int(reports[ranks[0]]["version"])
         if version == 0:
-            placements = initial_placements(self.topology, self.settings.lm)
+            placements = initial_placements(self.topology, self.settings.lm, self.settings.layout)
         else:
             try:
                 placements = [lp.placement for lp in self.core.get(version).layers]

@@ -68,7 +68,7 @@ class RunTrace:
         self.counters: dict[int, dict[int, tuple[int, float]]] = {}  # cumulative, per rank
         self.crossed: dict[int, list[tuple[int, list[list[int]]]]] = {}  # per collective
         self.plans: dict[int, tuple[Layers, tuple[int, int]]] = {}
-        initial = initial_placements(self.topology, settings.lm)
+        initial = initial_placements(self.topology, settings.lm, settings.layout)
         empty = np.zeros((0, 4), np.int64)
         self.plans[0] = ([(p.phy2log, p.master, empty) for p in initial], (0, 0))
 

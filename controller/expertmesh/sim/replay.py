@@ -37,8 +37,14 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from expertmesh.planner.costmodel import TransferEncoding
+from expertmesh.planner.dcsplit import can_spread
 from expertmesh.planner.plan import Placement
-from expertmesh.planner.stepmodel import SpmdCollectives, spmd_step_cost, sync_hops
+from expertmesh.planner.stepmodel import (
+    SpmdCollectives,
+    copies_per_rank,
+    spmd_step_cost,
+    sync_hops,
+)
 from expertmesh.planner.topology import Topology
 
 __all__ = ["Calibration", "Replay", "RuntimeMeta", "planned_from", "replay"]
@@ -46,7 +52,8 @@ __all__ = ["Calibration", "Replay", "RuntimeMeta", "planned_from", "replay"]
 
 class Calibration(BaseModel):
     """The machine constants of the SPMD step model, measured by ``make bench-runtime``
-    (static EP on free links at two batch sizes) for one shape of run."""
+    (static EP on free links at two batch sizes, and a layout holding more copies) for
+    one shape of run."""
 
     model_config = ConfigDict(frozen=True, extra="allow", allow_inf_nan=False)
 
@@ -55,6 +62,12 @@ class Calibration(BaseModel):
     )
     collective_seconds: float = Field(
         ge=0, le=60, description="c: the software cost of one collective"
+    )
+    copy_seconds: float = Field(
+        default=0.0,
+        ge=0,
+        le=60,
+        description="h: the cost of one expert copy a rank holds, per step (0: not calibrated)",
     )
     ranks: int | None = Field(
         default=None, ge=1, description="ranks of the runs it was measured on (checked)"
@@ -132,8 +145,8 @@ class Replay:
 
     predicted: np.ndarray
     measured: np.ndarray
-    parts: dict[str, np.ndarray]  # compute, software, latency, transfer [T] seconds
-    counts: dict[str, np.ndarray]  # collectives, crossing, migration [T] (of the model)
+    parts: dict[str, np.ndarray]  # compute, software, copies, latency, transfer [T] seconds
+    counts: dict[str, np.ndarray]  # collectives, crossing, migration, copies [T] (the model's)
     skip: int = 1
 
     def _median(self, a: np.ndarray) -> float:
@@ -218,8 +231,13 @@ def replay(
     rank_dc = np.asarray(topology.rank_dc)
     per_coll = _collective_bytes(meta, num_steps, d)
     background = meta.migration == "background"
-    parts = {k: np.zeros(num_steps) for k in ("compute", "software", "latency", "transfer")}
-    counts = {k: np.zeros(num_steps, np.int64) for k in ("collectives", "crossing", "migration")}
+    parts = {
+        k: np.zeros(num_steps) for k in ("compute", "software", "copies", "latency", "transfer")
+    }
+    counts: dict[str, np.ndarray] = {
+        k: np.zeros(num_steps, np.int64) for k in ("collectives", "crossing", "migration")
+    }
+    counts["copies"] = np.zeros(num_steps)  # expert copies per rank, the mean
     out = np.zeros(num_steps)
 
     def placements_of(t: int) -> list[Placement]:
@@ -271,30 +289,33 @@ def replay(
             nbytes = np.asarray(own + moves, dtype=np.float64).reshape(-1, d, d)
         else:
             nbytes = by[t, 0] + by[t, 1] + (by[later, 2] if later < num_steps else 0.0)
+        held = copies_per_rank(placements)
         st = spmd_step_cost(
             topology, coll, nbytes, tokens_per_rank=tokens,
             seconds_per_token=calibration.seconds_per_token,
             collective_seconds=calibration.collective_seconds,
+            copies_per_rank=held,
+            copy_seconds=calibration.copy_seconds,
         )  # fmt: skip
         out[t] = st.seconds
         for k, v in parts.items():
             v[t] = getattr(st, k)
         counts["collectives"][t], counts["crossing"][t] = coll.total, coll.crossing
         counts["migration"][t] = int(mig[0])
+        counts["copies"][t] = held
     if skip is None:
         skip = planned_from(versions)
     return Replay(out, np.asarray(meta.step_seconds, dtype=np.float64), parts, counts, skip)
 
 
 def _can_spread(placement: Placement, rank_dc: np.ndarray, num_dcs: int) -> bool:
-    """Whether the fast loop's split by DC has a choice on this layer (``MoELayer``'s
-    ``can_spread``): an expert that two or more DCs hold and some DC lacks."""
+    """Whether the fast loop's split by DC has a choice on this layer
+    (:func:`~expertmesh.planner.dcsplit.can_spread`, as ``MoELayer``'s ``can_spread``) over
+    the DCs' copies of ``placement`` (every rank of a trace takes part)."""
     held = np.zeros((num_dcs, placement.master.size), bool)  # [D, E]
-    p2l = np.asarray(placement.phy2log)
-    for r in range(p2l.shape[0]):
-        e = p2l[r][p2l[r] >= 0]
-        held[rank_dc[r], e] = True
-    return bool(((held.sum(axis=0) >= 2) & ~held.all(axis=0)).any())
+    r, s = np.nonzero(np.asarray(placement.phy2log) >= 0)
+    held[rank_dc[r], np.asarray(placement.phy2log)[r, s]] = True
+    return can_spread(held)
 
 
 _MIGRATION = 2  # the kind index of a plan switch's transfers (workers/comm.py KINDS)
