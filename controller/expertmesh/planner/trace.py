@@ -14,7 +14,9 @@ does the same, per layer and per step:
   placement of :func:`expertmesh.planner.static.static_placement`). It is
   re-solved whenever the popularity order changes, so every step of every layer
   has the target in expectation; sampling noise adds a small upward bias (the
-  max of noisy rank loads), about 1% at EP64 x 8192 tokens.
+  max of noisy rank loads), about 1% at EP64 x 8192 tokens. A trace's steps share a
+  memo (:class:`_Memo`) that settles the comparisons no order can change: the same
+  exponents as a fresh bisection per step, in one evaluation per step once settled.
 - **sampling**: every source rank sends ``tokens_per_rank`` tokens, each to
   ``top_k`` distinct experts, drawn with Madow's systematic design (one uniform
   ``u`` per token, expert ``e`` chosen iff ``u`` falls in its arc of length
@@ -152,22 +154,37 @@ def _static_imbalance(pi: np.ndarray, expert_rank: np.ndarray, num_ranks: int) -
 
 
 def _calibrate(
-    perm: np.ndarray, expert_rank: np.ndarray, num_ranks: int, top_k: int, target: float
-) -> tuple[float, float]:
-    """Zipf exponent whose expected static-EP imbalance is ``target``; returns (s, imbalance)."""
+    perm: np.ndarray,
+    expert_rank: np.ndarray,
+    num_ranks: int,
+    top_k: int,
+    target: float,
+    *,
+    memo: _Memo | None = None,
+) -> tuple[float, float, np.ndarray]:
+    """Zipf exponent whose expected static-EP imbalance is ``target``.
 
-    f = _Imbalance(perm, expert_rank, num_ranks, top_k)
+    Returns ``(s, imbalance, pi)`` with ``pi`` [E] = ``_popularity(perm, s, top_k)``.
+    ``memo``: what earlier calibrations of the same trace (same experts, reference ranks,
+    ``top_k`` and ``target``, other orders) found; the result is the same floats with or
+    without it.
+    """
 
-    lo, f_lo = 0.0, f(0.0)
-    if f_lo >= target - 1e-9:
+    f = _Imbalance(perm, expert_rank, num_ranks, top_k, memo)
+    if memo is not None and memo.settled is not None:
+        return memo.settled, f(memo.settled), f.pi
+
+    lo = 0.0
+    if not f.below(0.0, target - 1e-9):
+        f_lo = f(0.0)
         if f_lo > target + 1e-6:
             raise ValueError(
                 f"imbalance {target:g} is below {f_lo:.4g}, what uniform popularity already "
                 f"gives with {perm.shape[0]} experts on {num_ranks} ranks"
             )
-        return 0.0, f_lo
+        return 0.0, f_lo, f.pi
     hi = 1.0
-    while f(hi) < target:
+    while f.below(hi, target):
         if hi >= _MAX_EXPONENT:
             raise ValueError(
                 f"imbalance {target:g} is out of reach: at most {f(hi):.4g} with "
@@ -176,34 +193,83 @@ def _calibrate(
         lo, hi = hi, hi * 2
     while hi - lo > 1e-9 * hi:
         mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
+        lo, hi = (mid, hi) if f.below(mid, target) else (lo, mid)
     s = 0.5 * (lo + hi)
-    return s, f(s)
+    if memo is not None and memo.one_each and not f.decided:
+        memo.settled = s  # no comparison looked at this order: none ever will
+    return s, f(s), f.pi
+
+
+class _Memo:
+    """What the calibrations of one trace share (the same experts, reference ranks,
+    ``top_k`` and target; the popularity order changes from step to step).
+
+    - ``by_position``: inclusion probabilities by popularity position at exponent ``s``;
+      they do not depend on the order.
+    - ``known``: the imbalance at ``s`` under some order, kept only with one expert per
+      reference rank. Then the imbalance is ``max(pi) / (sum(pi) / E)`` and only the sum
+      sees the order: the same ``E`` values summed in another order differ by at most
+      ``2 (E - 1) u`` of the total (``u = 2^-53``), and the two divisions round once more
+      each (``4 u``), so two orders' imbalances at ``s`` differ by less than ``slack``
+      times either. A comparison with a threshold farther than that from a known value
+      comes out the same under every order: :meth:`_Imbalance.below` takes it from here.
+    - ``settled``: the exponent a bisection reached without computing any comparison (every
+      one came from ``known``): every later bisection takes the same path to it.
+    """
+
+    #: entries of ``known`` kept at most (a bisection adds ~40, and they repeat)
+    SIZE = 4096
+
+    def __init__(self, expert_rank: np.ndarray, num_ranks: int, num_experts: int) -> None:
+        self.arange = np.arange(num_experts)
+        self.base = self.arange + 1.0  # [E] by position
+        self.one_each = num_ranks == num_experts and bool(np.array_equal(expert_rank, self.arange))
+        self.slack = 8 * num_experts * 2.0**-53
+        self.known: dict[float, float] = {}
+        self.by_position: dict[float, np.ndarray] = {}
+        self.positions_kept = max(2, (1 << 22) // max(1, num_experts))  # <= 32 MiB
+        self.settled: float | None = None
 
 
 class _Imbalance:
     """``s -> _static_imbalance(_popularity(perm, s, top_k), expert_rank, num_ranks)`` with
     the same floating-point operations in the same order and fewer array passes (what
-    depends only on ``perm`` is computed once per calibration)."""
+    depends only on ``perm`` is computed once per calibration, what depends only on ``s``
+    once per trace with a :class:`_Memo`)."""
 
     def __init__(
-        self, perm: np.ndarray, expert_rank: np.ndarray, num_ranks: int, top_k: int
+        self,
+        perm: np.ndarray,
+        expert_rank: np.ndarray,
+        num_ranks: int,
+        top_k: int,
+        memo: _Memo | None = None,
     ) -> None:
         num_experts = perm.shape[0]
-        self.base = np.arange(num_experts) + 1.0  # [E] by position
+        self.memo = memo if memo is not None else _Memo(expert_rank, num_ranks, num_experts)
         self.pos = np.empty_like(perm)
-        self.pos[perm] = np.arange(num_experts)  # [E] popularity position of each expert
+        self.pos[perm] = self.memo.arange  # [E] popularity position of each expert
         self.expert_rank, self.num_ranks, self.top_k = expert_rank, num_ranks, top_k
         self.head = min(top_k, num_experts)  # inclusion_probabilities' ``m``
-        self.room_list = [top_k - m for m in range(self.head)]  # top_k - m
-        self.one_each = num_ranks == num_experts and bool(
-            np.array_equal(expert_rank, np.arange(num_experts))
-        )
+        self.one_each = self.memo.one_each
+        self.pi = np.empty(0)  # [E] inclusion probabilities of the last call, by expert
+        self.decided = False  # whether below() has computed a comparison
 
-    def __call__(self, s: float) -> float:
-        # (Called ~36 times per calibration, once per step and layer: the same IEEE
-        # operations as the plain form above, with fewer numpy calls on 256 elements.)
-        w = self.base**-s
+    def below(self, s: float, threshold: float) -> bool:
+        """``self(s) < threshold``: from ``memo.known`` where that holds under every order
+        (see :class:`_Memo`), else computed."""
+        memo = self.memo
+        if memo.one_each:
+            known = memo.known.get(s)
+            if known is not None and abs(known - threshold) > known * memo.slack:
+                return known < threshold
+        self.decided = True
+        return self(s) < threshold
+
+    def _by_position(self, s: float) -> np.ndarray:
+        """[E] inclusion probabilities by popularity position (``inclusion_probabilities``
+        of the weights ``(i + 1) ** -s / 1``, the same floats)."""
+        w = self.memo.base**-s
         if w[0] != 1.0:  # 1 ** -s is 1, and w / 1.0 is w: divide only if pow said otherwise
             w = w / w[0]
         tail = np.cumsum(w[::-1])[::-1]
@@ -211,7 +277,7 @@ class _Imbalance:
         one = 1 + 1e-12
         head_w, head_tail = w[: self.head].tolist(), tail[: self.head].tolist()
         for m, (wm, tm) in enumerate(zip(head_w, head_tail, strict=True)):
-            if self.room_list[m] * wm <= tm * one:  # uncapped from position m on
+            if (self.top_k - m) * wm <= tm * one:  # uncapped from position m on
                 capped = m
                 break
         num = w.shape[0]
@@ -222,13 +288,31 @@ class _Imbalance:
             np.minimum(pi, 1.0, out=pi)
         else:
             pi = np.ones(num)
-        pi = pi[self.pos]  # by expert
+        return pi
+
+    def __call__(self, s: float) -> float:
+        # (The same IEEE operations as the plain form above, with fewer numpy calls on 256
+        # elements; called once per step and layer with a settled memo.)
+        memo = self.memo
+        by_position = memo.by_position.get(s)
+        if by_position is None:
+            by_position = self._by_position(s)
+            if len(memo.by_position) >= memo.positions_kept:
+                memo.by_position.clear()
+            memo.by_position[s] = by_position
+        pi = by_position[self.pos]  # by expert
         if self.one_each:  # one expert per rank: the bincount is pi itself (0.0 + x is x)
             per_rank = pi
         else:
             per_rank = np.bincount(self.expert_rank, weights=pi, minlength=self.num_ranks)
         top, total = float(per_rank.max()), float(per_rank.sum())
-        return top / (total / per_rank.shape[0])
+        value = top / (total / per_rank.shape[0])
+        self.pi = pi
+        if self.one_each and s not in memo.known:
+            if len(memo.known) >= memo.SIZE:
+                memo.known.clear()
+            memo.known[s] = value
+        return value
 
 
 def _drift(rng: np.random.Generator, perm: np.ndarray, drift: float) -> bool:
@@ -242,9 +326,9 @@ def _drift(rng: np.random.Generator, perm: np.ndarray, drift: float) -> bool:
     window = max(1, num_experts // 16)
     pos = rng.integers(0, num_experts, size=swaps)
     gap = rng.integers(1, window + 1, size=swaps)
-    other = np.where(pos + gap < num_experts, pos + gap, pos - gap)
-    other = np.clip(other, 0, num_experts - 1)
-    for i, j in zip(pos.tolist(), other.tolist(), strict=True):
+    last = num_experts - 1
+    for i, g in zip(pos.tolist(), gap.tolist(), strict=True):
+        j = min(max(i + g if i + g < num_experts else i - g, 0), last)
         perm[i], perm[j] = perm[j], perm[i]
     return True
 
@@ -301,26 +385,86 @@ def counts_from_segments(
     )
 
 
-def _sample(rng: np.random.Generator, pi: np.ndarray, n: int, num_src: int) -> np.ndarray:
-    """[R, E] int64: ``n`` tokens per source rank, each to ``sum(pi)`` distinct experts."""
+def _sample(
+    rng: np.random.Generator,
+    pi: np.ndarray,
+    n: int,
+    num_src: int,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """[R, E] int64: ``n`` tokens per source rank, each to ``sum(pi)`` distinct experts.
+
+    ``out``: an [R, E] int64 array to write into (returned), else a new one.
+    """
     num_experts = pi.shape[0]
-    out = np.zeros((num_src, num_experts), dtype=np.int64)
+    if out is None:
+        out = np.empty((num_src, num_experts), dtype=np.int64)
     full = pi >= 1.0 - 1e-12
-    out[:, full] = n  # chosen by every token
     idx = np.flatnonzero(~full)
-    if idx.size == 0 or pi[idx].sum() < 0.5:
-        return out
+    if idx.size < num_experts:
+        out[:] = 0
+        out[:, full] = n  # chosen by every token
+        if idx.size == 0 or pi[idx].sum() < 0.5:
+            return out
     order = rng.permuted(np.tile(idx, (num_src, 1)), axis=1)  # [R, K] fresh order per rank
-    q = pi[order]
-    start, end = systematic_arcs(q)
-    by_start = np.argsort(start, axis=1, kind="stable")
-    rows = np.arange(num_src)[:, None]
-    seg = np.diff(start[rows, by_start], axis=1, append=1.0)  # [R, K] segment lengths
-    seg = np.maximum(seg, 0.0)
-    seg /= seg.sum(axis=1, keepdims=True)
-    seg_counts = rng.multinomial(n, seg)  # [R, K]
-    out[rows, order] = counts_from_segments(start, end, q, seg_counts, n, order=by_start)
+    counts = _systematic_sample(rng, pi[order], n)  # [R, K]
+    order += np.arange(0, num_src * num_experts, num_experts)[:, None]  # flat index in out
+    out.reshape(-1)[order.reshape(-1)] = counts.reshape(-1)  # out[r, order[r]] = counts[r]
     return out
+
+
+def _systematic_sample(rng: np.random.Generator, q: np.ndarray, n: int) -> np.ndarray:
+    """[R, K] int64: how many of ``n`` tokens per row choose each item under Madow's design.
+
+    ``q``: [R, K] inclusion probabilities as :func:`systematic_arcs` takes them. The same
+    floats and the same draw as :func:`systematic_arcs`, a stable ``argsort`` of the arc
+    starts, ``rng.multinomial(n, segment lengths)`` and :func:`counts_from_segments`, with
+    fewer passes: an arc start is ``N / 1e12`` for an integer ``N`` (``np.round(x, 12)``
+    is ``rint(x * 1e12) / 1e12``), so the integers ``N * 2^b + item`` (all distinct) sort
+    the items as the stable ``argsort`` of the starts does, and integers compare as the
+    starts do.
+    """
+    num_rows, num_items = q.shape
+    c = np.cumsum(q, axis=1)
+    c -= q  # [R, K] exclusive cumulative sum, as systematic_arcs
+    ticks = np.floor(c)
+    np.subtract(c, ticks, out=ticks)
+    ticks *= 1e12
+    np.rint(ticks, out=ticks)  # [R, K] start * 1e12: integers in [0, 1e12]
+    if ticks.max() >= 1e12:
+        ticks[ticks >= 1e12] = 0.0  # a start of 1.0 is 0.0
+    start = ticks.astype(np.int64)
+    bits = max(1, (num_items - 1).bit_length())
+    keys = np.left_shift(start, bits)
+    keys |= np.arange(num_items, dtype=np.int64)
+    keys.sort(axis=1)  # [R, K] by (start, item): the stable argsort of the starts
+    flat = keys & ((1 << bits) - 1)  # [R, K] sorted position -> item
+    flat += np.arange(0, num_rows * num_items, num_items)[:, None]  # ... its flat index
+    ticks /= 1e12  # [R, K] arc starts
+    bounds = ticks.reshape(-1)[flat]  # [R, K] arc starts in sorted order
+    seg = np.empty_like(bounds)  # np.diff(bounds, append=1.0): never negative
+    np.subtract(bounds[:, 1:], bounds[:, :-1], out=seg[:, :-1])
+    np.subtract(1.0, bounds[:, -1], out=seg[:, -1])
+    seg /= seg.sum(axis=1, keepdims=True)
+    seg_counts = rng.multinomial(n, seg)  # [R, K] tokens per segment
+    cum = np.empty_like(seg_counts)  # tokens before each segment
+    cum[:, 0] = 0
+    np.cumsum(seg_counts[:, :-1], axis=1, out=cum[:, 1:])
+    at = np.empty_like(cum)  # [R, K] tokens before each item's arc starts
+    at.reshape(-1)[flat.reshape(-1)] = cum.reshape(-1)
+    counts = np.empty_like(at)  # the next item's ``at`` (item 0 starts at 0) minus its own
+    np.subtract(at[:, 1:], at[:, :-1], out=counts[:, :-1])
+    np.subtract(at[:, :1], at[:, -1:], out=counts[:, -1:])
+    step = np.empty_like(start)  # [R, K] the next item's start (the last item ends at 0) ...
+    np.subtract(start[:, 1:], start[:, :-1], out=step[:, :-1])
+    # ... minus its own (np.subtract, not np.negative: numpy 2.4.6's negative reads the
+    # wrong elements into a column of an [R, 8] int64 array, out=step[:, -1])
+    np.subtract(0, start[:, -1], out=step[:, -1])
+    np.add(counts, n, out=counts, where=step < 0)  # the arc wraps past 1
+    if not (seg > 0).all():  # some arc of length 0 or 1 (q rounded): no token or every token
+        empty = step == 0
+        counts[empty] = np.where(q[empty] >= 0.5, n, 0)
+    return counts
 
 
 def generate_trace(settings: TraceSettings) -> SyntheticTrace:
@@ -335,6 +479,7 @@ def generate_trace(settings: TraceSettings) -> SyntheticTrace:
     ref_ranks = s.reference_ranks or s.num_ranks
     expert_rank = _expert_rank(ref_ranks, s.num_experts)
     streams = np.random.SeedSequence(s.seed).spawn(s.num_layers)
+    memo = _Memo(expert_rank, ref_ranks, s.num_experts)  # shared by every calibration
     for layer, seq in enumerate(streams):
         rng = np.random.default_rng(seq)
         perm = rng.permutation(s.num_experts)
@@ -347,10 +492,11 @@ def generate_trace(settings: TraceSettings) -> SyntheticTrace:
             elif t > 0:
                 changed = _drift(rng, perm, s.drift)
             if changed:
-                exp_t, imb_t = _calibrate(perm, expert_rank, ref_ranks, s.top_k, s.imbalance)
-                pi = _popularity(perm, exp_t, s.top_k)
+                exp_t, imb_t, pi = _calibrate(
+                    perm, expert_rank, ref_ranks, s.top_k, s.imbalance, memo=memo
+                )
             exponent[t, layer], expected[t, layer] = exp_t, imb_t
-            load[t, layer] = _sample(rng, pi, s.tokens_per_rank, s.num_ranks)
+            _sample(rng, pi, s.tokens_per_rank, s.num_ranks, out=load[t, layer])
     realized = static_imbalance(load)
     meta: dict[str, Any] = {
         "format": "expertmesh-trace/1",
