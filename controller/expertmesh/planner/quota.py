@@ -401,6 +401,124 @@ def _search(pb: _Problem, sizes: np.ndarray) -> tuple[np.ndarray, _Fit]:
     return np.array(hi, dtype=np.int64), fit
 
 
+Items = list[tuple[int, int, int]]  # one domain's (M less earlier sheds, demand, expert)
+Receivers = list[tuple[int, int, int]]  # one domain's (rank, M, free slots), M ascending
+
+
+def _search_domains(
+    pb: _Problem, sizes: np.ndarray
+) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """:func:`_search` without ``max_replicas_per_expert`` domain by domain, in plain
+    Python over the few items and receivers of each: the same probes per domain (a
+    domain's probes depend on its own fits only), so the same ``T`` [D]; and the
+    replicas of ``_replicas(_fit(pb, T))``, ``(expert, rank, tokens)`` each [N] in line
+    order. No numpy call per probe: most domains are settled by their first probe (the
+    lower bound), and the vector rule costs dozens of numpy calls for each."""
+    items = _domain_items(pb)
+    ranks, bases, slots, first = pb.recv_lists
+    quota = pb.upper.tolist()
+    made: list[tuple[int, int, int]] = []
+    for d, (lower, width) in enumerate(zip(pb.lower.tolist(), sizes.tolist(), strict=True)):
+        lo, hi = first[d], first[d + 1]
+        recv = list(zip(ranks[lo:hi], bases[lo:hi], slots[lo:hi], strict=True))
+        quota[d], pieces, walked = _search_one(items[d], recv, lower, quota[d], width)
+        made.extend(_segments(pieces, walked))
+    cols = np.array(made, dtype=np.int64).reshape(-1, 3).T
+    return np.array(quota, dtype=np.int64), (cols[0], cols[1], cols[2])
+
+
+def _domain_items(pb: _Problem) -> list[Items]:
+    """Per domain, ``(M less the demand shed before it, demand, expert)`` of every expert
+    with demand that sheds at some ``T >= lower`` (in shed order): at ``T`` it sheds
+    ``min(first - T, demand)`` where ``first > T`` (the vector rule's ``shed``)."""
+    can = (pb.shed_above > pb.lower[pb.shed_dom]) & (pb.shed_demand > 0)
+    idx = np.flatnonzero(can)
+    out: list[Items] = [[] for _ in range(pb.lower.size)]
+    cols = (pb.shed_above[idx], pb.shed_demand[idx], pb.shed_order[idx])
+    for d, a, m, e in zip(pb.shed_dom[idx].tolist(), *(c.tolist() for c in cols), strict=True):
+        out[d].append((a, m, e))
+    return out
+
+
+Pieces = list[tuple[int, int]]  # one domain's (-amount, expert) in line order
+Walked = list[tuple[int, int, int]]  # (rank, start, end) on the line of each receiver used
+
+
+def _try(items: Items, recv: Receivers, quota: int) -> tuple[int, Pieces, Walked]:
+    """The rule for one domain at ``quota`` (:func:`_fit` and :func:`_walk` for one
+    domain): ``(shortfall, pieces, receivers that take some)``; 0 shortfall: feasible."""
+    pieces = sorted([(quota - a if a - quota < m else -m, e) for a, m, e in items if a > quota])
+    ends, total = [], 0
+    for neg, _ in pieces:
+        total -= neg
+        ends.append(total)
+    num = len(ends)
+    walked: Walked = []
+    u = k = 0
+    for r, m, f in recv:
+        if m >= quota or u >= total:  # full already, and so are the rest; or all placed
+            break
+        while ends[k] <= u:  # k: the first piece ending after u
+            k += 1
+        close = u + quota - m
+        kf = k + f - 1  # the f-th piece end after u closes it: out of slots
+        if kf < num and ends[kf] < close:
+            close = ends[kf]
+        close = min(close, total)
+        walked.append((r, u, close))
+        u = close
+    return total - u, pieces, walked
+
+
+def _search_one(
+    items: Items, recv: Receivers, lower: int, upper: int, width: int
+) -> tuple[int, Pieces, Walked]:
+    """:func:`_search`'s probes for one domain (``width``: its ranks): the smallest ``T``
+    in ``[lower, upper]`` where the rule places every piece, with its pieces and
+    receivers (none at ``upper``: no rank is above it)."""
+    lo, hi = lower - 1, upper
+    galloping, last = True, None  # last: the last failure's (T, shortfall)
+    probe = min(lo + 1, hi)
+    best: tuple[Pieces, Walked] = ([], [])
+    while hi - lo > 1:
+        short, pieces, walked = _try(items, recv, probe)
+        if short == 0:
+            hi, best = probe, (pieces, walked)
+        else:
+            lo = probe
+        if hi - lo <= 1:
+            break
+        if not galloping:
+            probe = (lo + hi) // 2
+        elif short == 0:  # the first success, reached from below: T - 1, then bisection
+            galloping = False
+            probe = hi - 1
+        else:  # the shortfall falls about linearly in T: step to where it is 0
+            drop = 0 if last is None else last[1] - short
+            slope = drop / (lo - last[0]) if last is not None and drop > 0 else width
+            last = (lo, short)
+            probe = min(lo + max(1, math.ceil(short / max(slope, 1e-9))), (lo + hi) // 2)
+    return hi, best[0], best[1]
+
+
+def _segments(pieces: Pieces, walked: Walked) -> list[tuple[int, int, int]]:
+    """``(expert, rank, tokens)`` of one domain's replicas at a feasible ``T``: every
+    piece's overlap with each receiver's stretch of the line, in line order
+    (:func:`_replicas`)."""
+    out: list[tuple[int, int, int]] = []
+    j, end = 0, 0
+    for neg, e in pieces:
+        start, end = end, end - neg
+        while walked[j][2] <= start:
+            j += 1
+        i = j
+        while i < len(walked) and walked[i][1] < end:
+            r, a, b = walked[i]
+            out.append((e, r, (end if end < b else b) - (start if start > a else a)))
+            i += 1
+    return out
+
+
 def _loosen(
     pb: _Problem, quota: np.ndarray, fit: _Fit, dom: np.ndarray, tolerance: float
 ) -> tuple[np.ndarray, _Fit]:
@@ -535,10 +653,14 @@ def balance_demand(
     pb = _problem(
         demand.astype(np.int64), master // num_slots, num_slots, dom, max_replicas_per_expert
     )
-    quota, fit = _search(pb, np.bincount(dom, minlength=pb.lower.size))
-    if tolerance > 0:
-        quota, fit = _loosen(pb, quota, fit, dom, tolerance)
-    rep_expert, rep_rank, rep_tokens = _replicas(fit)
+    sizes = np.bincount(dom, minlength=pb.lower.size)
+    if max_replicas_per_expert is None and tolerance == 0:
+        quota, (rep_expert, rep_rank, rep_tokens) = _search_domains(pb, sizes)
+    else:
+        quota, fit = _search(pb, sizes)
+        if tolerance > 0:
+            quota, fit = _loosen(pb, quota, fit, dom, tolerance)
+        rep_expert, rep_rank, rep_tokens = _replicas(fit)
     if min_replica_share > 0:  # per domain: at least ceil(share * mean tokens per rank)
         total = np.bincount(dom[master // num_slots], weights=demand, minlength=pb.lower.size)
         least = np.ceil(min_replica_share * (total / np.bincount(dom, minlength=total.size)))
