@@ -373,3 +373,69 @@ def test_ordinal_of_the_ranks_without_an_expert_equals_the_cumsum(seed, dcs, shu
     got = domainquota._ordinal(holds, rank_dc, away)
     want = np.cumsum(away, axis=0) - 1
     assert np.array_equal(np.where(away, got, 0), np.where(away, want, 0))
+
+
+# ---- the holder sets' routing memoized: every microbatch between re-plans shares it ----
+
+
+def _solve_fresh(load, base, topo, monkeypatch):
+    with monkeypatch.context() as m:
+        m.setattr(domainquota, "_ROUTINGS", {})
+        m.setattr(domainquota, "_ROUTINGS_KEPT", 0)
+        m.setattr(domainquota, "_HOLDERS", {})
+        m.setattr(domainquota, "_HOLDERS_KEPT", 0)
+        sol = domainquota.domain_quota(load, base, topo)
+        return sol, domainquota.domain_traffic(load, sol, topo, 2)
+
+
+def _same_solution(a, b):
+    for f in ("holds", "v_dc", "v_expert", "home", "demand", "inflow", "quota", "to_v"):
+        assert getattr(a, f).tobytes() == getattr(b, f).tobytes(), f
+    assert a.placement.phy2log.tobytes() == b.placement.phy2log.tobytes()
+    for x, y in zip(a.replicas, b.replicas, strict=True):
+        assert x.tobytes() == y.tobytes()
+
+
+def _same_traffic(a, b):
+    for f in ("rank_tokens", "rank_out", "rank_in", "pair_src", "pair_dst", "pair_tokens",
+              "dc_tokens"):  # fmt: skip
+        assert getattr(a, f).tobytes() == getattr(b, f).tobytes(), f
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10_000), dcs=st.sampled_from([2, 3, 4]), nodes=st.sampled_from([1, 2]))
+def test_routing_memo_equals_a_fresh_solve(monkeypatch_module, seed, dcs, nodes):
+    """domain_quota and domain_traffic with the routing memo (several holder sets in turn,
+    each asked again after another's, and a load that differs each time) equal the solve
+    without it, to the bit; the memo's arrays are read-only."""
+    topo = Topology.generate(dcs, 4, nodes_per_dc=nodes, masters=2, spare=2)
+    rng = np.random.default_rng(seed)
+    num_experts = 2 * topo.num_ranks
+    static = static_placement(topo.num_ranks, topo.slots_per_rank, num_experts, 2)
+    bases = []
+    for _ in range(3):  # holder sets: masters plus random copies in other DCs
+        free = np.argsort(domainquota.dc_holds(static, topo) + rng.random((dcs, num_experts)))
+        d = np.repeat(np.arange(dcs), 5)
+        e = free[:, :5].ravel()  # 5 copies in each DC of experts it does not hold
+        cand = hybrid._build(_inputs(topo, rng, num_experts), static, np.zeros(num_experts, bool),
+                             topo.rank_dc[static.master_rank()], (d, e))  # fmt: skip
+        bases.append(cand)
+    for i in [0, 1, 0, 2, 1, 1]:
+        load = rng.multinomial(999, rng.dirichlet(np.full(num_experts, 0.3)), size=topo.num_ranks)
+        sol = domainquota.domain_quota(load, bases[i], topo)
+        traffic = domainquota.domain_traffic(load, sol, topo, 2)
+        ref, ref_traffic = _solve_fresh(load, bases[i], topo, monkeypatch_module)
+        _same_solution(sol, ref)
+        _same_traffic(traffic, ref_traffic)
+    assert not sol.to_v.flags.writeable
+
+
+def _inputs(topo, rng, num_experts):
+    from expertmesh.planner.hybridpairs import HybridInputs
+
+    model = ModelSpec(num_experts=num_experts, top_k=2, hidden=512, ffn_hidden=256)
+    est = rng.multinomial(999, rng.dirichlet(np.full(num_experts, 0.3)), size=topo.num_ranks)
+    dc_load = np.zeros((topo.num_dcs, num_experts))
+    np.add.at(dc_load, topo.rank_dc, est)
+    return HybridInputs(topo, model, HybridSettings(), est.astype(float), est, dc_load,
+                        dc_load.sum(axis=1) / 2, None)  # fmt: skip

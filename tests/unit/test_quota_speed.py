@@ -64,3 +64,10 @@ def test_a_domain_above_its_bound_searches_like_the_vector_search():
         assert t2.tolist() == t.tolist()
         assert all(a.tolist() == b.tolist() for a, b in zip(replicas, replicas2, strict=True))
     assert above >= 20
+
+
+def test_domain_ids_renumbered_as_unique_does():
+    for ids in ([0, 0, 1, 1], [2, 0, 1, 1, 0], [0, 2, 2], [5, 3], [-1, 4, -1], [7]):
+        a = np.array(ids)
+        assert quota._dense(a).tolist() == np.unique(a, return_inverse=True)[1].tolist()
+        assert quota._dense(a).dtype == np.int64

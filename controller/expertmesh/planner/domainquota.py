@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -177,11 +178,69 @@ def remote_inflow(
     ``target``: ``remote_holder(holds, rank_dc)`` when the caller has it. ``O(R E)``."""
     num_v = int(holds.sum())
     target = remote_holder(holds, rank_dc) if target is None else target
-    sent = ~holds[rank_dc] & (load > 0)
+    return _sent_in(load, ~holds[rank_dc], target, num_v)
+
+
+def _inflow(load: np.ndarray, routing: _Routing) -> np.ndarray:
+    """:func:`remote_inflow` from a :class:`_Routing`."""
+    return _sent_in(load, routing.away, routing.remote, routing.v_dc.size)
+
+
+def _sent_in(load: np.ndarray, away: np.ndarray, target: np.ndarray, num_v: int) -> np.ndarray:
+    """[V] tokens of ``load`` [R, E] where ``away`` [R, E] summed into ``target`` [R, E]."""
+    sent = away & (load > 0)
     if (target[sent] < 0).any():
         e = np.nonzero(sent & (target < 0))[1]
         raise ValueError(f"experts with load but no copy: {np.unique(e)[:8].tolist()}")
     return np.bincount(target[sent], weights=load[sent], minlength=num_v).astype(np.int64)
+
+
+class _Routing(NamedTuple):
+    """What the DC-level route (step 1 of the module doc) takes from the holder sets
+    ``holds`` [D, E] and ``rank_dc`` [R] alone, each read-only: the virtual experts
+    (:func:`_virtual`), ``here`` [R, E] (the source's DC holds ``e``) and ``away``
+    (``~here``), ``remote`` (:func:`remote_holder`), ``to_v`` [R, E] (the own DC's copy,
+    else ``remote``) and ``pair_key`` [R * E] (source DC * D + the DC of ``to_v``)."""
+
+    v_dc: np.ndarray
+    v_expert: np.ndarray
+    vid: np.ndarray
+    here: np.ndarray
+    away: np.ndarray
+    remote: np.ndarray
+    to_v: np.ndarray
+    pair_key: np.ndarray
+
+
+def _routing(holds: np.ndarray, rank_dc: np.ndarray) -> _Routing:
+    """:class:`_Routing` of ``holds`` [D, E] and ``rank_dc`` [R], memoized: the holder
+    sets stay fixed between re-plans, so every microbatch's :func:`domain_quota` and
+    :func:`domain_traffic` until the next one share them (a pure function of its inputs,
+    keyed by their bytes)."""
+    key = (holds.shape, holds.tobytes(), rank_dc.tobytes())
+    hit = _ROUTINGS.get(key)
+    if hit is not None:
+        return hit
+    v_dc, v_expert, vid, _ = _virtual(holds)
+    here = holds[rank_dc]  # [R, E]
+    remote = remote_holder(holds, rank_dc)
+    own = vid[rank_dc]  # [R, E] the source's own DC's copy
+    to_v = np.where(own >= 0, own, remote)
+    num_dcs = holds.shape[0]
+    pair_key = (rank_dc[:, None] * num_dcs + v_dc[to_v]).ravel()  # where nobody holds e: any
+    out = _Routing(v_dc, v_expert, vid, here, ~here, remote, to_v, pair_key)
+    for a in out:
+        a.setflags(write=False)
+    if _ROUTINGS_KEPT > 0:
+        if len(_ROUTINGS) >= _ROUTINGS_KEPT:
+            del _ROUTINGS[next(iter(_ROUTINGS))]  # the oldest
+        _ROUTINGS[key] = out
+    return out
+
+
+#: :func:`_routing` of the last few holder sets (0: none kept)
+_ROUTINGS: dict[tuple[object, ...], _Routing] = {}
+_ROUTINGS_KEPT = 4
 
 
 def domain_quota(
@@ -203,17 +262,16 @@ def domain_quota(
     r, s = np.nonzero(base.phy2log >= 0)
     e = base.phy2log[r, s].astype(np.int64)
     holds = dc_holds(base, topology)
-    v_dc, v_expert, vid, _ = _virtual(holds)
+    routing = _routing(holds, rank_dc)
+    v_dc, v_expert, vid = routing.v_dc, routing.v_expert, routing.vid
     v = vid[rank_dc[r], e]
     if np.bincount(v, minlength=v_dc.size).max(initial=1) > 1:
         raise ValueError("the base holds an expert more than once in a DC")
     home = np.zeros(v_dc.size, np.int64)
     home[v] = r
     local = _sum_rows(load, rank_dc, topology.num_dcs).astype(np.int64)  # [D, E] d's tokens
-    to_v = remote_holder(holds, rank_dc)  # [R, E] away: the holder; else -1, set below
-    inflow = remote_inflow(load, holds, rank_dc, to_v)
-    own = vid[rank_dc]  # [R, E] the source's own DC's copy
-    to_v = np.where(own >= 0, own, to_v)
+    inflow = _inflow(load, routing)
+    to_v = routing.to_v  # [R, E] the own DC's copy, else the remote holder's
     demand = local[v_dc, v_expert] + inflow
     v_p2l = np.full(base.phy2log.shape, -1, np.int64)
     v_p2l[r, s] = v
@@ -346,7 +404,8 @@ def domain_traffic(
     rank_dc, holds = topology.rank_dc, sol.holds
     num_dcs = holds.shape[0]
     lf = load.astype(np.float64)
-    here = holds[rank_dc]  # [R, E]
+    routing = _routing(holds, rank_dc)
+    here = routing.here  # [R, E]
     local = np.where(here, lf, 0.0)
     away = lf - local
     inflow = np.zeros(holds.shape)  # [D, E] tokens sent in from DCs without e
@@ -389,8 +448,12 @@ def domain_traffic(
     rank_out = np.stack([reach_node - reach_rank, reach_dc - reach_node, away.sum(axis=1)], axis=1)
     # DC pairs, flat: every (r, e) in row-major order, the zeros of ``away`` included (adding
     # 0.0 changes no sum: the same floats as over its nonzeros alone, one pass fewer)
-    to_dc = sol.v_dc[sol.to_v]  # [R, E] (where nobody holds e, away is 0)
-    pair = np.bincount((rank_dc[:, None] * num_dcs + to_dc).ravel(), weights=away.ravel())
+    if routing.to_v is sol.to_v:  # the solution's route is this routing's
+        key = routing.pair_key
+    else:
+        to_dc = sol.v_dc[sol.to_v]  # [R, E] (where nobody holds e, away is 0)
+        key = (rank_dc[:, None] * num_dcs + to_dc).ravel()
+    pair = np.bincount(key, weights=away.ravel())
     flat = np.flatnonzero(pair)
     ps, pd = np.divmod(flat, num_dcs)
     per_rank = lf.sum(axis=1)

@@ -647,7 +647,7 @@ def balance_demand(
     if rank_domain is not None:
         if np.shape(rank_domain) != (num_ranks,):
             raise ValueError(f"rank_domain must be [{num_ranks}], got {np.shape(rank_domain)}")
-        dom = np.unique(rank_domain, return_inverse=True)[1].astype(np.int64)
+        dom = _dense(np.asarray(rank_domain))
     phy2log = np.full(masters.phy2log.size, -1, dtype=np.int32)
     phy2log[master] = np.arange(num_experts)
     pb = _problem(
@@ -674,6 +674,14 @@ def balance_demand(
         lower_bound=pb.lower,
         replicas=(rep_expert, rep_rank, rep_tokens),
     )
+
+
+def _dense(ids: np.ndarray) -> np.ndarray:
+    """[R] int64 ``ids`` renumbered ``0 .. D-1`` in the order of their values (the inverse
+    of ``np.unique``); ids that already are (a topology's ``rank_dc``) without sorting."""
+    if ids.dtype.kind in "iu" and ids.size and ids.min() >= 0 and np.bincount(ids).all():
+        return ids.astype(np.int64)
+    return np.unique(ids, return_inverse=True)[1].astype(np.int64).reshape(-1)
 
 
 def quota_route(load: np.ndarray, solution: QuotaSolution) -> np.ndarray:
