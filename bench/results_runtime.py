@@ -30,8 +30,10 @@ def section(root: Path) -> list[str]:
         "The step model of the SPMD data plane (`expertmesh sim replay` of the trace.npz and",
         "plans.npz each runtime writes: the collectives of the plan every step ran on, the",
         "bytes of every collective that crossed DCs as the workers counted them, the",
-        "constants calibrated on static over free links just before and after each group,",
-        "scaled per row by the drift of a static probe run on either side of the row)",
+        "copies of experts each rank held, the constants calibrated over free links just",
+        "before and after each group (static at two batch sizes and the replicated layout",
+        "that holds every expert in every DC), scaled per row by the drift of a static",
+        "probe run on either side of the row)",
         "against the measured median step of every row of `make bench-runtime` (the demo",
         "model on the SPMD plane over gloo, 2 and 3 DCs, 1 Gbit/s to 20 Mbit/s, 20 ms).",
         "Medians over the steps that ran on a plan the controller made (steps 6-15 of 16;",
@@ -52,6 +54,7 @@ def section(root: Path) -> list[str]:
         f"{run['seconds']:.0f} s; load average (1 min, 2 cores) "
         f"{run['load_avg'][0][0]:.2f} at the start, {run['load_avg'][1][0]:.2f} at the end",
         f"(`{RECORD}`; docs/benchmarks.md, Runtime, has every column and the analysis).",
+        *([f"**Partial run**: {run['stopped']}."] if run.get("stopped") else []),
         "",
         f"**Prediction within 15% of the measured median step: {sum(held)} of {len(rows)} "
         f"rows** (predicted / measured {min(ratios):.2f}-{max(ratios):.2f}; a row holds when "
