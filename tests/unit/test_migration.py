@@ -402,3 +402,69 @@ def test_scheduler_set_helpers_equal_numpy(a, b):
     want = np.zeros(x.size, dtype=bool)
     want[np.unique(x, return_index=True)[1]] = True
     assert np.array_equal(_first_in_group(x), want)
+
+
+def _both_schedulers(old: Placement, new: Placement, topo: Topology, model: ModelSpec):
+    """The plain-Python scheduler's and the numpy one's ``(src, round)`` for old -> new."""
+    from expertmesh.planner.migration import _jobs_and_local_copies, _Scheduler
+
+    jobs, _, _ = _jobs_and_local_copies(old, new, model)
+    r, s = np.nonzero(old.phy2log >= 0)
+    sched = _Scheduler(jobs, topo, int(new.master.size))
+    return sched.run_small(old.phy2log[r, s], r), sched.run_arrays(old.phy2log[r, s], r)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(), st.booleans(), st.booleans())
+def test_small_scheduler_equals_the_numpy_one(case, relabel, aligned):
+    # run_small (plain Python, few jobs, no per-pair links) stands in for run_arrays: the
+    # same source and round for every job, relays, masters and duplicate copies included
+    topo, old, new = case
+    if topo.pairs:
+        topo = Topology.generate(
+            topo.num_dcs, topo.num_ranks // topo.num_dcs, nodes_per_dc=topo.dcs[0].nodes,
+            masters=topo.masters_per_rank, spare=topo.spare_per_rank,
+        )  # fmt: skip
+    model = ModelSpec(num_experts=int(new.master.size), hidden=8, ffn_hidden=8)
+    if aligned:
+        new = align_placement(old, new, topo, relabel_ranks=relabel)
+    (src, rnd), (src_a, rnd_a) = _both_schedulers(old, new, topo, model)
+    assert src.tolist() == src_a.tolist()
+    assert rnd.tolist() == rnd_a.tolist()
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_small_scheduler_equals_the_numpy_one_on_the_scale_group(seed):
+    # the scale run's EP group (8 DCs x 8 ranks, 256 experts, 4 + 2 slots): a re-plan that
+    # moves a few experts (hot ones copied to many ranks, masters moved), and plan_migration
+    # gives the same transfers whichever scheduler runs
+    import expertmesh.planner.migration as mig_mod
+
+    topo = Topology.generate(8, 8)
+    model = ModelSpec(num_experts=256)
+    rng = np.random.default_rng(seed)
+    p2l = np.full((64, 6), -1, dtype=np.int32)
+    p2l[:, :4] = np.arange(256).reshape(64, 4)
+    old = Placement(phy2log=p2l, master=(np.arange(256) // 4) * 6 + np.arange(256) % 4)
+    p2l = p2l.copy()
+    spare = np.argwhere(p2l < 0)
+    take = rng.choice(len(spare), size=int(rng.integers(1, 40)), replace=False)
+    hot = rng.integers(0, 256, size=3)
+    p2l[spare[take, 0], spare[take, 1]] = hot[rng.integers(0, 3, size=take.size)]
+    master = old.master.copy()
+    for e in rng.integers(0, 256, size=2):  # a master moves onto a rank's spare slot
+        r, s = spare[int(rng.integers(len(spare)))]
+        if p2l[r, s] < 0:
+            p2l[r, s] = e
+            master[e] = r * 6 + s
+    new = Placement(phy2log=p2l, master=master)
+    (src, rnd), (src_a, rnd_a) = _both_schedulers(old, new, topo, model)
+    assert (src.tolist(), rnd.tolist()) == (src_a.tolist(), rnd_a.tolist())
+    assert mig_mod.SMALL_JOBS > 0
+    fast = plan_migration(old, new, topo, model)
+    saved = mig_mod.SMALL_JOBS
+    try:
+        mig_mod.SMALL_JOBS = -1  # every migration through run_arrays
+        assert plan_migration(old, new, topo, model) == fast
+    finally:
+        mig_mod.SMALL_JOBS = saved

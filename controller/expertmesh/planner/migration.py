@@ -27,6 +27,8 @@ so every old copy stays readable as a source during all rounds.
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +43,8 @@ __all__ = ["align_placement", "plan_migration"]
 # Upper bound on matching passes inside one round (each pass accepts >= 1 transfer;
 # what is left waits for the next round, which keeps every invariant).
 MAX_PASSES = 64
+#: most jobs the scheduler runs in plain Python (:meth:`_Scheduler.run_small`)
+SMALL_JOBS = 512
 
 
 # ---------------------------------------------------------------- validation
@@ -359,7 +363,15 @@ class _Scheduler:
         )
 
     def run(self, hold_e: np.ndarray, hold_r: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``hold_e``, ``hold_r`` [H]: old copies. Returns ``(src [J], round [J])``."""
+        """``hold_e``, ``hold_r`` [H]: old copies. Returns ``(src [J], round [J])``: with at
+        most :data:`SMALL_JOBS` jobs and no per-pair links, :meth:`run_small` (the same
+        answer in plain Python), else :meth:`run_arrays`."""
+        if self.e.size <= SMALL_JOBS and not self.topo.pairs:
+            return self.run_small(hold_e, hold_r)
+        return self.run_arrays(hold_e, hold_r)
+
+    def run_arrays(self, hold_e: np.ndarray, hold_r: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The scheduler in numpy passes over every job (any size, any topology)."""
         n = self.e.size
         src = np.full(n, -1, dtype=np.int64)
         rnd = np.full(n, -1, dtype=np.int64)
@@ -390,6 +402,11 @@ class _Scheduler:
             hold_r = np.concatenate([hold_r, self.dst[rnd == k]])
             k += 1
         return src, rnd
+
+    def run_small(self, hold_e: np.ndarray, hold_r: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`run_arrays` in plain Python (:class:`_SmallRounds`), for few jobs on a
+        topology without per-pair links (every other DC equally near)."""
+        return _SmallRounds(self, hold_e, hold_r).run()
 
     def _levels(self, holders: _Holders) -> np.ndarray:
         """[J] 0, 1 or 2: where the nearest holders of each job's expert are."""
@@ -498,6 +515,173 @@ class _Scheduler:
         return pj, ps
 
 
+class _SmallRounds:
+    """:meth:`_Scheduler.run_arrays` element by element: the same rounds, passes,
+    proposals and acceptance rule, without dozens of numpy calls per pass (a re-plan
+    moves a few experts). Only where every other DC is equally near (no per-pair links).
+    ``tests/unit/test_migration.py`` checks that the two agree."""
+
+    def __init__(self, sched: _Scheduler, hold_e: np.ndarray, hold_r: np.ndarray) -> None:
+        self.n, self.num_dcs = int(sched.e.size), sched.num_dcs
+        self.e, self.dst, self.fixed = sched.e.tolist(), sched.dst.tolist(), sched.fixed.tolist()
+        self.nkey, self.dkey, self.prio = (
+            sched.nkey.tolist(),
+            sched.dkey.tolist(),
+            sched.prio.tolist(),
+        )
+        self.node, self.dc = sched.node.tolist(), sched.dc.tolist()
+        self.dnode, self.ddc = sched.dnode.tolist(), sched.ddc.tolist()
+        self.fixed_level = sched.fixed_level.tolist()
+        # holders of the jobs' experts only: expert -> ranks, ascending, with multiplicity
+        wanted = np.unique(sched.e)
+        he, hr = np.asarray(hold_e, dtype=np.int64), np.asarray(hold_r, dtype=np.int64)
+        sel = _member(wanted, he)
+        he, hr = he[sel], hr[sel]
+        o = np.lexsort((hr, he))
+        self.holders: dict[int, list[int]] = {x: [] for x in wanted.tolist()}
+        for x, r in zip(he[o].tolist(), hr[o].tolist(), strict=True):
+            self.holders[x].append(r)
+        self.busy_src: set[int] = set()
+        self.busy_dst: set[int] = set()
+        self.entries: tuple[set[int], set[int], set[int]] = (set(), set(), set())
+
+    def run(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(src [J], round [J])`` as :meth:`_Scheduler.run_arrays` gives them."""
+        n, e, dst, fixed, prio = self.n, self.e, self.dst, self.fixed, self.prio
+        src, rnd = [-1] * n, [-1] * n
+        k = 0
+        while -1 in rnd:
+            level = self._levels()
+            order_key = [(2 - level[i]) * n + prio[i] for i in range(n)]
+            pending = [i for i in range(n) if rnd[i] < 0]
+            fixed_j = [i for i in pending if fixed[i] >= 0]
+            by_level: list[list[int]] = [[], [], []]
+            for i in pending:
+                if fixed[i] < 0:
+                    by_level[level[i]].append(i)
+            by_level[0].sort(key=lambda i: (self.nkey[i], prio[i]))
+            self.busy_src, self.busy_dst = set(), set()
+            self.entries = (set(), set(), set())
+            progress = False
+            for _ in range(MAX_PASSES):
+                props = self._propose(fixed_j, by_level)
+                if not props:
+                    break
+                acc = self._accept(props, order_key)
+                if not acc:
+                    break
+                for i, r in acc:
+                    self.busy_src.add(r)
+                    self.busy_dst.add(dst[i])
+                    src[i], rnd[i] = r, k
+                progress = True
+            if not progress:  # cannot happen: a round's first proposal always fits
+                raise RuntimeError("migration scheduler made no progress")
+            for i in range(n):
+                if rnd[i] == k:
+                    bisect.insort(self.holders[e[i]], dst[i])
+            k += 1
+        return np.array(src, dtype=np.int64), np.array(rnd, dtype=np.int64)
+
+    def _levels(self) -> list[int]:
+        """[J] 0, 1 or 2: where the nearest holders of each job's expert are."""
+        nodes = {x: {self.node[r] for r in rs} for x, rs in self.holders.items()}
+        dcs = {x: {self.dc[r] for r in rs} for x, rs in self.holders.items()}
+        out = []
+        for i, x in enumerate(self.e):
+            if self.fixed[i] >= 0:
+                out.append(self.fixed_level[i])
+            else:
+                out.append(0 if self.dnode[i] in nodes[x] else 1 if self.ddc[i] in dcs[x] else 2)
+        return out
+
+    def _propose(self, fixed_j: list[int], by_level: list[list[int]]) -> list[tuple[int, int]]:
+        """One pass of proposals ``(job, src)``, as :meth:`_Scheduler._propose`."""
+        dst, fixed, busy_dst, prio = self.dst, self.fixed, self.busy_dst, self.prio
+        node, dc, dnode, ddc = self.node, self.dc, self.dnode, self.ddc
+        nkey, dkey, e = self.nkey, self.dkey, self.e
+        props = [
+            (i, fixed[i])
+            for i in fixed_j
+            if dst[i] not in busy_dst and fixed[i] not in self.busy_src
+        ]
+        # level 0: the q-th job of a node entry takes its q-th free holder in that node
+        jobs = [i for i in by_level[0] if dst[i] not in busy_dst]
+        props += self._pair(jobs, nkey, lambda r, i: node[r] == dnode[i])
+        # level 1: one job per node entry this round, a free holder in the job's DC
+        jobs = [i for i in by_level[1] if dst[i] not in busy_dst and nkey[i] not in self.entries[0]]
+        jobs = sorted(self._best(jobs, nkey), key=lambda i: (dkey[i], prio[i]))
+        props += self._pair(jobs, dkey, lambda r, i: dc[r] == ddc[i])
+        # level 2: one job per DC entry this round, a free holder anywhere
+        jobs = [i for i in by_level[2] if dst[i] not in busy_dst and dkey[i] not in self.entries[1]]
+        jobs = sorted(self._best(jobs, dkey), key=lambda i: (e[i], prio[i]))
+        props += self._pair(jobs, e, lambda r, i: True)
+        return props
+
+    def _best(self, jobs: list[int], key: list[int]) -> list[int]:
+        """:meth:`_Scheduler._best_per`: the highest-priority job of each key."""
+        best: dict[int, int] = {}
+        for i in jobs:
+            b = best.get(key[i])
+            if b is None or self.prio[i] < self.prio[b]:
+                best[key[i]] = i
+        return list(best.values())
+
+    def _pair(
+        self, jobs: list[int], key: list[int], near: Callable[[int, int], bool]
+    ) -> list[tuple[int, int]]:
+        """:func:`_pair_sorted`: ``jobs`` sorted by ``key`` (ties in the order to pair
+        them); the q-th job of a key takes the q-th free holder of its expert, by rank,
+        that is ``near(rank, job)`` (in its node, in its DC, or anywhere)."""
+        out = []
+        q, last = 0, None
+        for i in jobs:
+            q = q + 1 if key[i] == last else 0
+            last = key[i]
+            free = [r for r in self.holders[self.e[i]] if r not in self.busy_src and near(r, i)]
+            if q < len(free):
+                out.append((i, free[q]))
+        return out
+
+    def _accept(self, props: list[tuple[int, int]], order_key: list[int]) -> list[tuple[int, int]]:
+        """:meth:`_Scheduler._accept`: the proposals that pass the round's entries (node,
+        DC, DC pair), in priority order, each accepted when it is the first of every group
+        it belongs to (a rejected one still counts as first); adds the accepted entries."""
+        nkey, dkey, dst, entries = self.nkey, self.dkey, self.dst, self.entries
+        rows = []
+        for i, r in props:
+            cn, cd = self.node[r] != self.dnode[i], self.dc[r] != self.ddc[i]
+            pair = self.dc[r] * self.num_dcs + self.ddc[i]
+            if (cn and nkey[i] in entries[0]) or (
+                cd and (dkey[i] in entries[1] or pair in entries[2])
+            ):
+                continue
+            rows.append((order_key[i], i, r, cn, cd, pair))
+        rows.sort()
+        seen: tuple[set[int], ...] = (set(), set(), set(), set(), set())  # src, dst, node, DC, pair
+        acc = []
+        for _, i, r, cn, cd, pair in rows:
+            ok = r not in seen[0] and dst[i] not in seen[1]
+            seen[0].add(r)
+            seen[1].add(dst[i])
+            if cn:
+                ok = ok and nkey[i] not in seen[2]
+                seen[2].add(nkey[i])
+            if cd:
+                ok = ok and dkey[i] not in seen[3] and pair not in seen[4]
+                seen[3].add(dkey[i])
+                seen[4].add(pair)
+            if ok:
+                acc.append((i, r, cn, cd, pair))
+        for i, _, cn, cd, pair in acc:
+            if cn:
+                entries[0].add(nkey[i])
+            if cd:
+                entries[1].add(dkey[i])
+                entries[2].add(pair)
+        return [(i, r) for i, r, _, _, _ in acc]
+
+
 def _jobs_and_local_copies(
     old: Placement, new: Placement, model: ModelSpec
 ) -> tuple[_Jobs, np.ndarray, np.ndarray]:
@@ -511,7 +695,7 @@ def _jobs_and_local_copies(
     num_experts = new.master.shape[0]
     old_p2l, new_p2l = old.phy2log.astype(np.int64), new.phy2log.astype(np.int64)
     r, s = np.nonzero(old_p2l >= 0)
-    old_keys = np.unique(r * num_experts + old_p2l[r, s])  # sorted rank * E + expert
+    old_keys = np.sort(r * num_experts + old_p2l[r, s])  # rank * E + expert, ascending
 
     def had(rank: np.ndarray, expert: np.ndarray) -> np.ndarray:
         key = rank * num_experts + expert

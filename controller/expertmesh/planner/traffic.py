@@ -188,17 +188,37 @@ def traffic_from_route(
 
 def level_sums(x: np.ndarray, topology: Topology) -> list[np.ndarray]:
     """[R, E] -> sums over rank, node, DC and everything: [R, E], [Nn, E], [D, E], [1, E]."""
-    (r_starts, r_at), (n_starts, n_at) = _level_index(topology)
+    (r_starts, r_at, r_len), (n_starts, n_at, n_len) = _level_index(topology)
     node = np.zeros((topology.num_nodes, x.shape[1]))
     if x.shape[0]:
-        node[r_at] += np.add.reduceat(x, r_starts, axis=0)
+        node[r_at] += _run_sums(x, r_starts, r_len)
     if n_starts.size == topology.num_dcs == node.shape[0]:
         dc = node.copy()  # one node per DC: 0.0 + (0.0 + s) is 0.0 + s, the same floats
     else:
         dc = np.zeros((topology.num_dcs, x.shape[1]))
         if node.shape[0]:
-            dc[n_at] += np.add.reduceat(node, n_starts, axis=0)
+            dc[n_at] += _run_sums(node, n_starts, n_len)
     return [x, node, dc, dc.sum(axis=0, keepdims=True)]
+
+
+#: longest run :func:`_run_sums` sums without ``reduceat``: numpy's ``reduceat`` adds a
+#: run as ``x[start] + pairwise(rest)``, and its pairwise sum of fewer than 8 numbers
+#: is the plain loop a reduction over a middle axis makes
+_SHORT_RUN = 8
+
+
+def _run_sums(x: np.ndarray, starts: np.ndarray, length: int) -> np.ndarray:
+    """``np.add.reduceat(x, starts, axis=0)`` for ``x`` [N, E] and run ``starts`` [G], the
+    same floats. ``length``: the length every run has, when they do (equal nodes), else 0;
+    runs of at most 8 are summed as ``x[first] + (x[second] + ...)`` over a [G, p, E]
+    view, without ``reduceat``'s column-by-column loop (several times faster)."""
+    if not 0 < length <= _SHORT_RUN:
+        return np.add.reduceat(x, starts, axis=0)
+    v = x.reshape(starts.size, length, x.shape[1])
+    if length == 1:
+        return v[:, 0].copy()
+    out: np.ndarray = v[:, 0] + v[:, 1:].sum(axis=1)
+    return out
 
 
 def _node_dc(topology: Topology) -> np.ndarray:
@@ -207,19 +227,23 @@ def _node_dc(topology: Topology) -> np.ndarray:
 
 
 #: per topology: the row runs of :func:`level_sums` (rank -> node, node -> DC)
-_LEVELS: weakref.WeakKeyDictionary[Topology, tuple[tuple[np.ndarray, np.ndarray], ...]] = (
+_LEVELS: weakref.WeakKeyDictionary[Topology, tuple[tuple[np.ndarray, np.ndarray, int], ...]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def _level_index(topology: Topology) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
-    """``(starts, index[starts])`` of the sorted rank -> node and node -> DC indices."""
+def _level_index(topology: Topology) -> tuple[tuple[np.ndarray, np.ndarray, int], ...]:
+    """``(starts, index[starts], length)`` of the sorted rank -> node and node -> DC indices;
+    ``length``: the length of every run when they are equal, else 0."""
     got = _LEVELS.get(topology)
     if got is None:
         runs = []
         for index in (topology.rank_node, _node_dc(topology)):
             starts = np.flatnonzero(np.r_[True, index[1:] != index[:-1]]) if index.size else index
-            runs.append((starts, index[starts]))
+            n = int(index.size)
+            p = n // starts.size if starts.size else 0
+            even = p > 0 and np.array_equal(starts, np.arange(0, n, p))
+            runs.append((starts, index[starts], p if even else 0))
         got = _LEVELS[topology] = tuple(runs)
     return got
 
