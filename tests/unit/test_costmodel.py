@@ -376,10 +376,53 @@ def test_level_sums_equal_reduceat_bit_for_bit(dcs, nodes, per_node, cols, seed,
         [topo.rank_dc[np.flatnonzero(topo.rank_node == n)[0]] for n in range(topo.num_nodes)]
     )
     want = [x, np.zeros((topo.num_nodes, cols)), np.zeros((topo.num_dcs, cols))]
-    for k, (index, src) in enumerate(((topo.rank_node, x), (node_dc, None))):
-        src = want[1] if src is None else src
+    for k, index in enumerate((topo.rank_node, node_dc)):
         starts = np.flatnonzero(np.r_[True, index[1:] != index[:-1]])
-        want[k + 1][index[starts]] += np.add.reduceat(src, starts, axis=0)
+        want[k + 1][index[starts]] += np.add.reduceat(want[k], starts, axis=0)
     got = level_sums(x, topo)
     for g, w in zip(got[1:3], want[1:], strict=True):
         assert g.tobytes() == w.tobytes()
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    sizes=st.lists(st.tuples(st.integers(1, 3), st.integers(1, 4)), min_size=1, max_size=4),
+    seed=st.integers(0, 2**32 - 1),
+    scalar=st.booleans(),
+)
+def test_shell_and_port_add_equal_link_class_and_one_bincount_per_fabric(sizes, seed, scalar):
+    # the cost model's link classes are the topology's, and its port sums are those of one
+    # bincount per fabric (masked ranks and bytes) to the bit
+    from expertmesh.planner.costmodel import _port_add, _shell
+
+    topo = Topology(tuple(DC(f"d{i}", n, n * p) for i, (n, p) in enumerate(sizes)), 2, 2)
+    rng = np.random.default_rng(seed)
+    a = rng.integers(0, topo.num_ranks, 60)
+    b = np.where(rng.random(60) < 0.2, a, rng.integers(0, topo.num_ranks, 60))
+    shell = _shell(topo, a, b)
+    assert shell.tolist() == np.asarray(topo.link_class(a, b)).tolist()
+    nbytes = 1234.5678 if scalar else rng.random(60) * 1e9
+    port = rng.random((topo.num_ranks, 4))
+    want = port.copy()
+    nb = np.broadcast_to(np.asarray(nbytes, dtype=np.float64), a.shape)
+    for col, ranks in ((0, a), (1, b)):
+        for sel, c in ((shell == 1, col), (shell >= 2, col + 2)):
+            want[:, c] += np.bincount(ranks[sel], weights=nb[sel], minlength=topo.num_ranks)
+        _port_add(port, ranks, shell, col, nbytes)
+    assert port.tobytes() == want.tobytes()
+
+
+@settings(max_examples=60, deadline=None)
+@given(ranks=st.integers(1, 20), copies=st.integers(0, 80), seed=st.integers(0, 2**32 - 1))
+def test_shell_sums_equal_one_bincount_per_shell(ranks, copies, seed):
+    # what ranks receive by shell (even_traffic, weighted_traffic): one bincount over
+    # (rank, shell) bins gives the floats of one bincount per shell
+    from expertmesh.planner.traffic import _shell_sums
+
+    rng = np.random.default_rng(seed)
+    rank = rng.integers(0, ranks, copies)
+    in_shell = rng.random((copies, 4)) ** 3 * 1e4
+    want = np.stack(
+        [np.bincount(rank, weights=in_shell[:, j], minlength=ranks) for j in (1, 2, 3)], axis=1
+    )
+    assert _shell_sums(rank, in_shell, ranks).tobytes() == want.tobytes()

@@ -191,19 +191,31 @@ class StepCost:
 
 
 def _shell(topology: Topology, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """[N] 0 same rank, 1 same node, 2 same DC, 3 other DC."""
-    return np.asarray(topology.link_class(a, b))
+    """[N] 0 same rank, 1 same node, 2 same DC, 3 other DC: ``topology.link_class`` as the
+    count of differences (a node lies in one DC), three comparisons and no masked writes."""
+    dc, node = topology.rank_dc, topology.rank_node
+    out = (dc[a] != dc[b]).astype(np.int64)
+    out += node[a] != node[b]
+    out += a != b
+    return out
 
 
 def _port_add(
     port: np.ndarray, ranks: np.ndarray, shell: np.ndarray, col: int, nbytes: float | np.ndarray
 ) -> None:
-    """Add ``nbytes`` to the node (shell 1) or NIC (shell >= 2) column ``col`` (out or in)."""
-    nb = np.broadcast_to(np.asarray(nbytes, dtype=np.float64), ranks.shape)
-    node = shell == 1
-    nic = shell >= 2
-    port[:, col] += np.bincount(ranks[node], weights=nb[node], minlength=port.shape[0])
-    port[:, col + 2] += np.bincount(ranks[nic], weights=nb[nic], minlength=port.shape[0])
+    """Add ``nbytes`` (one value or [N]) to the node (shell 1) or NIC (shell >= 2) column
+    ``col`` (out or in) of ``port`` [R, 4] for ``ranks`` [N]. One ``bincount`` over
+    (rank, fabric) bins: each bin adds its bytes in the same order as one ``bincount`` per
+    fabric would (the same floats)."""
+    nb = np.asarray(nbytes, dtype=np.float64)
+    if nb.shape != ranks.shape:
+        nb = np.full(ranks.shape, nb)
+    num_ranks = port.shape[0]
+    fabric = np.minimum(shell, 2)  # 0 same rank (no port), 1 node fabric, 2 NIC
+    sums = np.bincount(ranks * 3 + fabric, weights=nb, minlength=3 * num_ranks)
+    sums = sums.reshape(num_ranks, 3)
+    port[:, col] += sums[:, 1]
+    port[:, col + 2] += sums[:, 2]
 
 
 def replica_streams(

@@ -357,14 +357,14 @@ def even_traffic(
     k = cp.k
 
     # [R, E] does r's domain hold e? ("global": no locality, everything spreads)
-    local = np.zeros_like(lf, dtype=bool) if level == 3 else k(level) > 0
+    local = k(level) > 0 if level < 3 else None
     # "global": every load is non-local, the same floats as ``lf`` (not modified below)
-    nonlocal_load = lf if level == 3 else np.where(local, 0.0, lf)
+    nonlocal_load = lf if local is None else np.where(local, 0.0, lf)
     w_nl = nonlocal_load / safe_total  # per-copy share of a spread (r, e)
 
     # ---- what each source sends, by shell: cumulative copies reached up to shell j ----
     rank_out = np.zeros((num_ranks, 3))
-    if level < 3:
+    if local is not None:
         w_loc = np.where(local, lf / np.where(local, k(level), 1.0), 0.0)  # per local copy
         reach = [np.einsum("re,re->r", w_loc, k(j)) for j in range(level + 1)]
         for j in range(1, level + 1):
@@ -404,10 +404,7 @@ def even_traffic(
             prev = nsum[j - 1][mg[j - 1], me] if j else 0.0
             in_shell[is_master, j] += nsum[j][mg[j], me] - prev
     rank_tokens = np.bincount(cr, weights=in_shell.sum(axis=1), minlength=num_ranks)
-    rank_in = np.stack(
-        [np.bincount(cr, weights=in_shell[:, j], minlength=num_ranks) for j in (1, 2, 3)],
-        axis=1,
-    )
+    rank_in = _shell_sums(cr, in_shell, num_ranks)
 
     # ---- DC pairs ----
     nl_dc = nsum[2]  # [D, E] non-local assignments per source DC
@@ -426,6 +423,15 @@ def even_traffic(
             a.flags.writeable = False
         stats.memo[memo_key] = out
     return out
+
+
+def _shell_sums(rank: np.ndarray, in_shell: np.ndarray, num_ranks: int) -> np.ndarray:
+    """[R, 3] what each rank receives over shells 1, 2, 3: the sums of ``in_shell`` [C, 4]
+    rows by ``rank`` [C]. One ``bincount`` over (rank, shell) bins, each adding its values
+    in row order as one ``bincount`` per shell would (the same floats)."""
+    key = (rank.astype(np.int64) * 4)[:, None] + np.arange(4)
+    sums = np.bincount(key.ravel(), weights=in_shell.ravel(), minlength=4 * num_ranks)
+    return np.ascontiguousarray(sums.reshape(num_ranks, 4)[:, 1:])
 
 
 def _level_sums_of(
@@ -488,10 +494,7 @@ def weighted_traffic(
     ) * c_w[:, None]  # fmt: skip
     in_shell[:, 0] += c_own
     rank_tokens = np.bincount(c_rank, weights=in_shell.sum(axis=1), minlength=num_ranks)
-    rank_in = np.stack(
-        [np.bincount(c_rank, weights=in_shell[:, j], minlength=num_ranks) for j in (1, 2, 3)],
-        axis=1,
-    )
+    rank_in = _shell_sums(c_rank, in_shell, num_ranks)
     dense = lsum[2] @ g[2].T  # [D, D] what sources of DC s send to copies in DC x
     ps, pd, pt = _pairs(dense)
     return TokenTraffic(

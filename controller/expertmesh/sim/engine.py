@@ -533,7 +533,8 @@ def _migration_bytes(
     if last is None:
         last = np.full((old.num_ranks, old.master.size), -1, np.int64)
         st.last_held[layer] = last
-    last[old.holds()] = t - 1  # everything held until now was current one step ago
+    r, s = np.nonzero(old.phy2log >= 0)
+    last[r, old.phy2log[r, s]] = t - 1  # everything held until now was current one step ago
     n = len(migration.transfers)
     src = np.fromiter((x.src_rank for x in migration.transfers), np.int64, n)
     dst = np.fromiter((x.dst_rank for x in migration.transfers), np.int64, n)
