@@ -547,12 +547,14 @@ def _left(run: dict[str, Any]) -> list[str]:
         + " s (migration: the plan's round scheduler, the bytes and streams of its",
         "transfers; a placement's alignment counts as solve). The simulator computes once",
         "what policies share at a step (a placement's alignment, migration plan and",
-        "replica streams, memoized by value; the load's statistics; the checked context),",
-        "rows equal to the bit (`tests/unit/test_sim_golden.py`). Not done: running the",
+        "replica streams, memoized by value; the load's statistics; the checked context);",
+        "a re-plan that moves a few experts is scheduled in plain Python (the numpy",
+        "scheduler's rounds were dozens of calls each), and each speed-up was checked to",
+        "give the rows of the code before it to the bit on the same machine",
+        "(`tests/unit/test_sim_golden.py` pins them). Not done: running the",
         f"{groups} groups in lockstep with a leading group axis (one numpy pass over",
         f"[{groups}, 64, 256] instead of {groups}); it would cut the per-call overhead of",
-        "the cost model's many small passes (the migration scheduler's most of all: a",
-        "re-plan moves a few experts, and each of its rounds is dozens of numpy calls),",
+        "the traffic and step-cost passes (dozens of numpy calls per policy-step each),",
         "not the draws or the solves.",
     ]
 
