@@ -56,7 +56,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -73,6 +72,7 @@ from spmdbench import (  # noqa: E402
     SharedCluster,
     SpmdRun,
     run_bench,
+    temporary_trace_dir,
 )
 
 from expertmesh.controller.core import Trigger  # noqa: E402 (after the source roots)
@@ -234,7 +234,7 @@ def _pinned_run(
 ) -> tuple[SpmdRun, dict[int, list[dict[str, Any]]]]:
     """One runtime's training (on the shared cluster; the workers' own word on where they
     run checked first) and every rank's reports of its steps, as the worker kept them."""
-    where = Path(tempfile.mkdtemp(prefix="expertmesh-trace-"))
+    where = temporary_trace_dir()
     st = st.model_copy(update={"trace_dir": str(where)})
     t0 = time.perf_counter()
     with SpmdRuntime(st) as rt:

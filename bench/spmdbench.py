@@ -14,10 +14,12 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import logging
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -119,12 +121,20 @@ class SpmdRun:
         return statistics.median(float(getattr(s, field) or 0.0) for s in self.measured(skip))
 
 
+def temporary_trace_dir() -> Path:
+    """A fresh directory for a run's trace that the caller may still read after the run;
+    removed when the bench process exits (a bench makes dozens of runs)."""
+    where = Path(tempfile.mkdtemp(prefix="expertmesh-trace-"))
+    atexit.register(shutil.rmtree, where, ignore_errors=True)
+    return where
+
+
 def run_spmd(
     settings: RuntimeSettings, steps: int, trace_dir: Path | None = None, attempts: int = 3
 ) -> SpmdRun:
     """Train ``steps`` steps on a fresh :class:`SpmdRuntime` (on the shared cluster); its
     trace goes to ``trace_dir`` (None: a new temporary directory)."""
-    where = trace_dir or Path(tempfile.mkdtemp(prefix="expertmesh-trace-"))
+    where = trace_dir or temporary_trace_dir()
     settings = settings.model_copy(update={"trace_dir": str(where)})
     for attempt in range(attempts):
         try:
