@@ -61,7 +61,7 @@ import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 REPO = Path(__file__).resolve().parents[1]
 for _root in ("controller", "workers", "proto", "bench"):
@@ -111,7 +111,11 @@ def policy_settings(label: str, every: int) -> dict[str, Any]:
 
 
 def settings(
-    topo: Topology, lm: LMConfig, label: str, args: argparse.Namespace, layout: str = "static"
+    topo: Topology,
+    lm: LMConfig,
+    label: str,
+    args: argparse.Namespace,
+    layout: Literal["static", "replicated"] = "static",
 ) -> RuntimeSettings:
     """A row's runtime; ``layout="replicated"`` (calibration of ``h``): the replicated
     initial placement, never re-planned (the DCs' leads report their load once per

@@ -284,7 +284,7 @@ def calibrate(
     lhs = np.array([[n, k], [nr, kr]], dtype=np.float64)
     rhs = np.array([tf - a * tokens, tr - a * tokens])
     ch = np.linalg.solve(lhs, rhs) if abs(np.linalg.det(lhs)) > 1e-9 else np.array([c, -1.0])
-    extra = {"replicated_median": rep_median, "replicated_collectives": nr,
+    extra: dict[str, Any] = {"replicated_median": rep_median, "replicated_collectives": nr,
              "replicated_copies": kr}  # fmt: skip
     if (ch < 0).any():
         return dataclasses.replace(cal, **extra)
