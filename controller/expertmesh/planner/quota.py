@@ -341,6 +341,16 @@ def _walk(
     return short, (rank, start, end)
 
 
+def _secant_step(a: int, b: int, short: int, last: tuple[int, int] | None, width: int) -> int:
+    """The next probe after a failure at ``a`` (``b`` succeeds) that left ``short``
+    tokens unplaced: where the shortfall reaches 0 if it falls about linearly in ``T`` as
+    it did since the failure before (``last``: its ``(T, shortfall)``; None, or no drop:
+    ``width`` tokens per unit of ``T``), at least ``a + 1``, at most the midpoint."""
+    drop = 0 if last is None else last[1] - short
+    slope = drop / (a - last[0]) if last is not None and drop > 0 else width
+    return min(a + max(1, math.ceil(short / max(slope, 1e-9))), (a + b) // 2)
+
+
 def _search(pb: _Problem, sizes: np.ndarray) -> tuple[np.ndarray, _Fit]:
     """[D] smallest feasible quota per domain, and its fit, searching all domains together.
     ``sizes``: [D] ranks of each domain.
@@ -389,13 +399,10 @@ def _search(pb: _Problem, sizes: np.ndarray) -> tuple[np.ndarray, _Fit]:
             elif ok:  # the first success, reached from below: T - 1, then bisection
                 galloping[d] = False
                 probe[d] = b - 1
-            else:  # the shortfall falls about linearly in T: step to where it is 0
+            else:
                 s = short[d] if short is not None else 0
-                prev = last[d]
-                drop = 0 if prev is None else prev[1] - s
-                slope = drop / (a - prev[0]) if prev is not None and drop > 0 else width[d]
+                probe[d] = _secant_step(a, b, s, last[d], width[d])
                 last[d] = (a, s)
-                probe[d] = min(a + max(1, math.ceil(s / max(slope, 1e-9))), (a + b) // 2)
     if fit is None or used != hi:  # the last probe is the answer unless it failed somewhere
         fit = _fit(pb, np.array(hi, dtype=np.int64))
     return np.array(hi, dtype=np.int64), fit
@@ -493,11 +500,9 @@ def _search_one(
         elif short == 0:  # the first success, reached from below: T - 1, then bisection
             galloping = False
             probe = hi - 1
-        else:  # the shortfall falls about linearly in T: step to where it is 0
-            drop = 0 if last is None else last[1] - short
-            slope = drop / (lo - last[0]) if last is not None and drop > 0 else width
+        else:
+            probe = _secant_step(lo, hi, short, last, width)
             last = (lo, short)
-            probe = min(lo + max(1, math.ceil(short / max(slope, 1e-9))), (lo + hi) // 2)
     return hi, best[0], best[1]
 
 
