@@ -263,12 +263,10 @@ def replicated_placement(placement: Placement, rank_dc: np.ndarray) -> Placement
     empty slots (round robin over the DC's ranks, lowest expert first), so that every DC
     holds every expert. ``ValueError`` when a DC's empty slots are too few."""
     p2l = np.array(placement.phy2log, copy=True)
-    num_experts = int(placement.master.size)
+    holds = placement.holds()  # [R, E]
     for d in np.unique(rank_dc).tolist():
         ranks = np.flatnonzero(rank_dc == d)
-        have = np.zeros(num_experts, bool)
-        got = p2l[ranks]
-        have[got[got >= 0]] = True
+        have = holds[ranks].any(axis=0)
         free = [(r, s) for s in range(p2l.shape[1]) for r in ranks.tolist() if p2l[r, s] < 0]
         lack = np.flatnonzero(~have).tolist()
         if len(lack) > len(free):

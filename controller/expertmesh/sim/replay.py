@@ -313,8 +313,7 @@ def _can_spread(placement: Placement, rank_dc: np.ndarray, num_dcs: int) -> bool
     (:func:`~expertmesh.planner.dcsplit.can_spread`, as ``MoELayer``'s ``can_spread``) over
     the DCs' copies of ``placement`` (every rank of a trace takes part)."""
     held = np.zeros((num_dcs, placement.master.size), bool)  # [D, E]
-    r, s = np.nonzero(np.asarray(placement.phy2log) >= 0)
-    held[rank_dc[r], np.asarray(placement.phy2log)[r, s]] = True
+    np.logical_or.at(held, rank_dc, placement.holds())
     return can_spread(held)
 
 
