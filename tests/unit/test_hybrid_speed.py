@@ -59,17 +59,19 @@ def _setup(seed, gbps, dcs, ffn, training, hierarchical):
 def test_the_guard_bound_is_below_the_cost_of_every_candidate(
     monkeypatch_module, seed, gbps, dcs, ffn, training, hierarchical, again
 ):
+    # every candidate the guard bounds, also those it then neither lays out nor scores
     topo, load, base, model, cfg = _setup(seed, gbps, dcs, ffn, training, hierarchical)
     seen = []
-    cost = hybrid._guard_cost
+    scores = hybridguard.GuardCosts.scores
 
-    def checked(inp, cand):
-        c = cost(inp, cand)
-        seen.append((hybridguard.guard_bound(inp, cand), c))
-        return c
+    def checked(self, cands, ceiling=np.inf):
+        for holds in cands:
+            bound = hybridguard.guard_bound(self.inp, holds, self.master_dc)
+            seen.append((bound, self.cost(self.inp, self.build(holds))))
+        return scores(self, cands, ceiling)
 
     with monkeypatch_module.context() as m:  # undone after each example
-        m.setattr(hybrid, "_guard_cost", checked)
+        m.setattr(hybridguard.GuardCosts, "scores", checked)
         prev = _solve(topo, load, base, model, cfg)
         if again:  # a second re-plan from a running plan: copies from it are charged too
             _solve(topo, np.roll(load, 1, axis=1), prev, model, cfg, previous=prev)
@@ -88,7 +90,7 @@ def test_skipping_candidates_by_the_bound_picks_what_scoring_all_picks(
     for bounded in (True, False):
         with monkeypatch_module.context() as m:
             if not bounded:  # no bound: every candidate scored
-                m.setattr(hybridguard, "guard_bound", lambda inp, cand: -np.inf)
+                m.setattr(hybridguard, "guard_bound", lambda inp, holds, mdc: -np.inf)
             first = _solve(topo, load, base, model, cfg)
             second = _solve(topo, np.roll(load, 1, axis=1), first, model, cfg, previous=first)
             plans.append((first, second) if again else (first,))
@@ -417,8 +419,10 @@ def test_routing_memo_equals_a_fresh_solve(monkeypatch_module, seed, dcs, nodes)
         free = np.argsort(domainquota.dc_holds(static, topo) + rng.random((dcs, num_experts)))
         d = np.repeat(np.arange(dcs), 5)
         e = free[:, :5].ravel()  # 5 copies in each DC of experts it does not hold
+        mdc = topo.rank_dc[static.master_rank()]
+        holds = hybrid._holds(dcs, mdc, (d, e))
         cand = hybrid._build(_inputs(topo, rng, num_experts), static, np.zeros(num_experts, bool),
-                             topo.rank_dc[static.master_rank()], (d, e))  # fmt: skip
+                             mdc, holds)  # fmt: skip
         bases.append(cand)
     for i in [0, 1, 0, 2, 1, 1]:
         load = rng.multinomial(999, rng.dirichlet(np.full(num_experts, 0.3)), size=topo.num_ranks)

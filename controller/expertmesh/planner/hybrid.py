@@ -244,25 +244,25 @@ def plan_hybrid(
     if cfg.inside == "quota":
         # last microbatch's replicas are not the plan
         keep = rehome(keep, load, topology, cfg.reserve_slots)
-    guard = GuardCosts(inp, _guard_cost)  # equal candidates scored once, hopeless ones not at all
+    # equal candidates scored once, hopeless ones neither laid out nor scored
+    guard = GuardCosts(inp, _guard_cost, lambda h: _build(inp, masters, move, mdc, h), mdc)
     keep_cost = guard(keep)
     pair_sets = [_replicas(pairs, jc) for jc in _unique(choices)]
-    pair_plans = [_build(inp, masters, move, mdc, reps) for reps in pair_sets]
-    pair_costs = guard.scores(pair_plans)  # the fastest of them exactly: fills build on it
+    pair_holds = [_holds(num_dcs, mdc, reps) for reps in pair_sets]
+    pair_costs = guard.scores(pair_holds)  # the fastest of them exactly: fills build on it
     best = pair_sets[int(np.argmin(pair_costs))]
-    candidates = pair_plans + [
-        _build(inp, masters, move, mdc, _fill(inp, mdc, best, f)) for f in cfg.fill
-    ]
     empty = np.zeros(0, np.int64)
-    candidates.append(_build(inp, masters, move, mdc, (empty, empty)))
+    fills = [_holds(num_dcs, mdc, _fill(inp, mdc, best, f)) for f in cfg.fill]
+    candidates = pair_holds + fills
+    candidates.append(_holds(num_dcs, mdc, (empty, empty)))
     # a candidate above the bar to beat, or above a faster one, cannot be the answer
     bar = min((1.0 - cfg.min_gain) * keep_cost, *pair_costs)
-    costs = pair_costs + guard.scores(candidates[len(pair_plans) :], bar)
+    costs = pair_costs + guard.scores(candidates[len(pair_holds) :], bar)
     i = int(np.argmin(costs))
     if costs[i] > (1.0 - cfg.min_gain) * keep_cost:
         chosen, cost = keep, keep_cost
     else:
-        chosen, cost = candidates[i], costs[i]
+        chosen, cost = guard.placement(candidates[i]), costs[i]
     return _evened(inp, chosen, cost, guard) if cfg.even_dcs else chosen
 
 
@@ -277,9 +277,8 @@ def _evened(inp: _Inputs, chosen: Placement, cost: float, guard: GuardCosts) -> 
     new = even_dcs(inp.load, holds, mdc, cap, rank_dc)
     if np.array_equal(new, holds):
         return chosen
-    new[mdc, np.arange(mdc.size)] = False  # the copies besides the masters
-    d, e = np.nonzero(new)
-    cand = _build(inp, chosen, np.zeros(mdc.size, bool), mdc, (d, e))
+    new[mdc, np.arange(mdc.size)] = True  # the masters stay
+    cand = _build(inp, chosen, np.zeros(mdc.size, bool), mdc, new)
     return cand if guard(cand) <= (1.0 + cfg.even_tolerance) * cost else chosen
 
 
@@ -328,25 +327,30 @@ def _move_masters(
     return moved, np.where(moved, best, mdc)
 
 
+def _holds(num_dcs: int, mdc: np.ndarray, replicas: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """[D, E] bool holder sets: every master's DC ``mdc`` [E] and one replica per
+    ``replicas`` (DC, expert) pair."""
+    out = np.zeros((num_dcs, mdc.size), bool)
+    out[mdc, np.arange(mdc.size)] = True
+    out[replicas[0], replicas[1]] = True
+    return out
+
+
 def _build(
     inp: _Inputs,
     masters: Placement,
     move: np.ndarray,
     mdc: np.ndarray,
-    replicas: tuple[np.ndarray, np.ndarray],
+    holds: np.ndarray,
 ) -> Placement:
     """Placement with the masters (``move`` [E] ones re-placed in DC ``mdc`` [E]) and one
-    replica per ``replicas`` (DC, expert) pair, laid out by the domain-based partition."""
+    copy of every other held ``(d, e)`` of ``holds`` [D, E] (masters' DCs included), laid
+    out by the domain-based partition."""
     dc_load = inp.dc_load
-    num_experts = mdc.size
-    count = np.zeros(dc_load.shape, np.int64)
-    count[mdc, np.arange(num_experts)] = 1
-    count[replicas[0], replicas[1]] = 1
-    has = count > 0
     demand = DomainDemand(
-        count=count,
-        local=np.where(has, dc_load, 0.0),
-        remote=np.where(has, 0.0, dc_load).sum(axis=0),
+        count=holds.astype(np.int64),
+        local=np.where(holds, dc_load, 0.0),
+        remote=np.where(holds, 0.0, dc_load).sum(axis=0),
         master_dc=mdc,
         master_slot=np.where(move, -1, masters.master),
         gain=_split_gain(inp) if inp.cfg.inside == "split" else np.full(dc_load.shape[0], np.inf),

@@ -1,6 +1,7 @@
 """The guard of ``hybrid``'s slow loop (:mod:`expertmesh.planner.hybrid`, step 4) without
 scoring what cannot win: a lower bound of a candidate's modeled step from its holder sets
-alone, and the candidates scored in the order of that bound, each distinct one once."""
+alone, and the candidates scored in the order of that bound, each distinct one once; a
+candidate is laid out on ranks (the domain-based partition) only when it is scored."""
 
 from __future__ import annotations
 
@@ -10,11 +11,10 @@ import numpy as np
 
 from expertmesh.planner.costmodel import (
     CostSettings,
-    copy_streams,
     crossings,
     expected_crossings,
 )
-from expertmesh.planner.domainquota import DomainSolution, dc_holds, remote_holder
+from expertmesh.planner.domainquota import DomainSolution, _routing, dc_holds
 from expertmesh.planner.hybridpairs import HybridInputs
 from expertmesh.planner.model import ModelSpec
 from expertmesh.planner.plan import Placement
@@ -25,15 +25,25 @@ __all__ = ["GuardCosts", "chain_floor", "guard_bound", "plain_floor"]
 
 
 class GuardCosts:
-    """:func:`~expertmesh.planner.hybrid.guard_cost` of one solve's candidates, each distinct placement (``phy2log``
-    and ``master``) scored once (the guard's candidates often coincide: a fill share that
-    finds no free slot, a pair choice equal to plain EP, the running plan), and
-    :meth:`scores`: a list of candidates scored where their :func:`guard_bound` says
-    they can win."""
+    """:func:`~expertmesh.planner.hybrid.guard_cost` of one solve's candidates, each distinct
+    placement (``phy2log`` and ``master``) scored once (the guard's candidates often
+    coincide: a fill share that finds no free slot, a pair choice equal to plain EP, the
+    running plan), and :meth:`scores`: candidates given by their holder sets, each laid out
+    (``build``) and scored only where its :func:`guard_bound` says it can win.
 
-    def __init__(self, inp: HybridInputs, cost: Callable[[HybridInputs, Placement], float]) -> None:
-        self.inp, self.cost = inp, cost
+    ``build``: the placement of holder sets [D, E] (masters included) with every master
+    in DC ``master_dc`` [E]; a pure function of its argument."""
+
+    def __init__(
+        self,
+        inp: HybridInputs,
+        cost: Callable[[HybridInputs, Placement], float],
+        build: Callable[[np.ndarray], Placement],
+        master_dc: np.ndarray,
+    ) -> None:
+        self.inp, self.cost, self.build, self.master_dc = inp, cost, build, master_dc
         self.seen: dict[tuple[object, ...], float] = {}
+        self.built: dict[bytes, Placement] = {}
 
     def __call__(self, cand: Placement) -> float:
         key = self._key(cand)
@@ -46,46 +56,60 @@ class GuardCosts:
         return (cand.phy2log.shape, cand.phy2log.dtype.str, cand.phy2log.tobytes(),
                 cand.master.tobytes())  # fmt: skip
 
-    def scores(self, cands: list[Placement], ceiling: float = np.inf) -> list[float]:
-        """Each candidate's :func:`~expertmesh.planner.hybrid.guard_cost`, or ``inf`` for one whose lower bound is
-        above ``ceiling`` or above the cost of one scored before it (lowest bound first):
-        such a candidate is never the list's fastest, nor does it tie with it, so
-        ``argmin`` of the result is ``argmin`` of the exact costs wherever that is at most
-        ``ceiling``."""
-        bounds = [-np.inf if self._key(c) in self.seen else guard_bound(self.inp, c) for c in cands]
+    def placement(self, holds: np.ndarray) -> Placement:
+        """The candidate of holder sets ``holds`` [D, E] laid out (once per holder sets)."""
+        key = holds.tobytes()
+        if key not in self.built:
+            self.built[key] = self.build(holds)
+        return self.built[key]
+
+    def _scored(self, holds: np.ndarray) -> bool:
+        got = self.built.get(holds.tobytes())
+        return got is not None and self._key(got) in self.seen
+
+    def scores(self, cands: list[np.ndarray], ceiling: float = np.inf) -> list[float]:
+        """The cost of each candidate (holder sets [D, E], masters included), or ``inf``
+        for one whose lower bound is above ``ceiling`` or above the cost of one scored
+        before it (lowest bound first): such a candidate is never the list's fastest, nor
+        does it tie with it, so ``argmin`` of the result is ``argmin`` of the exact costs
+        wherever that is at most ``ceiling``. Only the candidates scored are laid out."""
+        bounds = [
+            -np.inf if self._scored(h) else guard_bound(self.inp, h, self.master_dc) for h in cands
+        ]
         out = [np.inf] * len(cands)
         best = ceiling
         for i in np.argsort(bounds, kind="stable").tolist():
             if bounds[i] > best:
                 continue
-            out[i] = self(cands[i])
+            out[i] = self(self.placement(cands[i]))
             best = min(best, out[i])
         return out
 
 
-def guard_bound(inp: HybridInputs, cand: Placement) -> float:
+def guard_bound(inp: HybridInputs, holds: np.ndarray, master_dc: np.ndarray) -> float:
     """A lower bound of :func:`~expertmesh.planner.hybrid.guard_cost` for ``inside="quota"``
-    (``-inf`` otherwise) from what the candidate's holder sets fix before quota runs: the
+    (``-inf`` otherwise) of the candidate holding ``holds`` [D, E] (one copy of each held
+    ``(d, e)``, masters included) with masters in DC ``master_dc`` [E], from what its
+    holder sets fix before quota runs and before its copies are laid out on ranks: the
     tokens that cross between DCs (every DC pair's crossings, whatever the balance inside
     DCs), the mean compute, and the expert bytes that cross. :func:`chain_floor` at the
     mean rank's tokens, or the WAN links' resource bound: tokens of both phases (both
     passes when training), one sync per (expert, remote DC) (in-DC replicas add none) and
-    the copies from ``previous``; no port and no late copy (each only adds). A few array
-    passes instead of a :func:`~expertmesh.planner.hybrid.compose`."""
+    the copies from ``previous`` into a DC that held none of that expert (whatever ranks
+    they land on, each crosses from its master's DC in ``previous``); no port and no late
+    copy (each only adds). A few array passes instead of a
+    :func:`~expertmesh.planner.hybrid.compose`."""
     if inp.cfg.inside != "quota":
         return -np.inf
     topology, model, cost = inp.topology, inp.model, inp.cfg.cost
     load = inp.load
     rank_dc, num_dcs = topology.rank_dc, topology.num_dcs
-    holds = dc_holds(cand, topology)  # [D, E]
-    v_dc = np.nonzero(holds.T)[1]  # [V] the DC of every held (d, e), by expert then DC
-    to_v = remote_holder(holds, rank_dc)  # [R, E]
-    r, e = np.nonzero(np.where(holds[rank_dc], 0, load))
-    if (to_v[r, e] < 0).any():
+    routing = _routing(holds, rank_dc)  # memoized: compose of this candidate reuses it
+    if (load[routing.to_v < 0] > 0).any():
         return -np.inf  # an expert with load and no copy: compose says why
-    pair = np.bincount(
-        rank_dc[r] * num_dcs + v_dc[to_v[r, e]], weights=load[r, e], minlength=num_dcs**2
-    ).reshape(num_dcs, num_dcs)  # [D, D] assignments from DC a to copies in DC b
+    pair = np.bincount(routing.pair_key, weights=load.ravel(), minlength=num_dcs**2).reshape(
+        num_dcs, num_dcs
+    )  # [D, D] assignments from DC a to copies in DC b (a's own copies on the diagonal)
     np.fill_diagonal(pair, 0.0)
     a, b = np.nonzero(pair > 0)
     k = model.top_k
@@ -101,18 +125,22 @@ def guard_bound(inp: HybridInputs, cand: Placement) -> float:
     crossing[a, b] = nbytes
     link = (2.0 if model.training else 1.0) * (crossing + crossing.T)
     if model.training:  # replica sync: weights out of the master's DC, gradients back
-        mdc = rank_dc[cand.master_rank()]  # [E]
+        mdc = master_dc
         d, ex = np.nonzero(holds & (np.arange(num_dcs)[:, None] != mdc[None, :]))
         per = float(cost.microbatches_per_update)
         enc = inp.cfg.encoding
         np.add.at(link, (mdc[ex], d), enc.refresh_bytes(model) / per)
         np.add.at(link, (d, mdc[ex]), enc.gradient_bytes(model) / per)
-    if inp.previous is not None:
-        moved = copy_streams(
-            inp.previous, cand, topology, model, encoding=inp.cfg.encoding,
-            scale=1.0 / inp.cfg.period,
-        )  # fmt: skip
-        np.add.at(link, (moved.pair_src, moved.pair_dst), moved.pair_background)
+    if inp.previous is not None:  # what copy_streams charges across DCs, at least
+        src = rank_dc[inp.previous.master_rank()]  # [E] the master's DC in previous
+        d, ex = np.nonzero(holds & ~dc_holds(inp.previous, topology))
+        cross = d != src[ex]
+        d, ex = d[cross], ex[cross]
+        enc, share = inp.cfg.encoding, 1.0 / inp.cfg.period
+        nbytes = np.where(
+            d == master_dc[ex], enc.copy_bytes(model, True), enc.copy_bytes(model, False)
+        )
+        np.add.at(link, (src[ex], d), nbytes * share)
     bw = topology.dc_gbps * 1e9 / 8.0
     resource = float(np.max(np.where(link > 0, link / bw, 0.0), initial=0.0))
     return max(chain, resource) * (1.0 - 1e-9)
