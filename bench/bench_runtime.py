@@ -46,7 +46,16 @@ every row is a fresh runtime on it (new workers, initial weights, same seed).
    link shaper) against the model's.
 4. Tokens per second per worker: tokens a rank trains per step over the median step.
 
+Every run keeps its trace: the rows' in ``<D>dc-<speed>-<policy>/``, the calibration
+runs' and probes' in ``calibration/`` (the JSON names them), each with every rank's CPU
+seconds and shaper waits per step (``rank_cpu_seconds``, ``rank_shaped_seconds``). So
+``--repredict JSON`` fits the constants and replays every row again with the current
+model from those files alone, in seconds, the measurements as recorded. A group whose
+runs fail is recorded under ``failed``; the other groups still run, and the JSON is
+rewritten after every group.
+
     make bench-runtime      # or: python bench/bench_runtime.py [--quick] [--json out.json]
+    python bench/bench_runtime.py --repredict out/bench-runtime.json --json out/re.json
     expertmesh sim replay --trace out/bench-runtime/2dc-1gbps-hybrid/trace.npz \
         --plan out/bench-runtime/2dc-1gbps-hybrid/plans.npz \
         --calibration out/bench-runtime/cal-2dc-1gbps-hybrid.yaml
@@ -59,7 +68,7 @@ import json
 import os
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -70,6 +79,8 @@ for _root in ("controller", "workers", "proto", "bench"):
 
 from spmdbench import (  # noqa: E402
     Calibration,
+    Replay,
+    Run,
     SharedCluster,
     SpmdRun,
     calibrate,
@@ -152,16 +163,7 @@ def row(run: SpmdRun, cal: Calibration, static: SpmdRun | None) -> dict[str, Any
         "median_seconds": med,
         "median_all_seconds": run.median("seconds"),  # steps 1-: the initial placement too
         "median_step_seconds": run.median("step_seconds", k),
-        "predicted_seconds": rep.predicted_median,
-        "predicted_over_measured": rep.predicted_median / med,
-        "predicted_all_over_measured": statistics.median(rep.predicted[1:].tolist())
-        / run.median("seconds"),
-        "predicted_parts": {
-            k: statistics.median(v[rep.skip :].tolist()) for k, v in rep.parts.items()
-        },
-        "model_collectives": statistics.median(rep.counts["collectives"][k:].tolist()),
-        "model_crossing": statistics.median(rep.counts["crossing"][k:].tolist()),
-        "model_copies": statistics.median(rep.counts["copies"][k:].tolist()),
+        **prediction(rep, med, run.median("seconds")),
         "measured_collectives": statistics.median(extra["collectives"][k:]),
         "measured_shaped_seconds": statistics.median(extra["shaped_seconds"][k:]),
         "ray_fraction": statistics.median((s.ray_seconds or 0.0) / s.seconds for s in steps),
@@ -184,7 +186,6 @@ def row(run: SpmdRun, cal: Calibration, static: SpmdRun | None) -> dict[str, Any
         "seconds": [s.seconds for s in run.steps],
         "step_seconds": [s.step_seconds for s in run.steps],
         "ray_seconds": [s.ray_seconds for s in run.steps],
-        "predicted": rep.predicted.tolist(),
         "losses": [s.loss for s in run.steps],
         "control_seconds": [s.control_seconds for s in run.steps],
         "errors": [s.error for s in run.steps if s.error],
@@ -194,6 +195,61 @@ def row(run: SpmdRun, cal: Calibration, static: SpmdRun | None) -> dict[str, Any
         out["loss_rel_diff_vs_static"] = max(
             abs(a.loss - b.loss) / abs(b.loss) for a, b in zip(run.steps, static.steps, strict=True)
         )
+    return out
+
+
+def prediction(rep: Replay, median: float, median_all: float) -> dict[str, Any]:
+    """A row's prediction fields from its replay, against the measured ``median`` (steps
+    ``rep.skip``-) and ``median_all`` (steps 1-)."""
+    k = rep.skip
+    return {
+        "predicted_seconds": rep.predicted_median,
+        "predicted_over_measured": rep.predicted_median / median,
+        "predicted_all_over_measured": statistics.median(rep.predicted[1:].tolist()) / median_all,
+        "predicted_parts": {
+            name: statistics.median(v[k:].tolist()) for name, v in rep.parts.items()
+        },
+        "model_collectives": statistics.median(rep.counts["collectives"][k:].tolist()),
+        "model_crossing": statistics.median(rep.counts["crossing"][k:].tolist()),
+        "model_copies": statistics.median(rep.counts["copies"][k:].tolist()),
+        "predicted": rep.predicted.tolist(),
+    }
+
+
+def repredict(result: dict[str, Any], root: Path) -> dict[str, Any]:
+    """A recorded run (``--json``) predicted again from the traces it wrote under ``root``
+    (its rows', calibration runs' and probes'): the constants fitted and every row
+    replayed with the current model, the measurements as recorded. Seconds, not a rerun."""
+    out = {**result, "groups": [], "calibrations": []}
+    cals = {(c["dcs"], c["gbps"]): c for c in result["calibrations"]}
+    for g in result["groups"]:
+        info = cals[(g["dcs"], g["gbps"])]
+        runs = info.get("runs")
+        if runs is None:
+            raise ValueError(
+                f"{g['dcs']} DCs {fmt_gbps(g['gbps'])}: the record names no calibration runs "
+                "(a run before --repredict existed): re-run it"
+            )
+        before, after = [root / r for r in runs["before"]], [root / r for r in runs["after"]]
+        cal = calibrate(
+            [before[0], after[0]], [before[1], after[1]], replicated=[before[2], after[2]]
+        )
+        fulls: list[Path] = [root / r for r in runs["probes"]]
+        labels = [r["policy"] for r in g["rows"]]
+        row_cals = _row_calibrations(cal, fulls, labels, root, g["dcs"], g["gbps"])
+        out["calibrations"].append({**info, **cal.__dict__})
+        rows = []
+        for r in g["rows"]:
+            row_cal, factor = row_cals[r["policy"]]
+            rep = replay_run(root / r["trace"], row_cal.constants(), skip=None)
+            if rep.skip != r["measured_from"]:
+                raise ValueError(
+                    f"{r['trace']}: measured from {r['measured_from']}, now {rep.skip}"
+                )
+            pred = prediction(rep, r["median_seconds"], r["median_all_seconds"])
+            rows.append({**r, **pred, "drift_factor": factor})
+        out["groups"].append({**g, "rows": rows})
+    out["repredicted"] = {"commit": _commit(), "root": str(root)}
     return out
 
 
@@ -212,7 +268,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     lm = LMConfig(batch=args.batch)
     small = LMConfig(batch=max(args.batch // 4, 1))
     have = set(available_policies())
-    out: dict[str, Any] = {"groups": [], "calibrations": [], "old_plane": old_plane()}
+    out: dict[str, Any] = {"groups": [], "calibrations": [], "failed": [], "old_plane": old_plane()}
     root: Path = args.trace_dir
     with SharedCluster(max(args.dcs)) as cluster:
         print(f"cluster up in {cluster.start_seconds:.1f}s", flush=True)
@@ -220,59 +276,108 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             free = topology(dcs, FREE_GBPS, 0.0, lm.num_experts)
             if args.warmup:
                 run_spmd(settings(free, small, "static", args), 2)  # warm-up: not used
+            made = iter(range(1 << 16))  # the calibration runs' directories, in order
 
-            def calibration_runs(free: Topology = free) -> tuple[SpmdRun, SpmdRun, SpmdRun]:
+            def calibration_runs(
+                free: Topology = free, dcs: int = dcs, made: Iterator[int] = made
+            ) -> tuple[SpmdRun, SpmdRun, SpmdRun]:
+                where = root / "calibration" / f"{dcs}dc-{next(made):02d}"
                 return (
-                    run_spmd(settings(free, lm, "static", args), args.calib_steps),
-                    run_spmd(settings(free, small, "static", args), args.calib_steps),
-                    run_spmd(settings(free, lm, "static", args, "replicated"), args.calib_steps),
+                    run_spmd(settings(free, lm, "static", args), args.calib_steps, where / "full"),
+                    run_spmd(
+                        settings(free, small, "static", args), args.calib_steps, where / "small"
+                    ),
+                    run_spmd(
+                        settings(free, lm, "static", args, "replicated"),
+                        args.calib_steps,
+                        where / "replicated",
+                    ),
                 )
 
-            def probe(free: Topology = free) -> SpmdRun:
-                return run_spmd(settings(free, lm, "static", args), args.calib_steps)
+            def probe(where: Path, free: Topology = free) -> SpmdRun:
+                return run_spmd(settings(free, lm, "static", args), args.calib_steps, where)
 
-            before = calibration_runs()
-            policies = args.policies_3dc if dcs >= 3 and args.policies_3dc else args.policies
-            labels = [p for p in policies if p.removesuffix("-bf16") in have]
+            labels_of = args.policies_3dc if dcs >= 3 and args.policies_3dc else args.policies
+            labels = [p for p in labels_of if p.removesuffix("-bf16") in have]
+            before: tuple[SpmdRun, SpmdRun, SpmdRun] | None = None
             for gbps in args.gbps:
-                runs, probes = _group_runs(dcs, gbps, lm, labels, args, probe)
-                after = calibration_runs()  # the next group's "before"
-                cal = calibrate(
-                    [before[0], after[0]], [before[1], after[1]], replicated=[before[2], after[2]]
-                )
-                name = f"cal-{dcs}dc-{_speed(gbps)}.yaml"
-                cal.write(root / name)
-                info = _calibration_info(dcs, gbps, cal, before, after, lm, small)
-                # the full-batch probes on either side of each row: [before, p1, ..., after]
-                fulls = [before[0], *probes, after[0]]
-                row_cals = _row_calibrations(cal, fulls, list(runs), root, dcs, gbps)
-                info["probe_medians"] = [f.median("seconds") for f in fulls]
-                out["calibrations"].append(info)
-                print(
-                    f"{dcs} DCs {fmt_gbps(gbps)} calibration (static, free links, before and "
-                    f"after the group): median step {cal.full_median:.3f}s at batch {lm.batch} "
-                    f"({info['full_medians'][0]:.3f}, {info['full_medians'][1]:.3f}), "
-                    f"{cal.small_median:.3f}s at {small.batch} -> a = "
-                    f"{cal.seconds_per_token * 1e6:.1f} us/token, c = "
-                    f"{cal.collective_seconds * 1e3:.2f} ms x {cal.collectives} collectives, "
-                    f"h = {cal.copy_seconds * 1e3:.2f} ms x {cal.copies:g} copies per rank "
-                    f"(replicated layout: {info['replicated_medians'][0]:.3f}, "
-                    f"{info['replicated_medians'][1]:.3f}, {cal.replicated_collectives} "
-                    f"collectives, {cal.replicated_copies:g} copies; load {info['load']:.1f}); "
-                    f"{root / name}",
-                    flush=True,
-                )
-                if cal.small_median >= cal.full_median:
-                    print(
-                        f"WARNING: {dcs} DCs calibration failed its check: the quarter "
-                        f"batch's median step ({cal.small_median:.3f}s) is not below the full "
-                        f"batch's ({cal.full_median:.3f}s), so a = 0; the machine was busy",
-                        flush=True,
+                try:  # a group that fails is recorded; the other groups still run
+                    before = before or calibration_runs()
+                    before = _group_and_calibration(
+                        out, args, dcs, gbps, lm, small, labels, before, calibration_runs, probe
                     )
-                out["groups"].append(_group(dcs, gbps, runs, row_cals, name))
+                except Exception as err:  # any failure of a group's runs
+                    out["failed"].append({"dcs": dcs, "gbps": gbps, "error": repr(err)[:500]})
+                    print(f"{dcs} DCs {fmt_gbps(gbps)}: the group failed: {err!r}", flush=True)
+                    before = None  # the next group calibrates afresh
                 _save(out, args)  # what is measured so far, should the run be cut short
-                before = after
     return out
+
+
+def _group_and_calibration(
+    out: dict[str, Any],
+    args: argparse.Namespace,
+    dcs: int,
+    gbps: float,
+    lm: LMConfig,
+    small: LMConfig,
+    labels: list[str],
+    before: tuple[SpmdRun, SpmdRun, SpmdRun],
+    calibration_runs: Callable[[], tuple[SpmdRun, SpmdRun, SpmdRun]],
+    probe: Callable[[Path], SpmdRun],
+) -> tuple[SpmdRun, SpmdRun, SpmdRun]:
+    """One group (DC count, bandwidth): its rows with a probe between each two, the
+    calibration runs after it, its constants; appended to ``out``. Returns the runs after
+    it (the next group's "before")."""
+    root: Path = args.trace_dir
+    runs, probes = _group_runs(dcs, gbps, lm, labels, args, probe)
+    after = calibration_runs()  # the next group's "before"
+    cal = calibrate([before[0], after[0]], [before[1], after[1]], replicated=[before[2], after[2]])
+    name = f"cal-{dcs}dc-{_speed(gbps)}.yaml"
+    cal.write(root / name)
+    info = _calibration_info(dcs, gbps, cal, before, after, lm, small)
+    # the full-batch probes on either side of each row: [before, p1, ..., after]
+    fulls = [before[0], *probes, after[0]]
+    row_cals = _row_calibrations(cal, fulls, list(runs), root, dcs, gbps)
+    info["probe_medians"] = [f.median("seconds") for f in fulls]
+    # every run's trace directory (relative to --trace-dir): a model change re-predicts
+    # from them (--repredict) without running the runtime again
+    info["runs"] = {
+        "before": [_rel(r, root) for r in before],
+        "after": [_rel(r, root) for r in after],
+        "probes": [_rel(r, root) for r in fulls],
+    }
+    out["calibrations"].append(info)
+    print(
+        f"{dcs} DCs {fmt_gbps(gbps)} calibration (static, free links, before and "
+        f"after the group): median step {cal.full_median:.3f}s at batch {lm.batch} "
+        f"({info['full_medians'][0]:.3f}, {info['full_medians'][1]:.3f}), "
+        f"{cal.small_median:.3f}s at {small.batch} -> a = "
+        f"{cal.seconds_per_token * 1e6:.1f} us/token, c = "
+        f"{cal.collective_seconds * 1e3:.2f} ms x {cal.collectives} collectives, "
+        f"h = {cal.copy_seconds * 1e3:.2f} ms x {cal.copies:g} copies per rank "
+        f"(replicated layout: {info['replicated_medians'][0]:.3f}, "
+        f"{info['replicated_medians'][1]:.3f}, {cal.replicated_collectives} "
+        f"collectives, {cal.replicated_copies:g} copies; load {info['load']:.1f}); "
+        f"{root / name}",
+        flush=True,
+    )
+    if cal.small_median >= cal.full_median:
+        print(
+            f"WARNING: {dcs} DCs calibration failed its check: the quarter "
+            f"batch's median step ({cal.small_median:.3f}s) is not below the full "
+            f"batch's ({cal.full_median:.3f}s), so a = 0; the machine was busy",
+            flush=True,
+        )
+    out["groups"].append(_group(dcs, gbps, runs, row_cals, name))
+    return after
+
+
+def _rel(run: SpmdRun, root: Path) -> str:
+    try:
+        return str(run.trace_dir.relative_to(root))
+    except ValueError:
+        return str(run.trace_dir)
 
 
 def _calibration_info(
@@ -322,7 +427,7 @@ def _group_runs(
     lm: LMConfig,
     labels: list[str],
     args: argparse.Namespace,
-    probe: Callable[[], SpmdRun],
+    probe: Callable[[Path], SpmdRun],
 ) -> tuple[dict[str, SpmdRun], list[SpmdRun]]:
     """The group's rows, a full-batch calibration probe (static, free links) between each
     two: ``(runs by label, probes)``."""
@@ -331,7 +436,7 @@ def _group_runs(
     probes: list[SpmdRun] = []
     for i, label in enumerate(labels):
         if i:
-            probes.append(probe())
+            probes.append(probe(args.trace_dir / "calibration" / f"{dcs}dc-{_speed(gbps)}-p{i}"))
         where = args.trace_dir / f"{dcs}dc-{_speed(gbps)}-{label}"
         runs[label] = run_spmd(settings(topo, lm, label, args), args.steps, where)
     return runs, probes
@@ -339,7 +444,7 @@ def _group_runs(
 
 def _row_calibrations(
     cal: Calibration,
-    fulls: list[SpmdRun],
+    fulls: Sequence[Run],
     labels: list[str],
     root: Path,
     dcs: int,
@@ -374,6 +479,7 @@ def _group(
         r["policy"] = label
         r["drift_factor"] = factor
         r["calibration"] = f"cal-{dcs}dc-{_speed(gbps)}-{label}.yaml"
+        r["trace"] = f"{dcs}dc-{_speed(gbps)}-{label}"  # relative to --trace-dir
         rows.append(r)
         print(f"  {dcs} DCs {fmt_gbps(gbps):>11} {_line(r)}", flush=True)
     return {
@@ -549,7 +655,26 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help="smoke run: 2 DCs, 20 Mbit/s, static + hybrid"
     )
     p.add_argument("--json", type=Path, help="write every measurement here")
+    p.add_argument(
+        "--repredict",
+        type=Path,
+        metavar="JSON",
+        help="no run: predict a recorded run (its --json) again from the traces it wrote "
+        "under its --trace-dir (this flag's --trace-dir when given), with the current model; "
+        "writes --json",
+    )
     args = p.parse_args(argv)
+    if args.repredict is not None:
+        recorded = json.loads(args.repredict.read_text())
+        given = "--trace-dir" in (sys.argv[1:] if argv is None else argv)
+        root = args.trace_dir if given else Path(recorded["args"]["trace_dir"])
+        result = repredict(recorded, root)
+        result["markdown"] = markdown(result)
+        print(result["markdown"])
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(result, indent=1))
+        return 0
     args.dcs = [int(x) for x in args.dcs.split(",")]
     args.gbps = [float(x) for x in args.gbps.split(",")]
     args.policies = [x for x in args.policies.split(",") if x]

@@ -23,11 +23,10 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import ray
 import yaml
 from ray.cluster_utils import Cluster
@@ -38,7 +37,7 @@ from expertmesh.runtime import spmd as spmd_module
 from expertmesh.runtime.settings import RuntimeSettings, StepResult, source_roots
 from expertmesh.runtime.spmd import SpmdRuntime
 from expertmesh.sim.replay import Calibration as Constants
-from expertmesh.sim.replay import Replay, RuntimeMeta, replay
+from expertmesh.sim.replay import Replay, RuntimeMeta, fit_copy_constants, replay
 
 INLINE_BYTES = 4 << 20  # objects travel inline up to this (Ray's setting, as the runtime's)
 
@@ -174,6 +173,9 @@ class Calibration:
     replicated_median: float | None = None  # measured median step of the replicated layout
     replicated_collectives: int = 0
     replicated_copies: float = 0.0
+    fit: str = "static only"  # how c and h were fitted (calibrate)
+    exact_collective_seconds: float | None = None  # the exact solve, when it was negative
+    exact_copy_seconds: float | None = None
 
     def constants(self) -> Constants:
         return Constants(
@@ -199,13 +201,25 @@ class Calibration:
         path.write_text(yaml.safe_dump(self.constants().model_dump()))
 
 
-def replay_run(run: SpmdRun, constants: Constants, skip: int | None = 1) -> Replay:
+Run = SpmdRun | Path  # a run, or the directory it wrote its trace.npz and plans.npz to
+
+
+def _trace_dir(run: Run) -> Path:
+    return run.trace_dir if isinstance(run, SpmdRun) else Path(run)
+
+
+def _meta(run: Run) -> RuntimeMeta:
+    return RuntimeMeta(**read_trace(_trace_dir(run) / "trace.npz").meta)
+
+
+def replay_run(run: Run, constants: Constants, skip: int | None = 1) -> Replay:
     """``expertmesh sim replay`` of ``run``'s trace.npz and plans.npz (``skip=None``: its
     medians from the first step on a plan the controller made, as the CLI's)."""
-    trace = read_trace(run.trace_dir / "trace.npz")
-    plan = read_plan(run.trace_dir / "plans.npz")
-    if trace.load.shape[0] != len(run.steps):
-        raise ValueError(f"{run.trace_dir}: {trace.load.shape[0]} steps, the run {len(run.steps)}")
+    where = _trace_dir(run)
+    trace = read_trace(where / "trace.npz")
+    plan = read_plan(where / "plans.npz")
+    if isinstance(run, SpmdRun) and trace.load.shape[0] != len(run.steps):
+        raise ValueError(f"{where}: {trace.load.shape[0]} steps, the run {len(run.steps)}")
     assert plan.master is not None
     mig = {int(v): c for v, c in plan.meta["migration_collectives"].items()}
     return replay(
@@ -218,26 +232,45 @@ def tokens_per_rank(settings: RuntimeSettings) -> int:
     return int(settings.lm.tokens_per_rank * settings.lm.microbatches)
 
 
+def _tokens(run: Run) -> int:
+    """Tokens a rank trains per step (of the settings, or the trace's meta)."""
+    if isinstance(run, SpmdRun):
+        return tokens_per_rank(run.settings)
+    meta = _meta(run)
+    return int(meta.tokens_per_rank * meta.microbatches)
+
+
+def _ranks(run: Run) -> int:
+    topo = run.settings.topology if isinstance(run, SpmdRun) else _meta(run).topology
+    return Topology.from_dict(topo).num_ranks
+
+
+def _seconds(run: Run, skip: int) -> list[float]:
+    """The end-to-end seconds of the measured steps (the first ``skip`` left out)."""
+    if isinstance(run, SpmdRun):
+        return [float(s.seconds or 0.0) for s in run.measured(skip)]
+    return [float(x) for x in _meta(run).step_seconds[skip:]]
+
+
 def predict(run: SpmdRun, cal: Calibration) -> list[float]:
     """Modeled seconds of every step of ``run``."""
     return [float(x) for x in replay_run(run, cal.constants()).predicted]
 
 
-def residual(runs: list[SpmdRun], skip: int = 1) -> tuple[float, float, int]:
+def residual(runs: Sequence[Run], skip: int = 1) -> tuple[float, float, int]:
     """Of ``runs`` (static on one layout) pooled: ``(median step, median step less its
     modeled links, collectives of a step)``; on free links the two medians nearly agree."""
     med, rest, colls, _ = _residual(runs, skip)
     return med, rest, colls
 
 
-def _residual(runs: list[SpmdRun], skip: int = 1) -> tuple[float, float, int, float]:
+def _residual(runs: Sequence[Run], skip: int = 1) -> tuple[float, float, int, float]:
     """:func:`residual` and the runs' median copies per rank (all layers)."""
-    ranks = Topology.from_dict(runs[0].settings.topology).num_ranks
-    zero = Constants(seconds_per_token=0.0, collective_seconds=0.0, ranks=ranks)
+    zero = Constants(seconds_per_token=0.0, collective_seconds=0.0, ranks=_ranks(runs[0]))
     steps, rest, colls, copies = [], [], [], []
     for run in runs:
         res = replay_run(run, zero, skip)  # latency and transfer only
-        seconds = [float(s.seconds or 0.0) for s in run.measured(skip)]
+        seconds = _seconds(run, skip)
         steps += seconds
         rest += [x - float(p) for x, p in zip(seconds, res.predicted[skip:], strict=True)]
         colls += res.counts["collectives"][skip:].tolist()
@@ -251,45 +284,48 @@ def _residual(runs: list[SpmdRun], skip: int = 1) -> tuple[float, float, int, fl
 
 
 def calibrate(
-    full: SpmdRun | list[SpmdRun],
-    small: SpmdRun | list[SpmdRun],
+    full: Run | Sequence[Run],
+    small: Run | Sequence[Run],
     skip: int = 1,
-    replicated: SpmdRun | list[SpmdRun] | None = None,
+    replicated: Run | Sequence[Run] | None = None,
 ) -> Calibration:
     """``a`` and ``c`` from static runs on free links that differ only in batch size:
     ``T = a * tokens + c * collectives + links`` at both sizes (same collectives). Several
     runs of a size (``bench_runtime.py``: one before and one after a group of rows, so
     that the machine's drift over the group hits the constants as it hits the rows) pool
-    their measured steps: the median step of each size over all of its runs.
+    their measured steps: the median step of each size over all of its runs. A run is an
+    :class:`SpmdRun` or the directory its trace was written to (``--repredict``).
 
     ``replicated``: full-batch runs on free links of the layout that fills every DC's
     spare slots with copies (``RuntimeSettings.layout``); then ``c`` and ``h`` (per copy
-    a rank holds) solve ``T - a * tokens = c * collectives + h * copies`` on both layouts
-    (``a`` as above: the batch sizes share the layout). A solution with a negative
-    constant (a machine too noisy to tell them apart) falls back to ``h = 0``."""
-    fulls = full if isinstance(full, list) else [full]
-    smalls = small if isinstance(small, list) else [small]
-    ranks = Topology.from_dict(fulls[0].settings.topology).num_ranks
+    a rank holds) fit ``T - a * tokens = c * collectives + h * copies`` on both layouts
+    (``a`` as above: the batch sizes share the layout): two equations, two unknowns,
+    solved exactly when the solution is non-negative. Neither constant can be negative
+    (a collective or a copy held never makes a step faster); when the exact solution has
+    one (the two layouts' residuals differ by less than the machine's noise), the fit is
+    the non-negative least-squares one (``scipy.optimize.nnls``: the constant at its bound
+    0, the other the best fit to both layouts), and ``fit`` says so with the exact
+    solution kept beside it (``expertmesh.sim.replay.fit_copy_constants``)."""
+    fulls = list(full) if isinstance(full, Sequence) else [full]
+    smalls = list(small) if isinstance(small, Sequence) else [small]
+    ranks = _ranks(fulls[0])
     full_median, tf, n, k = _residual(fulls, skip)
     small_median, ts, _, _ = _residual(smalls, skip)
-    tokens = tokens_per_rank(fulls[0].settings)
-    dt = tokens - tokens_per_rank(smalls[0].settings)
+    tokens = _tokens(fulls[0])
+    dt = tokens - _tokens(smalls[0])
     a = max((tf - ts) / dt, 0.0)
     c = max((tf - a * tokens) / n, 0.0)
     cal = Calibration(a, c, full_median, small_median, n, ranks, copies=k)
     if replicated is None:
         return cal
-    reps = replicated if isinstance(replicated, list) else [replicated]
+    reps = list(replicated) if isinstance(replicated, Sequence) else [replicated]
     rep_median, tr, nr, kr = _residual(reps, skip)
-    lhs = np.array([[n, k], [nr, kr]], dtype=np.float64)
-    rhs = np.array([tf - a * tokens, tr - a * tokens])
-    ch = np.linalg.solve(lhs, rhs) if abs(np.linalg.det(lhs)) > 1e-9 else np.array([c, -1.0])
-    extra: dict[str, Any] = {"replicated_median": rep_median, "replicated_collectives": nr,
-             "replicated_copies": kr}  # fmt: skip
-    if (ch < 0).any():
-        return dataclasses.replace(cal, **extra)
     return dataclasses.replace(
-        cal, collective_seconds=float(ch[0]), copy_seconds=float(ch[1]), **extra
+        cal,
+        **fit_copy_constants((n, k, tf - a * tokens), (nr, kr, tr - a * tokens)),
+        replicated_median=rep_median,
+        replicated_collectives=nr,
+        replicated_copies=kr,
     )
 
 

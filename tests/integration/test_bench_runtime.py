@@ -78,6 +78,25 @@ def test_bench_runtime_quick(repo, tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"predicted median step {rows['hybrid']['predicted_seconds']:.4g} s" in out
     assert f"measured {rows['hybrid']['median_seconds']:.4g} s" in out
+    # the trace holds each rank's CPU and shaper waits per step
+    from expertmesh.formats import read_trace
+
+    meta = read_trace(row / "trace.npz").meta
+    assert len(meta["rank_cpu_seconds"]) == len(rows["hybrid"]["seconds"])
+    assert all(len(x) == 4 and min(x) > 0 for x in meta["rank_cpu_seconds"])
+    assert len(meta["rank_shaped_seconds"]) == len(rows["hybrid"]["seconds"])
+    # --repredict: the same predictions from the saved traces alone (calibration runs,
+    # probes, rows), without running the runtime
+    again = tmp_path / "again.json"
+    cmd = [sys.executable, str(repo / "bench" / "bench_runtime.py"), "--repredict",
+           str(tmp_path / "bench_runtime.py.json"), "--json", str(again)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (regroup,) = json.loads(again.read_text())["groups"]
+    for a, b in zip(group["rows"], regroup["rows"], strict=True):
+        assert b["predicted"] == pytest.approx(a["predicted"], rel=1e-12)
+        assert b["drift_factor"] == pytest.approx(a["drift_factor"], rel=1e-12)
+        assert b["median_seconds"] == a["median_seconds"]
     # the removed old plane: its recorded rows, named as such, not a re-run
     assert {o["dcs"] for o in result["old_plane"]} == {2, 3}
     assert all(len(o["commit"]) == 40 for o in result["old_plane"])

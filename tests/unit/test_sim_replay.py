@@ -272,3 +272,47 @@ def test_the_copy_term_charges_each_steps_copies_per_rank():
         res.parts["compute"] + res.parts["software"] + res.parts["copies"]
         + res.parts["latency"] + res.parts["transfer"], res.predicted, rtol=1e-12,
     )  # fmt: skip
+
+
+def test_copy_constants_exact_when_non_negative_else_the_non_negative_fit():
+    from expertmesh.sim.replay import fit_copy_constants
+
+    # c = 5 ms, h = 2 ms: 23 c + 6 h and 15 c + 12 h
+    got = fit_copy_constants((23, 6, 23 * 5e-3 + 6 * 2e-3), (15, 12, 15 * 5e-3 + 12 * 2e-3))
+    assert got["fit"] == "exact"
+    assert got["collective_seconds"] == pytest.approx(5e-3)
+    assert got["copy_seconds"] == pytest.approx(2e-3)
+    # the replicated layout a little faster than fewer collectives alone explain: the
+    # exact h is negative; the fit is h = 0 and c the least squares of both layouts, not
+    # static's alone (the old fallback), and the exact solution is kept beside it
+    r1, r2 = 0.187, 0.118
+    got = fit_copy_constants((23, 4, r1), (15, 12, r2))
+    assert got["fit"].startswith("non-negative least squares")
+    assert got["copy_seconds"] == 0.0
+    assert got["collective_seconds"] == pytest.approx((23 * r1 + 15 * r2) / (23**2 + 15**2))
+    assert got["exact_copy_seconds"] < 0
+    assert 23 * got["exact_collective_seconds"] + 4 * got["exact_copy_seconds"] == pytest.approx(r1)
+
+
+def test_the_trace_holds_each_ranks_cpu_and_shaper_waits_per_step(tmp_path):
+    tr = _trace(steps=3, switch_at=2)
+    # cumulative per rank (collectives, shaper waits, CPU seconds); rank 3 restarted at
+    # step 2 (counts from 0) and rank 2 did not report step 1
+    tr.counters = {
+        0: {r: (10, 0.1 * r, 1.0 + r) for r in range(4)},
+        1: {0: (20, 0.3, 1.5), 1: (20, 0.4, 2.25), 3: (20, 0.5, 4.5)},
+        2: {0: (30, 0.3, 2.0), 1: (30, 0.4, 3.0), 2: (30, 0.2, 3.5), 3: (10, 0.0, 0.25)},
+    }
+    trace = read_trace(tr.write(tmp_path)[0])
+    cpu = np.asarray(trace.meta["rank_cpu_seconds"])
+    waits = np.asarray(trace.meta["rank_shaped_seconds"])
+    np.testing.assert_allclose(cpu[1], [0.5, 0.25, 0.0, 0.5])
+    np.testing.assert_allclose(cpu[2], [0.5, 0.75, 0.5, 0.25])
+    np.testing.assert_allclose(waits[1], [0.3, 0.3, 0.0, 0.2])
+    np.testing.assert_allclose(waits[2], [0.0, 0.0, 0.0, 0.0])
+    assert trace.meta["collectives"] == [10, 10, 20]
+    # counters written before the CPU was reported (two numbers): CPU 0, the rest as before
+    tr.counters = {t: {r: c[:2] for r, c in d.items()} for t, d in tr.counters.items()}
+    trace = read_trace(tr.write(tmp_path)[0])
+    assert np.asarray(trace.meta["rank_cpu_seconds"]).sum() == 0
+    assert trace.meta["collectives"] == [10, 10, 20]

@@ -129,8 +129,12 @@ class SpmdSteps:
             for r in ranks:
                 per_rank[:, r] = np.asarray(reports[r]["load"])
             self._trace["load"][step] = per_rank  # runtime/trace.py takes it
-        self._trace["counters"][step] = {  # cumulative per rank: collectives, shaper waits
-            r: (int(reports[r].get("collectives", 0)), float(reports[r].get("shaped_seconds", 0)))
+        self._trace["counters"][step] = {  # cumulative per rank: collectives, shaper waits, CPU
+            r: (
+                int(reports[r].get("collectives", 0)),
+                float(reports[r].get("shaped_seconds", 0)),
+                float(reports[r].get("cpu_seconds", 0)),
+            )
             for r in ranks
         }
         self._trace["crossed"][step] = crossed_by_collective(

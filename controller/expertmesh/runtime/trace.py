@@ -65,7 +65,8 @@ class RunTrace:
         self.topology = Topology.from_dict(settings.topology)
         self.steps: dict[int, StepResult] = {}
         self.load: dict[int, np.ndarray] = {}
-        self.counters: dict[int, dict[int, tuple[int, float]]] = {}  # cumulative, per rank
+        # cumulative, per rank: (collectives, shaper waits, CPU seconds)
+        self.counters: dict[int, dict[int, tuple[float, ...]]] = {}
         self.crossed: dict[int, list[tuple[int, list[list[int]]]]] = {}  # per collective
         self.plans: dict[int, tuple[Layers, tuple[int, int]]] = {}
         initial = initial_placements(self.topology, settings.lm, settings.layout)
@@ -116,7 +117,7 @@ class RunTrace:
         ]
         spec = lm.spec()
         policy = make_encoding(s)
-        collectives, shaped = self._deltas(steps)
+        collectives, shaped, waits, cpu = self._deltas(steps)
         meta: dict[str, Any] = {
             "data_plane": "spmd",
             "topology": s.topology,
@@ -147,6 +148,10 @@ class RunTrace:
             "fanout_bytes": [int(r.fanout_bytes) for r in rows],
             "collectives": collectives,
             "shaped_seconds": shaped,
+            # per step and rank ([T][R]; empty when a step lacks counters): shaper waits
+            # and the rank process's CPU seconds (the replay's check of its CPU terms)
+            "rank_shaped_seconds": waits if len(waits) == len(steps) else [],
+            "rank_cpu_seconds": cpu if len(cpu) == len(steps) else [],
             "backend": rows[-1].backend,
             "shaper": s.shaper,
         }
@@ -168,22 +173,31 @@ class RunTrace:
         }
         return load, meta, plans, plan_meta
 
-    def _deltas(self, steps: list[int]) -> tuple[list[int], list[float]]:
+    def _deltas(
+        self, steps: list[int]
+    ) -> tuple[list[int], list[float], list[list[float]], list[list[float]]]:
         """Per step, max over ranks: collectives issued and seconds waited in the link
-        shaper since the rank's previous recorded step (a restarted rank counts from 0)."""
-        prev: dict[int, tuple[int, float]] = {}
-        coll, shaped = [], []
+        shaper since the rank's previous recorded step (a restarted rank counts from 0);
+        and per step each rank's shaper waits and CPU seconds over it ([T][R], 0 for a
+        rank that did not report or whose counters lack the CPU)."""
+        prev: dict[int, tuple[float, ...]] = {}
+        coll, shaped, waits, cpu = [], [], [], []
+        ranks = self.topology.num_ranks
         for t in sorted(self.counters):
-            cur = self.counters[t]
+            cur = {r: (*c, 0.0)[:3] for r, c in self.counters[t].items()}  # (n, wait, cpu)
             d = {
-                r: (n - prev[r][0], w - prev[r][1]) if r in prev and n >= prev[r][0] else (n, w)
-                for r, (n, w) in cur.items()
+                r: tuple(x - y for x, y in zip(c, prev[r], strict=True))
+                if r in prev and c[0] >= prev[r][0]
+                else c
+                for r, c in cur.items()
             }
             prev.update(cur)
             if t in steps:
-                coll.append(max((n for n, _ in d.values()), default=0))
-                shaped.append(max((w for _, w in d.values()), default=0.0))
-        return coll, shaped
+                coll.append(int(max((n for n, _, _ in d.values()), default=0)))
+                shaped.append(max((w for _, w, _ in d.values()), default=0.0))
+                waits.append([float(d[r][1]) if r in d else 0.0 for r in range(ranks)])
+                cpu.append([max(float(d[r][2]), 0.0) if r in d else 0.0 for r in range(ranks)])
+        return coll, shaped, waits, cpu
 
     def write(self, directory: Path) -> tuple[Path, Path]:
         """Write ``trace.npz`` and ``plans.npz`` into ``directory`` (each atomically)."""

@@ -47,7 +47,7 @@ from expertmesh.planner.stepmodel import (
 )
 from expertmesh.planner.topology import Topology
 
-__all__ = ["Calibration", "Replay", "RuntimeMeta", "planned_from", "replay"]
+__all__ = ["Calibration", "Replay", "RuntimeMeta", "fit_copy_constants", "planned_from", "replay"]
 
 
 class Calibration(BaseModel):
@@ -72,6 +72,38 @@ class Calibration(BaseModel):
     ranks: int | None = Field(
         default=None, ge=1, description="ranks of the runs it was measured on (checked)"
     )
+
+
+def fit_copy_constants(
+    static: tuple[float, float, float], replicated: tuple[float, float, float]
+) -> dict[str, Any]:
+    """``c`` and ``h`` of :class:`Calibration` from two layouts' ``(collectives, copies per
+    rank, seconds)``, the seconds a step's CPU beyond its tokens (``T - a * tokens - links``
+    over free links): ``c * collectives + h * copies = seconds`` on both. Solved exactly
+    when the solution is non-negative; neither constant can be negative (a collective
+    issued or a copy held never makes a step faster), so when the exact solution has a
+    negative one (the layouts' residuals differ by less than the machine's noise) the fit
+    is the non-negative least-squares one (``scipy.optimize.nnls``: that constant at its
+    bound 0, the other the best fit to both layouts). Returns ``collective_seconds``,
+    ``copy_seconds``, ``fit`` (which of the two) and, for the second, the exact solution
+    (``exact_collective_seconds``, ``exact_copy_seconds``; nan when singular)."""
+    from scipy.optimize import nnls
+
+    lhs = np.array([static[:2], replicated[:2]], dtype=np.float64)
+    rhs = np.array([static[2], replicated[2]], dtype=np.float64)
+    singular = abs(np.linalg.det(lhs)) <= 1e-9 * max(float(np.abs(lhs).max()), 1.0) ** 2
+    exact = np.full(2, np.nan) if singular else np.linalg.solve(lhs, rhs)
+    if not singular and (exact >= 0).all():
+        return {"collective_seconds": float(exact[0]), "copy_seconds": float(exact[1]),
+                "fit": "exact"}  # fmt: skip
+    ch, _ = nnls(lhs, np.maximum(rhs, 0.0))
+    return {
+        "collective_seconds": float(ch[0]),
+        "copy_seconds": float(ch[1]),
+        "fit": "non-negative least squares (the exact solution has a negative constant)",
+        "exact_collective_seconds": float(exact[0]),
+        "exact_copy_seconds": float(exact[1]),
+    }
 
 
 class RuntimeMeta(BaseModel):

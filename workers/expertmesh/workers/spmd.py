@@ -238,6 +238,9 @@ class SpmdRank:
             "bytes": c.bytes[:, c.dc].copy(),
             "shaped_seconds": c.shaped_seconds,
             "collectives": c.collectives,
+            # cumulative CPU seconds of this rank's process (its threads, gloo's included):
+            # the trace's per-rank CPU per step (the replay's check of its CPU terms)
+            "cpu_seconds": time.process_time(),
             # crossing sends per collective since the last step's stats (Comm.crossed): a
             # plan switch after this report (prepare or apply_plan) counts in the next
             "crossed": c.take_crossed(),
