@@ -373,6 +373,38 @@ def _group_and_calibration(
     return after
 
 
+def _record_root(record: dict[str, Any]) -> Path:
+    """A record's trace directory (a relative one: from the working directory if it is
+    there, else from the repository)."""
+    root = Path(record["args"]["trace_dir"])
+    return root if root.is_absolute() or root.exists() else REPO / root
+
+
+def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Records of runs of different groups as one: their groups and calibrations in
+    order, each run's record, wall seconds and load under ``parts``."""
+    if len(results) == 1:
+        return results[0]
+    keys = ("record", "seconds", "load_avg", "stopped", "repredicted")
+    parts = [
+        {
+            **{k: r[k] for k in keys if k in r},
+            "groups": [[g["dcs"], g["gbps"]] for g in r["groups"]],
+        }
+        for r in results
+    ]
+    first = {k: v for k, v in results[0].items() if k not in ("stopped", "partial", "record")}
+    return {
+        **first,
+        "groups": [g for r in results for g in r["groups"]],
+        "calibrations": [c for r in results for c in r["calibrations"]],
+        "failed": [f for r in results for f in r.get("failed", [])],
+        "parts": parts,
+        "seconds": sum(r["seconds"] for r in results),
+        "load_avg": [results[0]["load_avg"][0], results[-1]["load_avg"][1]],
+    }
+
+
 def _rel(run: SpmdRun, root: Path) -> str:
     try:
         return str(run.trace_dir.relative_to(root))
@@ -658,17 +690,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--repredict",
         type=Path,
+        nargs="+",
         metavar="JSON",
-        help="no run: predict a recorded run (its --json) again from the traces it wrote "
-        "under its --trace-dir (this flag's --trace-dir when given), with the current model; "
+        help="no run: predict recorded runs (their --json) again from the traces they wrote "
+        "under their --trace-dir (this flag's --trace-dir when given, one record), with the "
+        "current model; several records (runs of different groups) make one table; "
         "writes --json",
     )
     args = p.parse_args(argv)
-    if args.repredict is not None:
-        recorded = json.loads(args.repredict.read_text())
+    if args.repredict:
         given = "--trace-dir" in (sys.argv[1:] if argv is None else argv)
-        root = args.trace_dir if given else Path(recorded["args"]["trace_dir"])
-        result = repredict(recorded, root)
+        if given and len(args.repredict) > 1:
+            p.error("--trace-dir with one --repredict record only (each names its own)")
+        result = merge(
+            [
+                repredict(rec, args.trace_dir if given else _record_root(rec))
+                for rec in (json.loads(path.read_text()) for path in args.repredict)
+            ]
+        )
         result["markdown"] = markdown(result)
         print(result["markdown"])
         if args.json is not None:
