@@ -46,6 +46,7 @@ from expertmesh.planner.stepmodel import (
     sync_hops,
 )
 from expertmesh.planner.topology import Topology
+from expertmesh.workers.layerplan import LayerPlan  # which layers let tokens cross DCs
 
 __all__ = ["Calibration", "Replay", "RuntimeMeta", "fit_copy_constants", "planned_from", "replay"]
 
@@ -222,8 +223,6 @@ def replay(
       plan the controller made, :func:`planned_from`).
     - Returns one predicted step time per ``t`` (``ValueError`` when the inputs disagree).
     """
-    from expertmesh.workers.layer import LayerPlan  # which layers let tokens cross DCs
-
     topology = Topology.from_dict(meta.topology)
     num_steps, num_layers, num_ranks, num_experts = load.shape
     if phy2log.shape[:3] != (num_steps, num_layers, num_ranks):
