@@ -1,4 +1,5 @@
-"""fastermoe's shadowing search: the floor that ends it early never changes a plan."""
+"""fastermoe's shadowing search: the floor that ends it early never changes a plan, and
+the master placement's traffic it starts from is the even split's, to the bit."""
 
 import dataclasses
 
@@ -8,10 +9,18 @@ from hypothesis import strategies as st
 
 from expertmesh.planner import ModelSpec, Topology, make_policy
 from expertmesh.planner.costmodel import CostSettings, modeled_step, step_cost
-from expertmesh.planner.fastermoe import FasterMoEPolicy, shadow, shadow_floor, shadow_traffic
+from expertmesh.planner.fastermoe import (
+    FasterMoEPolicy,
+    master_traffic,
+    shadow,
+    shadow_floor,
+    shadow_traffic,
+)
+from expertmesh.planner.plan import Placement
 from expertmesh.planner.policy import PolicyContext
+from expertmesh.planner.static import static_placement
 from expertmesh.planner.topology import Link
-from expertmesh.planner.traffic import even_traffic
+from expertmesh.planner.traffic import TokenTraffic, even_traffic
 
 
 def _case(seed: int) -> tuple[Topology, ModelSpec, CostSettings, np.ndarray]:
@@ -111,3 +120,64 @@ def test_the_cases_shadow_sometimes_and_the_floor_ends_searches():
         floor = shadow_floor(traffic, load, base, hot, topology=topo, model=model, settings=cost)
         floored += floor > best
     assert shadows >= 5 and floored >= 5
+
+
+def _masters_only(topo: Topology, num_experts: int, rng: np.random.Generator) -> Placement:
+    """Masters in random slots (one copy per expert), as a run's alignment may leave them."""
+    slots = rng.permutation(topo.num_ranks * topo.slots_per_rank)[:num_experts]
+    phy2log = np.full(topo.num_ranks * topo.slots_per_rank, -1, np.int32)
+    phy2log[slots] = np.arange(num_experts)
+    return Placement(phy2log.reshape(topo.num_ranks, -1), slots.astype(np.int64))
+
+
+def _assert_same_traffic(got: TokenTraffic, want: TokenTraffic) -> None:
+    for f in dataclasses.fields(want):
+        a, b = getattr(got, f.name), getattr(want, f.name)
+        if b is None:
+            assert a is None
+            continue
+        assert a.dtype == b.dtype and a.shape == b.shape, f.name
+        assert np.array_equal(a, b), f.name  # the same floats, not close ones
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), static=st.booleans())
+def test_master_traffic_is_the_even_split_to_the_bit(seed, static):
+    topo, model, _, load = _case(seed)
+    rng = np.random.default_rng(seed)
+    if static:
+        masters = static_placement(topo.num_ranks, topo.slots_per_rank, model.num_experts, 2)
+    else:
+        masters = _masters_only(topo, model.num_experts, rng)
+    load[:, rng.integers(0, model.num_experts, 3)] = 0  # experts without tokens
+    got = master_traffic(load, masters, topo, model.top_k)
+    for domain in ("rank", "global"):  # one copy each: every domain splits alike
+        _assert_same_traffic(got, even_traffic(load, masters, topo, model.top_k, domain=domain))
+
+
+def test_route_traffic_is_the_costed_plans_traffic_and_only_its():
+    served = shadowed = 0
+    for seed in range(40):
+        topo, model, cost, load = _case(seed)
+        pol = make_policy("fastermoe", {"cost": cost.model_dump()})
+        ctx = PolicyContext(topo, model, 0, 0, load, np.zeros((0, *load.shape), np.int64))
+        plan = pol.place(ctx)
+        shadowed += int(plan.holds().sum() > model.num_experts)
+        moved = Placement(plan.phy2log[:, ::-1].copy(), plan.master)  # slots permuted
+        moved = dataclasses.replace(moved, master=_slot_of(moved, plan))
+        got = pol.route_traffic(ctx, moved)
+        assert got is not None
+        _assert_same_traffic(got, even_traffic(load, moved, topo, model.top_k, domain="rank"))
+        served += 1
+        other = PolicyContext(topo, model, 1, 0, load, np.zeros((0, *load.shape), np.int64))
+        assert pol.route_traffic(other, plan) is None  # another context
+        if plan.holds().sum() > model.num_experts:  # shadows: the bare masters differ
+            assert pol.route_traffic(ctx, pol.masters(ctx)) is None
+    assert served == 40 and shadowed >= 5
+
+
+def _slot_of(moved: Placement, plan: Placement) -> np.ndarray:
+    """``plan``'s masters in ``moved``, whose slots are ``plan``'s reversed per rank."""
+    num_slots = plan.slots_per_rank
+    rank, slot = plan.master // num_slots, plan.master % num_slots
+    return rank * num_slots + (num_slots - 1 - slot)

@@ -35,9 +35,13 @@ from expertmesh.planner.policy import Policy, PolicyContext, PolicySettings, reg
 from expertmesh.planner.routing import route_even
 from expertmesh.planner.static import static_placement
 from expertmesh.planner.topology import Topology
-from expertmesh.planner.traffic import TokenTraffic, even_traffic
+from expertmesh.planner.traffic import TokenTraffic, even_traffic, level_sums
 
-__all__ = ["FasterMoEPolicy", "shadow", "shadow_floor", "shadow_traffic"]
+__all__ = ["FasterMoEPolicy", "master_traffic", "shadow", "shadow_floor", "shadow_traffic"]
+
+# Token counts summed in float64 stay exact integers below this: the traffic of whole
+# tokens is then the same floats in any order of summation.
+_EXACT = 2**53
 
 
 def shadow(masters: Placement, experts: np.ndarray) -> Placement:
@@ -62,6 +66,62 @@ def shadow(masters: Placement, experts: np.ndarray) -> Placement:
     rows = np.repeat(np.arange(num_ranks), j)
     phy2log[rows, free_slots.ravel()] = value.ravel()
     return Placement(phy2log=phy2log, master=masters.master.copy())
+
+
+def master_traffic(
+    load: np.ndarray, masters: Placement, topology: Topology, top_k: int
+) -> TokenTraffic:
+    """``even_traffic(load, masters, topology, top_k, domain="rank")`` of a placement that
+    holds one copy of each expert (its master): every assignment goes to the master.
+
+    The same floats: each count is a sum of whole tokens of ``load`` [R, E], exact in
+    float64 while the total is below 2**53, so any order of summation gives it (above,
+    ``even_traffic`` is called). Summed here in int64 over experts grouped by their
+    master's rank, node and DC (each a contiguous range of ranks), in a few passes.
+    """
+    num_ranks, num_experts = load.shape
+    if masters.num_ranks != num_ranks or num_ranks != topology.num_ranks:
+        raise ValueError("load, masters and topology disagree on the number of ranks")
+    if int((masters.phy2log >= 0).sum()) != num_experts:
+        raise ValueError("master_traffic needs a placement of masters only")
+    load = load.astype(np.int64, copy=False)
+    if int(load.sum()) >= _EXACT:
+        return even_traffic(load, masters, topology, top_k, domain="rank")
+    mrank = masters.master_rank()  # [E]
+    by_master = np.argsort(mrank, kind="stable")  # [E] experts by master rank
+    in_order = bool((by_master[1:] > by_master[:-1]).all())  # static EP: no reordering
+    groups = (np.arange(num_ranks), topology.rank_node, topology.rank_dc)  # [R] each, sorted
+    # each rank's tokens to the masters of each level's groups, summed by master rank
+    cum = np.zeros((num_ranks, num_experts + 1), np.int64)  # [R, E + 1]
+    np.cumsum(load if in_order else load[:, by_master], axis=1, out=cum[:, 1:])
+    sums = level_sums(load, topology)  # [R, E], [Nn, E], [D, E], [1, E]: whole tokens
+    sorted_m, rows, experts = mrank[by_master], np.arange(num_ranks), np.arange(num_experts)
+    sent, came = [], []  # per level: [R] sent inside the own group, [E] got from the master's
+    for g, level in zip(groups, sums[:3], strict=True):
+        # [G + 1] where each group's experts start in by_master order
+        eb = np.searchsorted(sorted_m, np.searchsorted(g, np.arange(int(g[-1]) + 2)))
+        sent.append(cum[rows, eb[g + 1]] - cum[rows, eb[g]])
+        came.append(level[g[mrank], experts])
+    sent.append(cum[:, -1])
+    came.append(sums[3][0])
+    rank_out = np.stack([sent[j] - sent[j - 1] for j in (1, 2, 3)], axis=1).astype(np.float64)
+    rank_in = np.zeros((num_ranks, 3))
+    for j in (1, 2, 3):
+        rank_in[:, j - 1] = np.bincount(mrank, weights=came[j] - came[j - 1], minlength=num_ranks)
+    rank_tokens = np.bincount(mrank, weights=came[3], minlength=num_ranks)
+    per_dc = sums[2] if in_order else sums[2][:, by_master]  # [D, E] by master rank
+    cum_dc = np.zeros((per_dc.shape[0], num_experts + 1))
+    np.cumsum(per_dc, axis=1, out=cum_dc[:, 1:])
+    dense = cum_dc[:, eb[1:]] - cum_dc[:, eb[:-1]]  # [D, D] src -> dst (eb: the DCs' bounds)
+    np.fill_diagonal(dense, 0.0)
+    src, dst = np.nonzero(dense > 0)
+    dc_tokens = (
+        np.bincount(topology.rank_dc, weights=cum[:, -1], minlength=topology.num_dcs) / top_k
+    )  # [D] tokens (not assignments) from each DC, as even_traffic's
+    return TokenTraffic(
+        rank_tokens, rank_out, rank_in, src.astype(np.int64), dst.astype(np.int64),
+        dense[src, dst], dc_tokens,
+    )  # fmt: skip
 
 
 def shadow_traffic(
@@ -178,6 +238,11 @@ class FasterMoEPolicy(Policy):
     #: shadows are chosen on each microbatch's load and broadcast before they compute
     microbatch_copies: ClassVar[str] = "all"
 
+    def __init__(self, settings: PolicySettings | None = None) -> None:
+        super().__init__(settings)
+        #: the last context, the placement place() chose for it and that placement's traffic
+        self._last: tuple[PolicyContext, Placement, TokenTraffic] | None = None
+
     @property
     def cfg(self) -> FasterMoESettings:
         return cast(FasterMoESettings, self.settings)
@@ -203,8 +268,9 @@ class FasterMoEPolicy(Policy):
             limit = min(limit, self.cfg.max_shadows)
         order = np.argsort(-ctx.load.sum(axis=0), kind="stable")
         topo, model, cs = ctx.topology, ctx.model, self.cfg.cost
-        traffic = even_traffic(ctx.load, base, topo, model.top_k, domain="rank")
-        best, best_cost = base, step_cost(topo, model, traffic, None, cs).seconds
+        traffic = master_traffic(ctx.load, base, topo, model.top_k)
+        best, best_traffic = base, traffic
+        best_cost = step_cost(topo, model, traffic, None, cs).seconds
         for j in range(1, limit + 1):
             e = int(order[j - 1])
             floor = shadow_floor(
@@ -217,8 +283,22 @@ class FasterMoEPolicy(Policy):
             c = modeled_step(topo, model, traffic, cand, settings=cs).seconds
             if c >= best_cost:
                 break
-            best, best_cost = cand, c
+            best, best_cost, best_traffic = cand, c, traffic
+        self._last = (ctx, best, best_traffic)
         return best
+
+    def route_traffic(self, ctx: PolicyContext, placement: Placement) -> TokenTraffic | None:
+        """The traffic :meth:`place` costed for its choice for ``ctx`` when ``placement``
+        holds the same experts on every rank (slots may be permuted), else ``None``: the
+        even split's (whole-token counts, below 2**53 in all the floats of ``even_traffic``)."""
+        if self._last is None or self._last[0] is not ctx:
+            return None
+        _, chosen, traffic = self._last
+        if placement is not chosen and not np.array_equal(
+            np.sort(placement.phy2log, axis=1), np.sort(chosen.phy2log, axis=1)
+        ):
+            return None
+        return traffic
 
     def route(self, ctx: PolicyContext, placement: Placement) -> np.ndarray:
         return route_even(ctx.load, placement, np.arange(ctx.topology.num_ranks))
