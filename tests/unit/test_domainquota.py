@@ -256,3 +256,19 @@ def test_rehome_with_a_reserve_keeps_a_free_slot_on_every_rank_it_can():
     assert plain.phy2log[0].tolist() == [0, 1, 5] and plain.phy2log[1].tolist() == [2, -1, -1]
     assert kept.phy2log[0].tolist() == [0, 1, -1] and kept.phy2log[1].tolist() == [2, 5, -1]
     assert np.array_equal(dc_holds(kept, topo), dc_holds(plain, topo))
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), dcs=st.integers(1, 5), size=st.integers(1, 4))
+def test_row_sums_by_dc_take_the_integer_path_and_give_the_same_floats(seed, dcs, size):
+    from expertmesh.planner.domainquota import _sum_rows
+
+    rng = np.random.default_rng(seed)
+    group = np.repeat(np.arange(dcs), size)  # a topology's DCs: in order, equal sizes
+    shuffled = rng.permutation(group)  # the bincount path
+    for x in (rng.integers(0, 10**6, size=(group.size, 7)), rng.random((group.size, 7)) < 0.5):
+        for g in (group, shuffled):
+            want = np.zeros((dcs, 7))
+            np.add.at(want, g, x.astype(np.float64))
+            got = _sum_rows(x, g, dcs)
+            assert got.dtype == np.float64 and np.array_equal(got, want)

@@ -114,8 +114,16 @@ def _scatter(
 
 
 def _sum_rows(x: np.ndarray, group: np.ndarray, num_groups: int) -> np.ndarray:
-    """[num_groups, E] float64: rows of ``x`` [R, E] summed by ``group`` [R]."""
-    num_cols = x.shape[1]
+    """[num_groups, E] float64: rows of ``x`` [R, E] summed by ``group`` [R]. Integer and
+    bool rows of groups in order, each of the same size (a topology's DCs), are summed as
+    integers (exact, so the same floats in any order) over a [G, size, E] view."""
+    num_rows, num_cols = x.shape
+    if x.dtype.kind in "biu" and num_groups and num_rows % num_groups == 0:
+        size = num_rows // num_groups
+        if np.array_equal(group, np.repeat(np.arange(num_groups), size)):
+            return (
+                x.reshape(num_groups, size, num_cols).sum(axis=1, dtype=np.int64).astype(np.float64)
+            )
     keys = (group[:, None] * num_cols + np.arange(num_cols)[None, :]).ravel()
     flat = np.bincount(keys, weights=x.ravel().astype(np.float64), minlength=num_groups * num_cols)
     return flat.reshape(num_groups, num_cols)
@@ -182,8 +190,14 @@ def remote_inflow(
 
 
 def _inflow(load: np.ndarray, routing: _Routing) -> np.ndarray:
-    """:func:`remote_inflow` from a :class:`_Routing`."""
-    return _sent_in(load, routing.away, routing.remote, routing.v_dc.size)
+    """:func:`remote_inflow` from a :class:`_Routing`: one ``bincount`` over every cell
+    (a cell that sends nowhere into a last bin, dropped; a zero adds nothing, so each
+    bin sums the same integers as :func:`_sent_in`)."""
+    num_v = routing.v_dc.size
+    if routing.orphan.size:
+        return _sent_in(load, routing.away, routing.remote, num_v)  # raises if they have load
+    sums = np.bincount(routing.sent_bin, weights=load.ravel(), minlength=num_v + 1)
+    return sums[:num_v].astype(np.int64)
 
 
 def _sent_in(load: np.ndarray, away: np.ndarray, target: np.ndarray, num_v: int) -> np.ndarray:
@@ -200,7 +214,9 @@ class _Routing(NamedTuple):
     ``holds`` [D, E] and ``rank_dc`` [R] alone, each read-only: the virtual experts
     (:func:`_virtual`), ``here`` [R, E] (the source's DC holds ``e``) and ``away``
     (``~here``), ``remote`` (:func:`remote_holder`), ``to_v`` [R, E] (the own DC's copy,
-    else ``remote``) and ``pair_key`` [R * E] (source DC * D + the DC of ``to_v``)."""
+    else ``remote``), ``pair_key`` [R * E] (source DC * D + the DC of ``to_v``),
+    ``sent_bin`` [R * E] (``remote``, ``V`` where it is -1) and ``orphan`` (the experts
+    nobody holds)."""
 
     v_dc: np.ndarray
     v_expert: np.ndarray
@@ -210,6 +226,8 @@ class _Routing(NamedTuple):
     remote: np.ndarray
     to_v: np.ndarray
     pair_key: np.ndarray
+    sent_bin: np.ndarray
+    orphan: np.ndarray
 
 
 def _routing(holds: np.ndarray, rank_dc: np.ndarray) -> _Routing:
@@ -228,7 +246,9 @@ def _routing(holds: np.ndarray, rank_dc: np.ndarray) -> _Routing:
     to_v = np.where(own >= 0, own, remote)
     num_dcs = holds.shape[0]
     pair_key = (rank_dc[:, None] * num_dcs + v_dc[to_v]).ravel()  # where nobody holds e: any
-    out = _Routing(v_dc, v_expert, vid, here, ~here, remote, to_v, pair_key)
+    sent_bin = np.where(remote >= 0, remote, v_dc.size).ravel()
+    orphan = np.flatnonzero(~holds.any(axis=0))
+    out = _Routing(v_dc, v_expert, vid, here, ~here, remote, to_v, pair_key, sent_bin, orphan)
     for a in out:
         a.setflags(write=False)
     if _ROUTINGS_KEPT > 0:
@@ -261,7 +281,8 @@ def domain_quota(
     rank_dc = topology.rank_dc
     r, s = np.nonzero(base.phy2log >= 0)
     e = base.phy2log[r, s].astype(np.int64)
-    holds = dc_holds(base, topology)
+    holds = np.zeros((topology.num_dcs, num_experts), bool)  # dc_holds(base, topology)
+    holds[rank_dc[r], e] = True
     routing = _routing(holds, rank_dc)
     v_dc, v_expert, vid = routing.v_dc, routing.v_expert, routing.vid
     v = vid[rank_dc[r], e]
@@ -441,10 +462,13 @@ def domain_traffic(
     # what each local source sends: the weights of its DC's copies by shell
     g_rank = _scatter(c_rank, c_exp, w, (num_ranks, num_experts))
     g_node = _scatter(node, c_exp, w, (topology.num_nodes, num_experts))
-    g_dc = _scatter(c_dc, c_exp, w, (num_dcs, num_experts))
     reach_rank = np.einsum("re,re->r", left, g_rank)
     reach_node = np.einsum("re,re->r", left, g_node[topology.rank_node])
-    reach_dc = np.einsum("re,re->r", left, g_dc[rank_dc])
+    if np.array_equal(topology.rank_node, rank_dc):  # one node per DC: the same floats
+        reach_dc = reach_node
+    else:
+        g_dc = _scatter(c_dc, c_exp, w, (num_dcs, num_experts))
+        reach_dc = np.einsum("re,re->r", left, g_dc[rank_dc])
     rank_out = np.stack([reach_node - reach_rank, reach_dc - reach_node, away.sum(axis=1)], axis=1)
     # DC pairs, flat: every (r, e) in row-major order, the zeros of ``away`` included (adding
     # 0.0 changes no sum: the same floats as over its nonzeros alone, one pass fewer)

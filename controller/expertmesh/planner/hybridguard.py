@@ -105,7 +105,7 @@ def guard_bound(inp: HybridInputs, holds: np.ndarray, master_dc: np.ndarray) -> 
     load = inp.load
     rank_dc, num_dcs = topology.rank_dc, topology.num_dcs
     routing = _routing(holds, rank_dc)  # memoized: compose of this candidate reuses it
-    if (load[routing.to_v < 0] > 0).any():
+    if routing.orphan.size and load[:, routing.orphan].any():
         return -np.inf  # an expert with load and no copy: compose says why
     pair = np.bincount(routing.pair_key, weights=load.ravel(), minlength=num_dcs**2).reshape(
         num_dcs, num_dcs

@@ -86,6 +86,23 @@ class DcPairs:
         per = float(cfg.cost.microbatches_per_update)
         self.w = cfg.encoding.refresh_bytes(model) / per if model.training else 0.0
         self.g = cfg.encoding.gradient_bytes(model) / per if model.training else 0.0
+        # what every scoring shares: crossing bytes with no copy ([G]) and after each
+        # prefix ([n]), and the option rows' order, by (pair, j)
+        self.x0 = self._bytes(self.total, self.g_dc)
+        self.xj = self._bytes(self.remaining, self.dc)
+        o_group = np.concatenate([np.arange(self.num_groups), self.group])
+        o_j = np.concatenate([np.zeros(self.num_groups, np.int64), self.j])
+        self.order = np.lexsort((o_j, o_group))
+        o_exp = np.concatenate([np.full(self.num_groups, -1), self.expert])
+        self.rows = {
+            "group": o_group[self.order],
+            "j": o_j[self.order],
+            "expert": o_exp[self.order],
+            "dc": self.g_dc[o_group[self.order]],
+            "group_dc": self.g_dc.copy(),
+        }
+        for a in self.rows.values():
+            a.setflags(write=False)  # every options() call returns them
 
     def state(self, j_cur: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per pair under choice ``j_cur`` [G]: crossing bytes and amortized copy bytes."""
@@ -120,23 +137,9 @@ class DcPairs:
 
     def _options(self, rev: tuple[np.ndarray, np.ndarray, np.ndarray]) -> dict[str, np.ndarray]:
         gids = np.arange(self.num_groups)
-        cost0 = self._score(self._bytes(self.total, self.g_dc), 0, 0.0, gids, rev)
-        costj = self._score(
-            self._bytes(self.remaining, self.dc), self.j, self.copy, self.group, rev
-        )
-        o_group = np.concatenate([gids, self.group])
-        o_j = np.concatenate([np.zeros(self.num_groups, np.int64), self.j])
-        o_cost = np.concatenate([cost0, costj])
-        o_exp = np.concatenate([np.full(self.num_groups, -1), self.expert])
-        o = np.lexsort((o_j, o_group))
-        return {
-            "group": o_group[o],
-            "j": o_j[o],
-            "cost": o_cost[o],
-            "expert": o_exp[o],
-            "dc": self.g_dc[o_group[o]],
-            "group_dc": self.g_dc,
-        }
+        cost0 = self._score(self.x0, 0, 0.0, gids, rev)
+        costj = self._score(self.xj, self.j, self.copy, self.group, rev)
+        return {**self.rows, "cost": np.concatenate([cost0, costj])[self.order]}
 
     def _score(
         self,
