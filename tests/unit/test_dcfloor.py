@@ -129,3 +129,32 @@ def test_hybrid_replans_every_period_when_asked_every_n_steps() -> None:
     assert np.array_equal(held[4], held[9])  # 5 steps after: the holder sets stay
     assert not np.array_equal(held[9], held[14])  # 10 steps after step 4: re-planned
     assert np.array_equal(held[14], held[19]) and not np.array_equal(held[19], held[24])
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), dcs=st.sampled_from([2, 3, 4, 13]), per_dc=st.integers(1, 3))
+def test_the_floor_bound_is_below_the_split_floor(seed, dcs, per_dc):
+    from expertmesh.planner.dcfloor import floor_bound
+
+    load, holds, _, _, rank_dc = _case(seed, dcs=dcs, per_dc=per_dc, experts=16, cap=16 // dcs + 3)
+    rng = np.random.default_rng(seed)
+    for _ in range(3):  # the case's holder sets, then random ones (every expert held)
+        dc_load = np.zeros(holds.shape, np.int64)
+        np.add.at(dc_load, rank_dc, load)
+        ranks = np.bincount(rank_dc, minlength=dcs)
+        assert floor_bound(dc_load, holds, ranks) <= split_dcs(load, holds, rank_dc).floor
+        holds = rng.random(holds.shape) < 0.3
+        holds[rng.integers(0, dcs, 16), np.arange(16)] = True
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), dcs=st.sampled_from([2, 3, 4]), room=st.integers(0, 6))
+def test_even_dcs_skipping_splits_by_the_bound_picks_what_splitting_all_picks(seed, dcs, room):
+    import expertmesh.planner.dcfloor as dcfloor
+
+    load, holds, master_dc, caps, rank_dc = _case(seed, dcs=dcs, cap=24 // dcs + room)
+    got = even_dcs(load, holds, master_dc, caps, rank_dc)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(dcfloor, "floor_bound", lambda dc_load, holds, ranks: -np.inf)
+        want = even_dcs(load, holds, master_dc, caps, rank_dc)
+    assert np.array_equal(got, want)

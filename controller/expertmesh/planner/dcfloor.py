@@ -15,8 +15,11 @@ the estimate and never raises its crossing assignments (tokens of a DC for exper
 lacks), so it costs no modeled WAN tokens: each round takes the busiest DC of the
 split, and for one of its most used experts that another DC lacks, gives that DC a copy,
 in a free holding if it has one, else in place of one of its copies; the move that
-lowers the floor most (ties: fewest crossings) is kept, until none lowers it. Pure and
-deterministic.
+lowers the floor most (ties: fewest crossings) is kept, until none lowers it. A move
+is split only where :func:`floor_bound` (what every split leaves in each DC: its own
+tokens for experts it holds, and all tokens of experts only it holds) is no higher than
+the best move's floor so far and low enough to be kept: the move it skips is never the
+one kept, so the answer is the one splitting every move gives. Pure and deterministic.
 
 Shapes: ``R`` ranks, ``E`` experts, ``D`` DCs.
 """
@@ -27,7 +30,7 @@ import numpy as np
 
 from expertmesh.planner.dcsplit import split_dcs
 
-__all__ = ["crossing_assignments", "even_dcs"]
+__all__ = ["crossing_assignments", "even_dcs", "floor_bound"]
 
 
 def crossing_assignments(load: np.ndarray, holds: np.ndarray, rank_dc: np.ndarray) -> int:
@@ -36,6 +39,24 @@ def crossing_assignments(load: np.ndarray, holds: np.ndarray, rank_dc: np.ndarra
     dc_load = np.zeros(holds.shape, np.int64)
     np.add.at(dc_load, rank_dc, np.asarray(load, np.int64))
     return int(dc_load[~holds].sum())
+
+
+def floor_bound(dc_load: np.ndarray, holds: np.ndarray, ranks: np.ndarray) -> float:
+    """A lower bound of ``split_dcs(load, holds, rank_dc).floor`` from ``dc_load`` [D, E]
+    (``load`` summed by DC) and ``ranks`` [D] per DC: every split leaves DC ``d`` at least
+    its own tokens for the experts it holds plus every DC's tokens for the experts only it
+    holds (tokens stay where their expert is; one holder takes all that cross to it), and
+    the floor is computed from these integers the same way (IEEE division is monotone)."""
+    total = int(dc_load.sum())
+    active = ranks > 0
+    if total == 0 or not active.any():
+        return 1.0
+    alone = holds & (holds.sum(axis=0) == 1)[None, :]  # [D, E] the only holder
+    least = np.where(holds, dc_load, 0).sum(axis=1) + np.where(
+        alone, dc_load.sum(axis=0)[None, :] - dc_load, 0
+    ).sum(axis=1)  # [D] tokens every split leaves in each DC
+    per = least[active] / ranks[active]
+    return float(per.max() / (total / ranks.sum()))
 
 
 def even_dcs(
@@ -82,6 +103,8 @@ def even_dcs(
     is_master = np.zeros_like(holds)
     is_master[master_dc, np.arange(num_experts)] = True
     used = load.sum(axis=0)  # [E] every DC's tokens per expert
+    dc_load = np.zeros(holds.shape, np.int64)
+    np.add.at(dc_load, rank_dc, load.astype(np.int64))  # [D, E]
     best = holds.copy()
     split = split_dcs(load, best, rank_dc)
     cross = crossing_assignments(load, best, rank_dc)
@@ -100,8 +123,13 @@ def even_dcs(
                     h[d, e] = True
                     if x is not None:
                         h[d, x] = False
-                    c = crossing_assignments(load, h, rank_dc)
+                    c = int(dc_load[~h].sum())  # crossing_assignments(load, h, rank_dc)
                     if c > cross:
+                        continue
+                    # a floor above the best move's, or too high to be kept, is not split:
+                    # the move is never chosen (nor ties), or no move is kept either way
+                    low = round(floor_bound(dc_load, h, ranks), 9)
+                    if low > split.floor - min_gain or (move is not None and low > move[0][0]):
                         continue
                     key = (round(split_dcs(load, h, rank_dc).floor, 9), c)
                     if move is None or key < move[0]:
