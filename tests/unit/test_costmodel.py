@@ -1,5 +1,7 @@
 """The cost model against hand-computed cases, and the fast traffic path against its reference."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -14,6 +16,7 @@ from expertmesh.planner.costmodel import (
     migration_streams,
     replica_streams,
     step_cost,
+    step_costs,
 )
 from expertmesh.planner.refs import even_route_ref
 from expertmesh.planner.routing import route_even
@@ -426,3 +429,56 @@ def test_shell_sums_equal_one_bincount_per_shell(ranks, copies, seed):
         [np.bincount(rank, weights=in_shell[:, j], minlength=ranks) for j in (1, 2, 3)], axis=1
     )
     assert _shell_sums(rank, in_shell, ranks).tobytes() == want.tobytes()
+
+
+# ---- step_costs: step_cost of many items at once ----
+
+
+def _cost_item(rng, topo, model, settings, case):
+    """A traffic and expert streams on ``topo``: an even split of a random placement and
+    load (no load at all when ``case == 0``; exact crossings when 5), its replica sync and
+    random transfers."""
+    _, pl, load = _random_case(int(rng.integers(10_000)))
+    if case == 0:
+        load = np.zeros_like(load)
+    domain = ["rank", "node", "dc", "global"][case % 4]
+    traffic = even_traffic(load, pl, topo, model.top_k, domain=domain)
+    if case == 5:  # crossings known exactly (a runtime's)
+        traffic = dataclasses.replace(traffic, pair_crossings=np.floor(traffic.pair_tokens / 2))
+    streams = replica_streams(pl, topo, model, settings)
+    m = int(rng.integers(0, 6))
+    src, dst = rng.integers(0, topo.num_ranks, (2, m))
+    streams = streams + migration_streams(src, dst, rng.uniform(0, 1e9, m), topo, scale=0.5)
+    return traffic, streams
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    items=st.integers(1, 6),
+    training=st.booleans(),
+    hierarchical=st.booleans(),
+    per_update=st.sampled_from([1, 4]),
+    chunks=st.sampled_from([1, 3]),
+    gbps=st.sampled_from([0.01, 10.0, 1e4]),
+)
+def test_step_costs_equal_step_cost_item_by_item(
+    seed, items, training, hierarchical, per_update, chunks, gbps
+):
+    rng = np.random.default_rng(seed)
+    topo = _random_case(0)[0].with_inter_dc(gbps)
+    model = ModelSpec(num_experts=6, top_k=2, hidden=1000, ffn_hidden=10, training=training)
+    cs = CostSettings(
+        flops_per_second=1e9, hierarchical=hierarchical, microbatches_per_update=per_update,
+        pipeline_chunks=chunks, message_seconds=0.001 * (chunks - 1),
+    )  # fmt: skip
+    cases = [_cost_item(rng, topo, model, cs, int(rng.integers(8))) for _ in range(items)]
+    batched = step_costs(topo, model, [t for t, _ in cases], [s for _, s in cases], cs)
+    assert batched == [step_cost(topo, model, t, s, cs) for t, s in cases]  # bit for bit
+
+
+def test_step_costs_refuses_mismatched_inputs():
+    t = _traffic(STATIC)
+    with pytest.raises(ValueError, match="one ExpertStreams"):
+        step_costs(TOPO, FWD, [t, t], [ExpertStreams.empty(2)], CS)
+    assert step_costs(TOPO, FWD, [], [], CS) == []

@@ -74,6 +74,27 @@ def test_the_simulation_is_deterministic():
         assert [r.seconds for r in ra.rows] == [r.seconds for r in rb.rows]
 
 
+def _modeled(row):
+    return [v for c, v in zip(COLUMNS, row.values(), strict=True) if c != "solve_seconds"]
+
+
+def test_steps_costed_together_give_the_rows_of_steps_costed_alone(monkeypatch):
+    from expertmesh.sim import engine
+
+    cost = CostSettings(solve_on_critical_path=False)
+    names = ["static", "fastermoe", "eplb", "quota", "hybrid", "nope"]
+    s = TraceSettings(num_ranks=TOPO.num_ranks, num_experts=8, num_layers=2, num_steps=5,
+                      top_k=2, tokens_per_rank=256, imbalance=2.0, drift=0.3, seed=4)  # fmt: skip
+    load = generate_trace(s).load
+    together = simulate(dense_source(load), TOPO, MODEL, names, cost=cost)  # one batch
+    monkeypatch.setattr(engine, "BATCH_CELLS", 1)  # every step costed on its own
+    alone = simulate(dense_source(load), TOPO, MODEL, names, cost=cost)
+    for a, b in zip(alone.runs, together.runs, strict=True):
+        assert a.skipped == b.skipped
+        assert len(b.rows) == (0 if b.skipped else 5)
+        assert [_modeled(r) for r in a.rows] == [_modeled(r) for r in b.rows]
+
+
 @pytest.mark.parametrize("name", ["static", "eplb", "fastermoe", "hybrid"])
 def test_fast_path_split_matches_the_policys_route(name):
     pol = make_policy(name)

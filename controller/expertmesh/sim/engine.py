@@ -15,6 +15,12 @@ costed with :func:`~expertmesh.planner.traffic.even_traffic`; any other is coste
 from its route rows. No ``[R, R]`` array. ``solve_seconds`` is the CPU time of ``place``
 (and of ``route`` when rows are built), not of the cost model.
 
+Planning and costing are separate passes: a step's plans never depend on the cost of
+the steps before, so planned layer-steps are held (traffic and expert streams, no
+load) and costed together by one :func:`~expertmesh.planner.costmodel.step_costs`
+call (one pass of array operations instead of one per policy-step; :data:`BATCH_CELLS`
+bounds what is held).
+
 Steps run outer and policies inner, so one step's load is in memory at a time
 and the history windows are shared by policies that ask for the same window. What
 policies compute alike at a step is computed once: a placement's alignment, the
@@ -39,10 +45,11 @@ import numpy as np
 from expertmesh.planner.costmodel import (
     CostSettings,
     ExpertStreams,
+    StepCost,
     TransferEncoding,
     migration_streams,
     replica_streams,
-    step_cost,
+    step_costs,
     transfer_seconds,
 )
 from expertmesh.planner.migration import align_placement, plan_migration
@@ -72,6 +79,11 @@ EVEN_SPLITS: dict[str, tuple[str, str]] = {"static": ("global", "spread"), "eplb
 #: of the route, the replica sync streams, the migration (its plan, bytes, streams and the
 #: microbatch fan-out), and the step cost over all of them
 COST_PARTS = ("traffic", "replica streams", "migration", "step cost")
+
+#: planned layer-steps are costed together (one ``step_costs`` call) until they hold this
+#: many array cells (:attr:`_Planned.cells`): a whole 64-rank EP group's run in one call,
+#: a step at a time on thousands of ranks and DC pairs
+BATCH_CELLS = 1 << 20
 
 COLUMNS = (
     "policy", "step", "seconds", "imbalance", "cross_dc_token_bytes", "cross_dc_weight_bytes",
@@ -304,7 +316,7 @@ def simulate(
     skipped; one that raises ``ValueError`` while planning is stopped and reported with
     the message. ``policy_settings`` maps a policy name to its settings; policies with a
     ``cost`` setting get ``cost`` unless they set it themselves. ``progress(n)`` is
-    called after each step with the number of policy-steps done.
+    called after each step with the number of policy-steps planned.
     """
     if loads.num_ranks != topology.num_ranks:
         raise ValueError(f"trace has {loads.num_ranks} ranks, the topology {topology.num_ranks}")
@@ -313,41 +325,199 @@ def simulate(
     cost = cost or CostSettings()
     settings = {k: dict(v) for k, v in (policy_settings or {}).items()}
     t_start = time.perf_counter()
-    states: list[_PolicyState] = []
+    world = _World(topology, model, cost, {}, (loads.num_ranks, loads.num_experts))
+    states: list[_PolicyState | None] = []  # None: cannot run
     runs: list[PolicyRun] = []
     for name, pol in _make(policies, settings, cost):
         if isinstance(pol, str):
             runs.append(PolicyRun(name, skipped=pol))
+            states.append(None)
             continue
         st = _PolicyState(name, pol, loads.num_layers)
+        _add_history(world, st)
         states.append(st)
         runs.append(st.run)
-    shape = (loads.num_ranks, loads.num_experts)
-    hist: dict[tuple[int, int], _History] = {}
-    for st in states:
-        for layer in range(loads.num_layers):
-            w = st.policy.history_window()
-            hist.setdefault((w, layer), _History(w))
-    world = _World(topology, model, cost, hist, shape)
+    pending: list[tuple[_PolicyState, int, list[_Planned]]] = []  # planned, not yet costed
+    cells = 0
     for t in range(loads.num_steps):
-        step_load = loads.step(t)  # [L, R, E]
-        layers = _layer_views(step_load)
-        world.contexts.clear()
-        for st in states:
-            if st.run.skipped is not None:
-                continue
-            t0 = time.process_time()
-            try:
-                st.run.rows.append(_step(st, world, t, layers))
-                st.run.cpu_seconds += time.process_time() - t0
-            except ValueError as err:
-                st.run.skipped = f"failed at step {t}: {err}"
-                log.warning("policy %s stopped at step %d: %s", st.name, t, err)
-        for (_, layer), h in hist.items():
-            h.push(step_load[layer])
+        planned = _plan_step(world, states, t, loads.step(t))
+        for state, layers in zip(states, planned, strict=True):
+            if state is not None and layers is not None:
+                pending.append((state, t, layers))
+                cells += sum(p.cells for p in layers)
+        if cells >= BATCH_CELLS:
+            _cost_pending(pending, world)
+            pending, cells = [], 0
         if progress is not None:
-            progress(len(states))
+            progress(sum(state is not None for state in states))
+    _cost_pending(pending, world)
     return SimResult(runs, time.perf_counter() - t_start)
+
+
+def _add_history(world: _World, st: _PolicyState) -> None:
+    """The history windows ``st``'s policy reads, one per layer (shared by equal windows)."""
+    w = st.policy.history_window()
+    for layer in range(len(st.prev)):
+        world.hist.setdefault((w, layer), _History(w))
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """One layer of one policy at one step, planned and waiting for its cost."""
+
+    traffic: TokenTraffic
+    streams: ExpertStreams
+    place_seconds: float
+    fanout: float
+    solve_seconds: float
+    migration_bytes: float
+    replicas: int
+
+    @property
+    def cells(self) -> int:
+        """Array cells it holds for the cost model (ranks and DC pairs): what
+        :data:`BATCH_CELLS` counts."""
+        return self.traffic.num_ranks + self.traffic.pair_src.size + self.streams.pair_src.size
+
+
+def _plan_step(
+    world: _World, states: list[_PolicyState | None], t: int, step_load: np.ndarray
+) -> list[list[_Planned] | None]:
+    """Plan step ``t`` (``step_load`` [L, R, E]) for every policy still running on one source;
+    ``None`` for one that is not (a ``ValueError`` stops it, as :func:`simulate` says)."""
+    layers = _layer_views(step_load)
+    world.contexts.clear()
+    out: list[list[_Planned] | None] = []
+    for st in states:
+        if st is None or st.run.skipped is not None:
+            out.append(None)
+            continue
+        t0 = time.process_time()
+        try:
+            out.append([_plan(st, world, t, layer, load) for layer, load in enumerate(layers)])
+        except ValueError as err:
+            out.append(None)
+            _stop(st, t, err)
+        st.run.cpu_seconds += time.process_time() - t0
+    for (_, layer), h in world.hist.items():
+        h.push(step_load[layer])
+    return out
+
+
+def _stop(st: _PolicyState, t: int, err: ValueError) -> None:
+    st.run.skipped = f"failed at step {t}: {err}"
+    log.warning("policy %s stopped at step %d: %s", st.name, t, err)
+
+
+def _cost_pending(pending: list[tuple[_PolicyState, int, list[_Planned]]], world: _World) -> None:
+    """Cost every planned ``(policy, step, layers)`` of ``pending`` with one ``step_costs``
+    call and append each row (in ``pending``'s order: step by step); each policy's cost
+    parts and CPU seconds get the call's CPU time in proportion to its layers."""
+    items = [p for _, _, layers in pending for p in layers]
+    if not items:
+        return
+    t0 = time.process_time()
+    try:
+        costs = step_costs(
+            world.topology, world.model, [p.traffic for p in items],
+            [p.streams for p in items], world.cost,
+        )  # fmt: skip
+    except ValueError as err:
+        for st, t, _ in pending:
+            if st.run.skipped is None:
+                _stop(st, t, err)
+        return
+    per_item = (time.process_time() - t0) / len(items)
+    at = 0
+    for st, t, layers in pending:
+        st.run.rows.append(_row(st, t, layers, costs[at : at + len(layers)], world.cost))
+        at += len(layers)
+        st.run.cpu_seconds += per_item * len(layers)
+        st.run.cost_parts["step cost"] += per_item * len(layers)
+
+
+def _plan(st: _PolicyState, world: _World, t: int, layer: int, load: np.ndarray) -> _Planned:
+    """Plan one layer of one step for one policy: place, align, route, migrate; the traffic
+    and expert streams its cost needs (``load``: the layer's [R, E] load)."""
+    topology, model = world.topology, world.model
+    w = st.policy.history_window()
+    parts = st.run.cost_parts
+    prev = st.prev[layer]
+    ctx = _context(world, t, (w, layer), load, prev)
+    t0 = time.process_time()
+    placement = st.policy.place(ctx)
+    place_seconds = time.process_time() - t0
+    if prev is not None and placement is not prev.placement:
+        relabel = bool(getattr(st.policy, "relabel_ranks", False))
+        placement = _aligned(world, prev.placement, placement, relabel)
+    clock = time.process_time()
+    solve = clock - t0
+    route = np.zeros((0, 4), np.int64)
+    route_seconds = 0.0
+    traffic = _fast_traffic(st, ctx, placement)
+    if traffic is None:  # the policy's route rows (timed: routing is part of planning)
+        t0 = time.process_time()
+        route = st.policy.route(ctx, placement)
+        route_seconds = time.process_time() - t0
+        solve += route_seconds
+        traffic = traffic_from_route(route, load, topology, model.top_k)
+    clock = _lap(parts, "traffic", clock, route_seconds)
+    changed = prev is not None and not np.array_equal(prev.placement.phy2log, placement.phy2log)
+    streams = _sync_streams(st, world, layer, placement)
+    clock = _lap(parts, "replica streams", clock)
+    migration = Migration()
+    mig_bytes = 0.0
+    fanout = 0.0  # seconds until this microbatch's replica weights have landed
+    if changed and prev is not None:
+        migration = _migration(world, prev.placement, placement)
+        gap = max(1, t - st.changed_at[layer])
+        st.changed_at[layer] = t
+        nbytes, src, dst = _migration_bytes(st, world, (layer, t), migration, prev.placement)
+        mig_bytes = float(nbytes.sum())
+        streams = streams + migration_streams(src, dst, nbytes, topology, scale=1.0 / gap)
+        if st.microbatch is not None:
+            fanout = _fanout_seconds(
+                st.microbatch, st.policy, migration, (nbytes, src, dst), topology
+            )
+    _lap(parts, "migration", clock)
+    st.prev[layer] = LayerPlan(placement=placement, route=route, migration=migration)
+    replicas = int((placement.phy2log >= 0).sum()) - model.num_experts
+    return _Planned(traffic, streams, place_seconds, fanout, solve, mig_bytes, replicas)
+
+
+def _row(
+    st: _PolicyState, t: int, layers: list[_Planned], costs: list[StepCost], cost: CostSettings
+) -> StepRow:
+    """One policy's row at step ``t``: its planned ``layers`` with their ``costs``, summed
+    (seconds, bytes) or averaged (imbalance) over layers."""
+    seconds = imb = tok_bytes = w_bytes = mig_bytes = solve = exposed = 0.0
+    replicas = 0
+    bottleneck = ""
+    num_layers = len(layers)
+    for layer, (p, c) in enumerate(zip(layers, costs, strict=True)):
+        solve += p.solve_seconds
+        mig_bytes += p.migration_bytes
+        if st.microbatch is not None:
+            # the microbatch's solve and replica fan-out run while the tokens for copies
+            # already in place are dispatched (FEPLB's two-phase dispatch); what is left
+            # over waits on the critical path (docs/cost-model.md: charging everything)
+            fast = getattr(st.policy, "microbatch_seconds", None)
+            fast = p.place_seconds if fast is None else float(fast)
+            fast = fast if cost.solve_on_critical_path else 0.0
+            lost = max(0.0, fast + p.fanout - c.phases.get("dispatch", 0.0))
+            exposed += lost
+            seconds += lost
+        seconds += c.seconds
+        imb += c.imbalance / num_layers
+        tok_bytes += c.cross_dc_token_bytes
+        w_bytes += c.cross_dc_weight_bytes
+        replicas += p.replicas
+        if layer == 0:
+            bottleneck = c.bottleneck
+    return StepRow(
+        st.name, t, seconds, imb, tok_bytes, w_bytes, mig_bytes, replicas, solve, exposed,
+        bottleneck,
+    )  # fmt: skip
 
 
 def _layer_views(step_load: np.ndarray) -> list[np.ndarray]:
@@ -360,80 +530,6 @@ def _layer_views(step_load: np.ndarray) -> list[np.ndarray]:
         v.flags.writeable = False
         views.append(v)
     return views
-
-
-def _step(st: _PolicyState, world: _World, t: int, layers: list[np.ndarray]) -> StepRow:
-    """Plan and cost every layer of one step for one policy (``layers``: the step's loads)."""
-    topology, model, cost = world.topology, world.model, world.cost
-    seconds = imb = tok_bytes = w_bytes = mig_bytes = solve = exposed = 0.0
-    replicas = 0
-    bottleneck = ""
-    num_layers = len(layers)
-    w = st.policy.history_window()
-    parts = st.run.cost_parts
-    for layer in range(num_layers):
-        load = layers[layer]
-        prev = st.prev[layer]
-        ctx = _context(world, t, (w, layer), load, prev)
-        t0 = time.process_time()
-        placement = st.policy.place(ctx)
-        place_seconds = time.process_time() - t0
-        if prev is not None and placement is not prev.placement:
-            relabel = bool(getattr(st.policy, "relabel_ranks", False))
-            placement = _aligned(world, prev.placement, placement, relabel)
-        clock = time.process_time()
-        solve += clock - t0
-        route = np.zeros((0, 4), np.int64)
-        route_seconds = 0.0
-        traffic = _fast_traffic(st, ctx, placement)
-        if traffic is None:  # the policy's route rows (timed: routing is part of planning)
-            t0 = time.process_time()
-            route = st.policy.route(ctx, placement)
-            route_seconds = time.process_time() - t0
-            solve += route_seconds
-            traffic = traffic_from_route(route, load, topology, model.top_k)
-        clock = _lap(parts, "traffic", clock, route_seconds)
-        changed = prev is not None and not np.array_equal(prev.placement.phy2log, placement.phy2log)
-        streams = _sync_streams(st, world, layer, placement)
-        clock = _lap(parts, "replica streams", clock)
-        migration = Migration()
-        fanout = 0.0  # seconds until this microbatch's replica weights have landed
-        if changed and prev is not None:
-            migration = _migration(world, prev.placement, placement)
-            gap = max(1, t - st.changed_at[layer])
-            st.changed_at[layer] = t
-            nbytes, src, dst = _migration_bytes(st, world, (layer, t), migration, prev.placement)
-            mig_bytes += float(nbytes.sum())
-            streams = streams + migration_streams(src, dst, nbytes, topology, scale=1.0 / gap)
-            if st.microbatch is not None:
-                fanout = _fanout_seconds(
-                    st.microbatch, st.policy, migration, (nbytes, src, dst), topology
-                )
-        clock = _lap(parts, "migration", clock)
-        c = step_cost(topology, model, traffic, streams, cost)
-        _lap(parts, "step cost", clock)
-        if st.microbatch is not None:
-            # the microbatch's solve and replica fan-out run while the tokens for copies
-            # already in place are dispatched (FEPLB's two-phase dispatch); what is left
-            # over waits on the critical path (docs/cost-model.md: charging everything)
-            fast = getattr(st.policy, "microbatch_seconds", None)
-            fast = place_seconds if fast is None else float(fast)
-            fast = fast if cost.solve_on_critical_path else 0.0
-            lost = max(0.0, fast + fanout - c.phases.get("dispatch", 0.0))
-            exposed += lost
-            seconds += lost
-        st.prev[layer] = LayerPlan(placement=placement, route=route, migration=migration)
-        seconds += c.seconds
-        imb += c.imbalance / num_layers
-        tok_bytes += c.cross_dc_token_bytes
-        w_bytes += c.cross_dc_weight_bytes
-        replicas += int((placement.phy2log >= 0).sum()) - model.num_experts
-        if layer == 0:
-            bottleneck = c.bottleneck
-    return StepRow(
-        st.name, t, seconds, imb, tok_bytes, w_bytes, mig_bytes, replicas, solve, exposed,
-        bottleneck,
-    )  # fmt: skip
 
 
 def _lap(parts: dict[str, float], part: str, since: float, minus: float = 0.0) -> float:
