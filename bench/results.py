@@ -437,6 +437,7 @@ def write_doc(
             "",
             *_left(scale),
             "",
+            *_before(scale, parts.get("scale_before")),
             scale["summary"].split("\n", 2)[-1].strip(),
             "",
             f"![]({rel}/step_times.png)",
@@ -551,11 +552,72 @@ def _left(run: dict[str, Any]) -> list[str]:
         "a re-plan that moves a few experts is scheduled in plain Python (the numpy",
         "scheduler's rounds were dozens of calls each), and each speed-up was checked to",
         "give the rows of the code before it to the bit on the same machine",
-        "(`tests/unit/test_sim_golden.py` pins them). Not done: running the",
-        f"{groups} groups in lockstep with a leading group axis (one numpy pass over",
-        f"[{groups}, 64, 256] instead of {groups}); it would cut the per-call overhead of",
-        "the traffic and step-cost passes (dozens of numpy calls per policy-step each),",
-        "not the draws or the solves.",
+        "(`tests/unit/test_sim_golden.py` pins them). A group's steps are planned first",
+        f"and costed together: one `step_costs` pass over its {len(solves) * steps}"
+        " policy-steps (the same",
+        "numbers as `step_cost` one by one, checked bit for bit). Not done: the traffic",
+        "builders, replica streams and migration plans still run once per policy-step;",
+        "running the groups in lockstep instead (one pass per step over every group) made",
+        "the planner's caches of recent placements miss and cost more than it saved",
+        "(measured in commit d19f813).",
+    ]
+
+
+def machine() -> str:
+    """This machine's CPU model and core count (what makes CPU seconds comparable)."""
+    model = "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores"
+
+
+def scale_record(run: dict[str, Any]) -> dict[str, Any]:
+    """What the next ``make results`` compares against: this run's commit, machine and CPU
+    by part (``docs/results/scale/run.json``)."""
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        commit = "?"
+    b = run["breakdown"]
+    return {
+        "commit": commit,
+        "machine": machine(),
+        "cmd": run["cmd"],
+        "cpu": run["cpu"],
+        "trace": b["trace"],
+        "solves": sum(v["solve"] for v in b["policies"].values()),
+        "cost_parts": _cost_parts(run),
+    }
+
+
+def _before(run: dict[str, Any], before: dict[str, Any] | None) -> list[str]:
+    """The previous ``make results``' scale run beside this one, when it ran the same
+    command on a machine of the same CPU model (else nothing: CPU seconds of two machines
+    do not compare)."""
+    if before is None or before.get("machine") != machine() or before.get("cmd") != run["cmd"]:
+        return []
+    now = scale_record(run)
+
+    def parts(r: dict[str, Any]) -> str:
+        cost = r["cost_parts"]
+        by = ", ".join(f"{k} {v:.1f}" for k, v in sorted(cost.items(), key=lambda x: -x[1]))
+        return (
+            f"{r['cpu']:.0f} s: trace {r['trace']:.0f}, solves {r['solves']:.0f}, cost models "
+            f"{sum(cost.values()):.0f} ({by})"
+        )
+
+    return [
+        f"The previous `make results` on a machine of this CPU model ({before['machine']}), commit "
+        f"{before['commit']}, the same command: {parts(before)}. This run: {parts(now)}.",
+        "",
     ]
 
 
@@ -612,7 +674,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"studies done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     if not args.no_scale:
         steps, dcs = (4, 16) if args.quick else (100, 1000)
+        record = figdir / "scale" / "run.json"
+        if record.exists():
+            parts["scale_before"] = json.loads(record.read_text())
         scale = scale_run(figdir / "scale", steps, dcs, list(config.policies))
+        record.write_text(json.dumps(scale_record(scale), indent=1) + "\n")
         for f in ("step_times.png",):
             (figdir / f).write_bytes((figdir / "scale" / f).read_bytes())
         smaller = (8,) if args.quick else GROWTH_DCS
