@@ -274,8 +274,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         print(f"cluster up in {cluster.start_seconds:.1f}s", flush=True)
         for dcs in args.dcs:
             free = topology(dcs, FREE_GBPS, 0.0, lm.num_experts)
-            if args.warmup:
-                run_spmd(settings(free, small, "static", args), 2)  # warm-up: not used
+            if args.warmup:  # not used: the cluster's first seconds are not the machine's
+                run_spmd(settings(free, lm, "static", args), args.calib_steps)
             made = iter(range(1 << 16))  # the calibration runs' directories, in order
 
             def calibration_runs(
@@ -666,7 +666,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--latency-ms", type=float, default=LATENCY_MS, help="inter-DC latency")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--steps", type=int, default=16, help="steps per row (the first not measured)")
-    p.add_argument("--warmup", action="store_true", help="one unused run before calibrating")
+    p.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one unused full-batch static run on free links before each DC count's first "
+        "calibration (default on: the first run on a fresh cluster measured steps 2-3x "
+        "slower at unchanged CPU, something outside the ranks taking the cores)",
+    )
     p.add_argument("--every", type=int, default=3, help="steps between plans")
     p.add_argument(
         "--calib-steps", type=int, default=16, help="steps of each calibration run and probe"
@@ -720,7 +727,7 @@ def main(argv: list[str] | None = None) -> int:
     args.policies_3dc = [x for x in args.policies_3dc.split(",") if x]
     if args.quick:
         args.dcs, args.gbps, args.policies = [2], [0.02], ["static", "hybrid"]
-        args.steps, args.calib_steps, args.batch = 4, 3, 4
+        args.steps, args.calib_steps, args.batch, args.warmup = 4, 3, 4, False
     if args.steps < 3 or args.calib_steps < 3:
         p.error("--steps and --calib-steps must be >= 3 (the first step is not measured)")
 

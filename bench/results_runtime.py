@@ -46,15 +46,9 @@ def section(root: Path) -> list[str]:
     rows = [(g, r) for g in run["groups"] for r in g["rows"]]
     held = [abs(r["predicted_over_measured"] - 1) <= TOLERANCE for _, r in rows]
     ratios = [r["predicted_over_measured"] for _, r in rows]
-    rec = run.get("record", {})
     lines += [
         "",
-        f"Recorded by `{rec.get('command', 'make bench-runtime')}` at commit "
-        f"{rec.get('commit', '?')[:7]}, {rec.get('started_utc', '?')} UTC, "
-        f"{run['seconds']:.0f} s; load average (1 min, 2 cores) "
-        f"{run['load_avg'][0][0]:.2f} at the start, {run['load_avg'][1][0]:.2f} at the end",
-        f"(`{RECORD}`; docs/benchmarks.md, Runtime, has every column and the analysis).",
-        *([f"**Partial run**: {run['stopped']}."] if run.get("stopped") else []),
+        *_provenance(run),
         "",
         f"**Prediction within 15% of the measured median step: {sum(held)} of {len(rows)} "
         f"rows** (predicted / measured {min(ratios):.2f}-{max(ratios):.2f}; a row holds when "
@@ -72,3 +66,36 @@ def section(root: Path) -> list[str]:
             f"| {r.get('predicted_all_over_measured', r['predicted_over_measured']):.3f} |"
         )
     return [*lines, ""]
+
+
+def _provenance(run: dict) -> list[str]:
+    """Which run (or runs: ``parts``, groups measured in separate runs) recorded the
+    rows, at which commit and load; a re-prediction's commit."""
+    parts = run.get("parts") or [run]
+    out = []
+    for part in parts:
+        rec = part.get("record", {})
+        groups = part.get("groups") or []
+        which = (
+            " (groups: " + ", ".join(f"{g[0]} DCs {_gbps(g[1])}" for g in groups) + ")"
+            if run.get("parts")
+            else ""
+        )
+        out.append(
+            f"Recorded by `{rec.get('command', 'make bench-runtime')}`{which} at commit "
+            f"{rec.get('commit', '?')[:7]}, {rec.get('started_utc', '?')} UTC, "
+            f"{part['seconds']:.0f} s; load average (1 min, 2 cores) "
+            f"{part['load_avg'][0][0]:.2f} at the start, {part['load_avg'][1][0]:.2f} at the end."
+        )
+        if part.get("stopped"):
+            out.append(f"**Partial run**: {part['stopped']}.")
+    if run.get("repredicted"):
+        out.append(
+            "Predicted again from the recorded traces (`bench_runtime.py --repredict`) at "
+            f"commit {run['repredicted']['commit'][:7]}: the measurements are the runs', the "
+            "constants and predictions the current model's."
+        )
+    for f in run.get("failed") or []:
+        out.append(f"**Failed group**: {f['dcs']} DCs {_gbps(f['gbps'])}: {f['error']}.")
+    out.append(f"(`{RECORD}`; docs/benchmarks.md, Runtime, has every column and the analysis).")
+    return out

@@ -50,3 +50,33 @@ def test_without_a_record_the_section_says_so(tmp_path: Path) -> None:
     assert "is missing" in text
     with pytest.raises(StopIteration):
         next(line for line in text.splitlines() if line.startswith("| "))
+
+
+def test_rows_of_several_runs_name_each_run_and_the_reprediction(tmp_path: Path) -> None:
+    def part(commit: str, groups: list, stopped: str | None = None) -> dict:
+        out = {"record": {"command": "python bench/bench_runtime.py --dcs 2", "commit": commit,
+                          "started_utc": "t"}, "seconds": 300.0,
+               "load_avg": [[1.5, 1, 1], [2.0, 1, 1]], "groups": groups}  # fmt: skip
+        return out | ({"stopped": stopped} if stopped else {})
+
+    run = {
+        "groups": [
+            {"dcs": 2, "gbps": 1.0, "rows": [_row("eplb", 0.4, 0.42)]},
+            {"dcs": 3, "gbps": 0.02, "rows": [_row("hybrid", 1.0, 0.8)]},
+        ],
+        "parts": [part("aaaaaaa1", [[2, 1.0]]), part("bbbbbbb2", [[3, 0.02]], "cut at 00:14")],
+        "repredicted": {"commit": "ccccccc3", "root": "x"},
+        "failed": [{"dcs": 3, "gbps": 0.1, "error": "RuntimeError('link down')"}],
+        "seconds": 600.0,
+        "load_avg": [[1.5, 1, 1], [2.0, 1, 1]],
+    }
+    path = tmp_path / results_runtime.RECORD
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(run))
+    text = "\n".join(results_runtime.section(tmp_path))
+    assert "(groups: 2 DCs 1 Gbit/s) at commit aaaaaaa" in text
+    assert "(groups: 3 DCs 20 Mbit/s) at commit bbbbbbb" in text
+    assert "**Partial run**: cut at 00:14." in text
+    assert "commit ccccccc: the measurements are the runs'" in text
+    assert "**Failed group**: 3 DCs 100 Mbit/s: RuntimeError('link down')." in text
+    assert "**Prediction within 15% of the measured median step: 1 of 2 rows**" in text
