@@ -68,6 +68,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -394,10 +395,14 @@ def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
         for r in results
     ]
     first = {k: v for k, v in results[0].items() if k not in ("stopped", "partial", "record")}
+
+    def order(g: dict[str, Any]) -> tuple[int, float]:  # DC count, then fastest link first
+        return g["dcs"], -g["gbps"]
+
     return {
         **first,
-        "groups": [g for r in results for g in r["groups"]],
-        "calibrations": [c for r in results for c in r["calibrations"]],
+        "groups": sorted((g for r in results for g in r["groups"]), key=order),
+        "calibrations": sorted((c for r in results for c in r["calibrations"]), key=order),
         "failed": [f for r in results for f in r.get("failed", [])],
         "parts": parts,
         "seconds": sum(r["seconds"] for r in results),
@@ -448,9 +453,22 @@ def old_plane() -> list[dict[str, Any]]:
 
 
 def _save(out: dict[str, Any], args: argparse.Namespace) -> None:
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({**out, "partial": True}, indent=1))
+    """What is measured so far, with what a record needs (flags, commit, start, wall,
+    load): a run cut short is still a record ``--repredict`` and the results read."""
+    if args.json is None:
+        return
+    t0, load0, started = args.begun
+    flags = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    partial = {
+        **out,
+        "partial": True,
+        "seconds": time.perf_counter() - t0,
+        "load_avg": [list(load0), list(os.getloadavg())],
+        "args": {k: v for k, v in flags.items() if k != "begun"},
+        "record": {"command": args.command, "commit": _commit(), "started_utc": started},
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(partial, indent=1))
 
 
 def _group_runs(
@@ -731,14 +749,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 3 or args.calib_steps < 3:
         p.error("--steps and --calib-steps must be >= 3 (the first step is not measured)")
 
+    args.command = "python bench/bench_runtime.py " + " ".join(
+        sys.argv[1:] if argv is None else argv
+    )
+    args.begun = (
+        time.perf_counter(),
+        os.getloadavg(),
+        time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+    )
+
     def record(result: dict[str, Any], started: str) -> None:
         # docs/results.md's runtime table reads it (bench/results_runtime.py)
-        result["record"] = {
-            "command": "python bench/bench_runtime.py "
-            + " ".join(sys.argv[1:] if argv is None else argv),
-            "commit": _commit(),
-            "started_utc": started,
-        }
+        result["record"] = {"command": args.command, "commit": _commit(), "started_utc": started}
+        result["args"].pop("begun", None)
 
     return run_bench(args, bench, markdown, record)
 
