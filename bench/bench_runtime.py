@@ -93,6 +93,7 @@ from spmdbench import (  # noqa: E402
 )
 
 from expertmesh.controller.core import Trigger  # noqa: E402 (after the source roots)
+from expertmesh.formats import read_trace  # noqa: E402
 from expertmesh.planner import Topology, available_policies  # noqa: E402
 from expertmesh.runtime.settings import RuntimeSettings  # noqa: E402
 from expertmesh.workers.model import LMConfig  # noqa: E402
@@ -165,6 +166,7 @@ def row(run: SpmdRun, cal: Calibration, static: SpmdRun | None) -> dict[str, Any
         "median_all_seconds": run.median("seconds"),  # steps 1-: the initial placement too
         "median_step_seconds": run.median("step_seconds", k),
         **prediction(rep, med, run.median("seconds")),
+        **measured_split(extra, k, os.cpu_count() or 1),
         "measured_collectives": statistics.median(extra["collectives"][k:]),
         "measured_shaped_seconds": statistics.median(extra["shaped_seconds"][k:]),
         "ray_fraction": statistics.median((s.ray_seconds or 0.0) / s.seconds for s in steps),
@@ -248,16 +250,31 @@ def repredict(result: dict[str, Any], root: Path) -> dict[str, Any]:
                     f"{r['trace']}: measured from {r['measured_from']}, now {rep.skip}"
                 )
             pred = prediction(rep, r["median_seconds"], r["median_all_seconds"])
-            rows.append({**r, **pred, "drift_factor": factor})
+            meta = dict(read_trace(root / r["trace"] / "trace.npz").meta)
+            split = measured_split(meta, rep.skip, int(r.get("cores", result.get("cores", 2))))
+            rows.append({**r, **pred, **split, "drift_factor": factor})
         out["groups"].append({**g, "rows": rows})
     out["repredicted"] = {"commit": _commit(), "root": str(root)}
     return out
 
 
+def measured_split(meta: dict[str, Any], skip: int, cores: int) -> dict[str, float]:
+    """Where the measured steps' time went, from the trace (medians over steps ``skip``-):
+    the ranks' CPU seconds summed over ``cores`` (the least wall time the machine needs
+    to run them) and the longest total sleep in the link shaper of any rank; empty for
+    a trace without per-rank counters."""
+    cpu, sleep = meta.get("rank_cpu_seconds") or [], meta.get("rank_shaped_seconds") or []
+    if not cpu or not sleep:
+        return {}
+    return {
+        "cpu_over_cores_seconds": statistics.median(sum(c) / cores for c in cpu[skip:]),
+        "longest_sleep_seconds": statistics.median(max(w) for w in sleep[skip:]),
+        "cores": cores,
+    }
+
+
 def rep_meta(run: SpmdRun) -> dict[str, Any]:
     """The trace's meta: what the workers counted per step."""
-    from expertmesh.formats import read_trace
-
     return dict(read_trace(run.trace_dir / "trace.npz").meta)
 
 
@@ -575,6 +592,7 @@ def markdown(result: dict[str, Any]) -> str:
                 f"| {r.get('loss_rel_diff_vs_static', 0.0):.1e} |"
             )
     lines += _replay_table(result)
+    lines += _split_table(result)
     lines += _overhead_table(result)
     lines += [
         "",
@@ -624,6 +642,35 @@ def _replay_table(result: dict[str, Any]) -> list[str]:
                 f"{r['measured_collectives']:g} | {r['model_crossing']:g} "
                 f"| {r.get('model_copies', 0.0):g} | {r['measured_shaped_seconds']:.3f} |"
             )
+    return lines
+
+
+def _split_table(result: dict[str, Any]) -> list[str]:
+    """Each row's measured step beside what its trace says the time went to, and the
+    model's two halves (medians over the measured steps)."""
+    rows = [(g, r) for g in result["groups"] for r in g["rows"] if "cpu_over_cores_seconds" in r]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "Where the time went (the traces' per-rank counters: the ranks' CPU seconds summed "
+        "over the machine's cores, the longest total sleep in the link shaper of any rank; "
+        "rest = measured - both; the model's CPU part = compute + collectives + copies, its "
+        "link part = latency + transfer):",
+        "",
+        "| DCs | inter-DC | policy | measured s | ranks' CPU / cores s | longest shaper sleep s "
+        "| rest s | model CPU part s | model link part s |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for g, r in rows:
+        q = r["predicted_parts"]
+        cpu, sleep = r["cpu_over_cores_seconds"], r["longest_sleep_seconds"]
+        lines.append(
+            f"| {g['dcs']} | {fmt_gbps(g['gbps'])} | {r['policy']} | {r['median_seconds']:.3f} "
+            f"| {cpu:.3f} | {sleep:.3f} | {r['median_seconds'] - cpu - sleep:.3f} "
+            f"| {q['compute'] + q['software'] + q.get('copies', 0.0):.3f} "
+            f"| {q['latency'] + q['transfer']:.3f} |"
+        )
     return lines
 
 
