@@ -15,6 +15,7 @@ from pathlib import Path
 
 TOLERANCE = 0.15  # issue 13, item 8: the predicted median step within 15% of the measured
 RECORD = "docs/results/bench-runtime.json"
+GRID = [(d, g) for d in (2, 3) for g in (1.0, 0.1, 0.02)]  # make bench-runtime's groups
 
 
 def _gbps(g: float) -> str:
@@ -65,7 +66,34 @@ def section(root: Path) -> list[str]:
             f"| {'holds' if ok else 'does not hold'} | {r.get('drift_factor', 1.0):.2f} "
             f"| {r.get('predicted_all_over_measured', r['predicted_over_measured']):.3f} |"
         )
-    return [*lines, ""]
+    return [*lines, "", *_misses(run), ""]
+
+
+def _misses(run: dict) -> list[str]:
+    """For each row that does not hold: its ratio and the drift of the probes beside it
+    (the factor its constants were scaled by, and the probes' medians against the
+    group's full-batch one), what a reader checks first."""
+    cals = {(c["dcs"], c["gbps"]): c for c in run.get("calibrations", [])}
+    out = []
+    for g in run["groups"]:
+        cal = cals.get((g["dcs"], g["gbps"]), {})
+        probes = cal.get("probe_medians") or []
+        for i, r in enumerate(g["rows"]):
+            if abs(r["predicted_over_measured"] - 1) <= TOLERANCE:
+                continue
+            beside = probes[i : i + 2]
+            why = (
+                f"; the probes beside it {', '.join(f'{m:.3f}' for m in beside)} s against the "
+                f"group's full-batch median {cal['full_median']:.3f} s"
+                if len(beside) == 2 and "full_median" in cal
+                else ""
+            )
+            out.append(
+                f"- Does not hold: {r['policy']}, {g['dcs']} DCs, {_gbps(g['gbps'])}: "
+                f"{r['predicted_over_measured']:.3f}, drift factor "
+                f"{r.get('drift_factor', 1.0):.2f}{why} (docs/benchmarks.md, Runtime, says why)."
+            )
+    return out
 
 
 def _provenance(run: dict) -> list[str]:
@@ -94,6 +122,13 @@ def _provenance(run: dict) -> list[str]:
             "Predicted again from the recorded traces (`bench_runtime.py --repredict`) at "
             f"commit {run['repredicted']['commit'][:7]}: the measurements are the runs', the "
             "constants and predictions the current model's."
+        )
+    have = {(g["dcs"], g["gbps"]) for g in run["groups"]}
+    missing = [f"{d} DCs {_gbps(b)}" for d, b in GRID if (d, b) not in have]
+    if missing:
+        out.append(
+            f"**Not in this record** (not measured by its runs): {', '.join(missing)} "
+            f"({len(missing) * 5} of {len(GRID) * 5} rows of `make bench-runtime`)."
         )
     for f in run.get("failed") or []:
         out.append(f"**Failed group**: {f['dcs']} DCs {_gbps(f['gbps'])}: {f['error']}.")

@@ -42,6 +42,9 @@ def test_each_row_holds_or_not_with_its_ratio(tmp_path: Path) -> None:
     assert "| 2 | 1 Gbit/s | hybrid | 0.200 | 0.300 | 1.500 | does not hold |" in text
     assert "| 3 | 20 Mbit/s | eplb | 1.000 | 0.840 | 0.840 | does not hold |" in text
     assert "abcdef0" in text and "2.50 at the start, 3.25 at the end" in text
+    assert "- Does not hold: hybrid, 2 DCs, 1 Gbit/s: 1.500, drift factor 1.00" in text
+    assert "- Does not hold: eplb, 3 DCs, 20 Mbit/s: 0.840" in text
+    assert "Does not hold: static" not in text
 
 
 def test_without_a_record_the_section_says_so(tmp_path: Path) -> None:
@@ -80,3 +83,7 @@ def test_rows_of_several_runs_name_each_run_and_the_reprediction(tmp_path: Path)
     assert "commit ccccccc: the measurements are the runs'" in text
     assert "**Failed group**: 3 DCs 100 Mbit/s: RuntimeError('link down')." in text
     assert "**Prediction within 15% of the measured median step: 1 of 2 rows**" in text
+    assert (
+        "**Not in this record** (not measured by its runs): 2 DCs 100 Mbit/s, "
+        "2 DCs 20 Mbit/s, 3 DCs 1 Gbit/s, 3 DCs 100 Mbit/s (20 of 30 rows" in text
+    )
