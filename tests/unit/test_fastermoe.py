@@ -57,13 +57,19 @@ def _case(seed: int) -> tuple[Topology, ModelSpec, CostSettings, np.ndarray]:
     return topo, model, cost, load
 
 
-@settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 10_000))
-def test_shadow_floor_never_exceeds_the_modeled_step(seed):
+def _policy_case(seed: int):
+    """``_case(seed)``, the fastermoe policy with its cost settings and the step's context."""
     topo, model, cost, load = _case(seed)
     pol = make_policy("fastermoe", {"cost": cost.model_dump()})
     assert isinstance(pol, FasterMoEPolicy)
     ctx = PolicyContext(topo, model, 0, 0, load, np.zeros((0, *load.shape), np.int64))
+    return topo, model, cost, load, pol, ctx
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000))
+def test_shadow_floor_never_exceeds_the_modeled_step(seed):
+    topo, model, cost, load, pol, ctx = _policy_case(seed)
     base = pol.masters(ctx)
     order = np.argsort(-load.sum(axis=0), kind="stable")
     traffic = even_traffic(load, base, topo, model.top_k, domain="rank")
@@ -95,10 +101,7 @@ def _plain_place(pol: FasterMoEPolicy, ctx: PolicyContext):
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 10_000))
 def test_the_floor_changes_no_plan(seed):
-    topo, model, cost, load = _case(seed)
-    pol = make_policy("fastermoe", {"cost": cost.model_dump()})
-    assert isinstance(pol, FasterMoEPolicy)
-    ctx = PolicyContext(topo, model, 0, 0, load, np.zeros((0, *load.shape), np.int64))
+    *_, pol, ctx = _policy_case(seed)
     got, want = pol.place(ctx), _plain_place(pol, ctx)
     assert np.array_equal(got.phy2log, want.phy2log)
     assert np.array_equal(got.master, want.master)
@@ -109,9 +112,7 @@ def test_the_cases_shadow_sometimes_and_the_floor_ends_searches():
     floor rules out (else they would prove little)."""
     shadows = floored = 0
     for seed in range(60):
-        topo, model, cost, load = _case(seed)
-        pol = make_policy("fastermoe", {"cost": cost.model_dump()})
-        ctx = PolicyContext(topo, model, 0, 0, load, np.zeros((0, *load.shape), np.int64))
+        topo, model, cost, load, pol, ctx = _policy_case(seed)
         base = pol.masters(ctx)
         shadows += int(pol.place(ctx).holds().sum() > model.num_experts)
         traffic = even_traffic(load, base, topo, model.top_k, domain="rank")
@@ -156,11 +157,9 @@ def test_master_traffic_is_the_even_split_to_the_bit(seed, static):
 
 
 def test_route_traffic_is_the_costed_plans_traffic_and_only_its():
-    served = shadowed = 0
+    shadowed = 0
     for seed in range(40):
-        topo, model, cost, load = _case(seed)
-        pol = make_policy("fastermoe", {"cost": cost.model_dump()})
-        ctx = PolicyContext(topo, model, 0, 0, load, np.zeros((0, *load.shape), np.int64))
+        topo, model, _, load, pol, ctx = _policy_case(seed)
         plan = pol.place(ctx)
         shadowed += int(plan.holds().sum() > model.num_experts)
         moved = Placement(plan.phy2log[:, ::-1].copy(), plan.master)  # slots permuted
@@ -168,12 +167,11 @@ def test_route_traffic_is_the_costed_plans_traffic_and_only_its():
         got = pol.route_traffic(ctx, moved)
         assert got is not None
         _assert_same_traffic(got, even_traffic(load, moved, topo, model.top_k, domain="rank"))
-        served += 1
         other = PolicyContext(topo, model, 1, 0, load, np.zeros((0, *load.shape), np.int64))
         assert pol.route_traffic(other, plan) is None  # another context
         if plan.holds().sum() > model.num_experts:  # shadows: the bare masters differ
             assert pol.route_traffic(ctx, pol.masters(ctx)) is None
-    assert served == 40 and shadowed >= 5
+    assert shadowed >= 5  # some plans have shadows: the last check above ran
 
 
 def _slot_of(moved: Placement, plan: Placement) -> np.ndarray:
