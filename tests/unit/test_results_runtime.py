@@ -23,6 +23,14 @@ def _row(policy: str, measured: float, predicted: float) -> dict:
     }
 
 
+def _section_of(run: dict, root: Path) -> str:
+    """The runtime section that results_runtime writes for ``run`` recorded under ``root``."""
+    path = root / results_runtime.RECORD
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(run))
+    return "\n".join(results_runtime.section(root))
+
+
 def test_each_row_holds_or_not_with_its_ratio(tmp_path: Path) -> None:
     run = {
         "groups": [
@@ -33,10 +41,7 @@ def test_each_row_holds_or_not_with_its_ratio(tmp_path: Path) -> None:
         "load_avg": [[2.5, 1, 1], [3.25, 1, 1]],
         "record": {"command": "make bench-runtime", "commit": "abcdef0123", "started_utc": "x"},
     }
-    path = tmp_path / results_runtime.RECORD
-    path.parent.mkdir(parents=True)
-    path.write_text(json.dumps(run))
-    text = "\n".join(results_runtime.section(tmp_path))
+    text = _section_of(run, tmp_path)
     assert "**Prediction within 15% of the measured median step: 1 of 3 rows**" in text
     assert "| 2 | 1 Gbit/s | static | 0.400 | 0.440 | 1.100 | holds |" in text
     assert "| 2 | 1 Gbit/s | hybrid | 0.200 | 0.300 | 1.500 | does not hold |" in text
@@ -73,10 +78,7 @@ def test_rows_of_several_runs_name_each_run_and_the_reprediction(tmp_path: Path)
         "seconds": 600.0,
         "load_avg": [[1.5, 1, 1], [2.0, 1, 1]],
     }
-    path = tmp_path / results_runtime.RECORD
-    path.parent.mkdir(parents=True)
-    path.write_text(json.dumps(run))
-    text = "\n".join(results_runtime.section(tmp_path))
+    text = _section_of(run, tmp_path)
     assert "(groups: 2 DCs 1 Gbit/s) at commit aaaaaaa" in text
     assert "(groups: 3 DCs 20 Mbit/s) at commit bbbbbbb" in text
     assert "**Partial run**: cut at 00:14." in text
