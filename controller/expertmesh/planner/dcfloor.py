@@ -36,8 +36,18 @@ __all__ = ["crossing_assignments", "even_dcs", "floor_bound"]
 def crossing_assignments(load: np.ndarray, holds: np.ndarray, rank_dc: np.ndarray) -> int:
     """Assignments of ``load`` [R, E] whose source DC lacks their expert under ``holds``
     [D, E] (they cross the WAN whichever holder computes them); ``rank_dc`` [R]."""
-    dc_load = np.zeros(holds.shape, np.int64)
-    np.add.at(dc_load, rank_dc, np.asarray(load, np.int64))
+    return _crossings(_dc_load(load, rank_dc, holds.shape[0]), holds)
+
+
+def _dc_load(load: np.ndarray, rank_dc: np.ndarray, num_dcs: int) -> np.ndarray:
+    """[D, E] int64: ``load`` [R, E] summed by each rank's DC."""
+    out = np.zeros((num_dcs, load.shape[1]), np.int64)
+    np.add.at(out, rank_dc, np.asarray(load, np.int64))
+    return out
+
+
+def _crossings(dc_load: np.ndarray, holds: np.ndarray) -> int:
+    """:func:`crossing_assignments` from the load summed by DC, ``dc_load`` [D, E]."""
     return int(dc_load[~holds].sum())
 
 
@@ -103,11 +113,10 @@ def even_dcs(
     is_master = np.zeros_like(holds)
     is_master[master_dc, np.arange(num_experts)] = True
     used = load.sum(axis=0)  # [E] every DC's tokens per expert
-    dc_load = np.zeros(holds.shape, np.int64)
-    np.add.at(dc_load, rank_dc, load.astype(np.int64))  # [D, E]
+    dc_load = _dc_load(load, rank_dc, num_dcs)
     best = holds.copy()
     split = split_dcs(load, best, rank_dc)
-    cross = crossing_assignments(load, best, rank_dc)
+    cross = _crossings(dc_load, best)
     for _ in range(rounds):
         busiest = int(np.argmax(np.where(ranks > 0, split.dc_tokens / np.maximum(ranks, 1), -1)))
         order = np.lexsort((np.arange(num_experts), -used))
@@ -123,7 +132,7 @@ def even_dcs(
                     h[d, e] = True
                     if x is not None:
                         h[d, x] = False
-                    c = int(dc_load[~h].sum())  # crossing_assignments(load, h, rank_dc)
+                    c = _crossings(dc_load, h)
                     if c > cross:
                         continue
                     # a floor above the best move's, or too high to be kept, is not split:
