@@ -397,9 +397,20 @@ def _record_root(record: dict[str, Any]) -> Path:
 
 def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
     """Records of runs of different groups as one: their groups and calibrations in
-    order, each run's record, wall seconds and load under ``parts``."""
+    order, each run's record, wall seconds and load under ``parts``. A group in two
+    records is an error (the table would have its rows twice), not a silent pick."""
     if len(results) == 1:
         return results[0]
+    seen: dict[tuple[int, float], str] = {}
+    for r in results:
+        for g in r["groups"]:
+            key, cmd = (g["dcs"], g["gbps"]), r.get("record", {}).get("command", "?")
+            if key in seen:  # one table, one run per group: the caller picks which
+                raise ValueError(
+                    f"{g['dcs']} DCs {fmt_gbps(g['gbps'])} is in two records "
+                    f"({seen[key]}; {cmd}): pass one of them"
+                )
+            seen[key] = cmd
     keys = ("record", "seconds", "load_avg", "stopped", "repredicted")
     parts = [
         {
@@ -619,11 +630,13 @@ def main(argv: list[str] | None = None) -> int:
         given = "--trace-dir" in (sys.argv[1:] if argv is None else argv)
         if given and len(args.repredict) > 1:
             p.error("--trace-dir with one --repredict record only (each names its own)")
+        records = [json.loads(path.read_text()) for path in args.repredict]
+        try:
+            merge(records)  # a group in two records: refused before any replay
+        except ValueError as e:
+            p.error(str(e))
         result = merge(
-            [
-                repredict(rec, args.trace_dir if given else _record_root(rec))
-                for rec in (json.loads(path.read_text()) for path in args.repredict)
-            ]
+            [repredict(rec, args.trace_dir if given else _record_root(rec)) for rec in records]
         )
         result["markdown"] = markdown(result)
         print(result["markdown"])
