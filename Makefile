@@ -8,7 +8,7 @@ export RAY_AUTH_MODE ?= disabled
 export PYTHONDONTWRITEBYTECODE := 1
 
 .DEFAULT_GOAL := help
-.PHONY: help setup demo demo-planner test test-unit test-integration lint fmt typecheck bench \
+.PHONY: help setup demo demo-planner test test-unit test-integration lint fmt typecheck bench gpu-check \
 	bench-planner bench-balance bench-balance-cores bench-migration bench-soak bench-runtime bench-checkpoint clean serve proto emulate-up emulate-down emulate-status emulate-rayup ci-deps results mutate
 
 help: ## list the verbs
@@ -103,6 +103,9 @@ bench-runtime: setup ## runtime (SPMD plane over gloo): Ray overhead (old plane:
 bench-checkpoint: setup ## expert checkpoint of the demo model: ms to gather, write (fsync, rename) and load, vs a step
 	@mkdir -p $(OUT)
 	$(PY) bench/bench_checkpoint.py --json $(OUT)/bench-checkpoint.json
+
+gpu-check: ## on a machine with CUDA (its own torch, no setup): the gpu tests (NCCL, the SPMD plane on CUDA) and bench/bench_gpu.py into $(OUT)/gpu
+	OUT=$(OUT)/gpu bash scripts/gpu-check.sh
 
 bench-migration: setup ## migration: copies kept, relay rounds, modeled time, plan speed (EP64 to 8,000 ranks)
 	$(PY) bench/bench_migration.py

@@ -1,9 +1,14 @@
-"""The data plane on CUDA with NCCL (skipped where no CUDA device is present; nothing here
-has run on a GPU in this repository's CI, which has none: docs/benchmarks.md says so).
+"""The data plane on CUDA (skipped where no CUDA device is present: this repository's CI
+has none; docs/benchmarks.md says what ran on a GPU, where and when).
 
-One rank per device: with ``n`` devices, ``n`` processes (NCCL refuses two ranks on one
-device), each training the demo model with its experts on its GPU; the result must equal
-the single-process reference computed on the CPU."""
+- NCCL, one rank per device: with ``n`` devices, ``n`` processes (NCCL refuses two ranks
+  on one device), each training the demo model with its experts on its GPU; the result
+  must equal the single-process reference computed on the CPU.
+- The whole SPMD check of ``test_spmd.py`` (2 and 3 DCs of 2 ranks, random plans with
+  replicas, migrations between steps and in the background, the fast loop every
+  microbatch) with every rank's tensors on CUDA: NCCL where there is a device per rank,
+  else gloo's CUDA collectives with the ranks sharing the devices
+  (``spmd_procs.cuda_backend``)."""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from expertmesh.planner import Topology
 from expertmesh.planner.static import static_placement
 from expertmesh.workers.model import Corpus, LMConfig
 from expertmesh.workers.reference import ReferenceLM
+from tests.integration.test_spmd import check_training
 
 pytestmark = [
     pytest.mark.gpu,
@@ -59,3 +65,16 @@ def test_nccl_training_equals_the_cpu_reference(tmp_path) -> None:
     ref = ReferenceLM(CFG)
     want = [ref.train_step(CORPUS, s, list(range(world))) for s in range(3)]
     np.testing.assert_allclose(got, want, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("dcs", "balance", "k", "background"),
+    [(2, False, 1, False), (3, True, 2, False), (3, True, 2, True)],
+)
+def test_spmd_on_cuda_equals_the_cpu_reference(
+    dcs: int, balance: bool, k: int, background: bool
+) -> None:
+    """Looser than on the CPU (losses rtol 1e-4, weights atol 1e-5): CUDA's kernels sum
+    in another order than the CPU's; a wrong route or update is off by the learning rate
+    (3e-3) times the step's direction, far above either bound."""
+    check_training(dcs, balance, k, background, True, True, device="cuda", rtol=1e-4, atol=1e-5)

@@ -27,8 +27,11 @@ every rank (plain integer arithmetic, ties by id), so no rank waits for another:
   replicas need weights sent (``fresh``).
 - ``impl``: ``"numpy"`` (:func:`~expertmesh.planner.fastquota.balance_domain`; CPU
   tensors are shared with numpy, not copied), ``"torch"`` (:func:`balance_torch`), or
-  ``"auto"``: numpy for CPU tensors and numpy arrays (fewer, cheaper calls:
-  ``docs/benchmarks.md``), torch on any other device.
+  ``"auto"``: numpy on every device. Device counts cost a copy to the host and the split
+  a copy back, and that is still faster than the torch split's few dozen small kernels:
+  on an H200, 0.43 / 0.62 / 0.93 ms against 1.66 / 2.40 / 2.73 ms at 8 / 16 / 64 ranks
+  (``bench/bench_gpu.py``, docs/benchmarks.md "On a GPU"); on the CPU numpy makes fewer,
+  cheaper calls. ``"torch"`` stays for counts too large to copy.
 
 :func:`balance_torch` is the same solve as the numpy one and gives equal results
 (``tests/unit/test_quota_torch.py``): the decision (which ``T``, which replicas) is a
@@ -223,15 +226,16 @@ def balance(
             return balance_torch(torch.as_tensor(counts), torch.as_tensor(phy2log), settings)
         return balance_domain(np.asarray(counts), np.asarray(phy2log), settings)
     p2l = phy2log if isinstance(phy2log, torch.Tensor) else torch.as_tensor(phy2log)
-    if impl == "torch" or (impl == "auto" and counts.device.type != "cpu"):
+    if impl == "torch":
         return balance_torch(counts, p2l, settings)
     sol = balance_domain(counts.detach().cpu().numpy(), p2l.detach().cpu().numpy(), settings)
+    dev = counts.device
     return TorchBalance(
         sol.quota,
         sol.smallest,
         sol.lower_bound,
         *(
-            torch.from_numpy(x)
+            torch.from_numpy(x).to(dev)
             for x in (
                 sol.replicas,
                 sol.replica_tokens,
