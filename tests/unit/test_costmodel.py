@@ -21,7 +21,12 @@ from expertmesh.planner.costmodel import (
 from expertmesh.planner.refs import even_route_ref
 from expertmesh.planner.routing import route_even
 from expertmesh.planner.topology import DC, Link
-from expertmesh.planner.traffic import TokenTraffic, even_traffic, traffic_from_route
+from expertmesh.planner.traffic import (
+    TokenTraffic,
+    even_traffic,
+    even_traffic_steps,
+    traffic_from_route,
+)
 
 # Two DCs of one rank each. WAN: 8 Gbit/s = 1e9 B/s, 10 ms. NIC: 1e11 B/s, no latency.
 TOPO = Topology(
@@ -235,6 +240,24 @@ def test_even_traffic_is_the_same_with_placements_seen_before():
             want = even_traffic(load, pl, fresh, 2, domain=domain)
             for f in ("rank_tokens", "rank_out", "rank_in", "pair_src", "pair_tokens"):
                 assert np.array_equal(getattr(got, f), getattr(want, f)), f
+
+
+@pytest.mark.parametrize("seed", [0, 5, 11])
+def test_even_traffic_steps_is_even_traffic_of_each_step_to_the_bit(seed):
+    # the simulator costs a placement's steps together: every split, uneven nodes and DCs
+    topo, pl, _ = _random_case(seed)
+    loads = np.stack([_random_case(seed * 7 + t)[2] for t in range(5)])  # [T, R, E]
+    loads[:, :, 0] += 1  # at least one expert with load on every rank
+    for domain in ("rank", "node", "dc", "global"):
+        for remote in ("spread", "master"):
+            got = even_traffic_steps(loads, pl, topo, 2, domain=domain, remote=remote)
+            assert len(got) == len(loads)
+            for t, g in enumerate(got):
+                want = even_traffic(loads[t], pl, topo, 2, domain=domain, remote=remote)
+                for f in ("rank_tokens", "rank_out", "rank_in", "pair_src", "pair_dst",
+                          "pair_tokens", "dc_tokens"):  # fmt: skip
+                    a, b = getattr(g, f), getattr(want, f)
+                    assert a.shape == b.shape and np.array_equal(a, b), (domain, remote, t, f)
 
 
 def test_even_traffic_refuses_experts_without_copies():

@@ -15,7 +15,7 @@ from expertmesh.planner.costmodel import CostSettings
 from expertmesh.planner.policy import PolicyContext
 from expertmesh.planner.runner import plan_layer
 from expertmesh.planner.trace import TraceSettings, generate_trace
-from expertmesh.planner.traffic import even_traffic, traffic_from_route
+from expertmesh.planner.traffic import even_traffic, even_traffic_steps, traffic_from_route
 from expertmesh.sim import dense_source, simulate
 from expertmesh.sim.engine import COLUMNS, EVEN_SPLITS
 from expertmesh.sim.report import summary_rows, write_steps_csv
@@ -93,6 +93,32 @@ def test_steps_costed_together_give_the_rows_of_steps_costed_alone(monkeypatch):
         assert a.skipped == b.skipped
         assert len(b.rows) == (0 if b.skipped else 5)
         assert [_modeled(r) for r in a.rows] == [_modeled(r) for r in b.rows]
+
+
+def test_an_even_split_that_fails_stops_its_policy_at_that_step(monkeypatch):
+    # even splits are computed when costed (a placement's steps together); one that fails
+    # stops its policy at its step, as when it was computed while planning: the rows before
+    # it stay, the other policies run on
+    from expertmesh.sim import engine
+
+    load = _trace(4)
+    bad = load[2, 1]  # step 2, layer 1
+
+    def steps(loads, *args, **kwargs):
+        if any(np.array_equal(x, bad) for x in loads):
+            raise ValueError("no copy")
+        return even_traffic_steps(loads, *args, **kwargs)
+
+    def one(x, *args, **kwargs):
+        return steps(x[None], *args, **kwargs)[0]
+
+    monkeypatch.setattr(engine, "even_traffic_steps", steps)
+    monkeypatch.setattr(engine, "even_traffic", one)
+    res = simulate(dense_source(load), TOPO, MODEL, ["static", "quota"])
+    static = next(r for r in res.runs if r.name == "static")
+    assert static.skipped == "failed at step 2: no copy"
+    assert [r.step for r in static.rows] == [0, 1]
+    assert [r.step for r in res.runs[1].rows] == [0, 1, 2, 3] and res.runs[1].skipped is None
 
 
 @pytest.mark.parametrize("name", ["static", "eplb", "fastermoe", "hybrid"])

@@ -13,6 +13,8 @@ holds exactly that. Two builders make it:
   :func:`traffic_from_route` of such a route, with fractional splits instead
   of integer rounding, in ``O(R * E + D^2 * E)`` time and no ``[R, R]`` or
   ``[N, 4]`` array.
+- :func:`even_traffic_steps`: :func:`even_traffic` of many steps' loads on one
+  placement, the same floats, in one pass of array operations.
 
 Shells: traffic between a rank and a destination is classed by how far apart
 they are: 0 same rank, 1 same node, 2 same DC (other node), 3 other DC.
@@ -36,6 +38,7 @@ __all__ = [
     "Domain",
     "TokenTraffic",
     "even_traffic",
+    "even_traffic_steps",
     "level_sums",
     "quota_traffic",
     "traffic_from_route",
@@ -330,14 +333,7 @@ def even_traffic(
     every copy of ``e`` (``remote="spread"``, what :func:`~expertmesh.planner.routing.route_even`
     does) or all to the master (``remote="master"``). Every expert with load needs a copy.
     """
-    num_ranks, num_experts = load.shape
-    if placement.num_ranks != num_ranks or num_ranks != topology.num_ranks:
-        raise ValueError("load, placement and topology disagree on the number of ranks")
-    if domain not in _LEVEL:
-        raise ValueError(f"domain must be one of {', '.join(_LEVEL)}")
-    if remote not in ("spread", "master"):
-        raise ValueError("remote must be 'spread' or 'master'")
-    level = _LEVEL[domain]
+    level = _check_even(load.shape[0], placement, topology, domain, remote)
     stats = _load_stats(load)
     memo_key = None
     if stats is not None:  # the same load and placement asked again (fastermoe: place, cost)
@@ -348,10 +344,80 @@ def even_traffic(
         if got is not None:
             return got  # type: ignore[return-value]
     lf, per_expert = _float_load(load, stats)  # [R, E], [E]
+    one = _Loads(
+        lf[None], per_expert[None], [x[None] for x in _level_sums_of(lf, topology, stats)],
+        _dc_tokens(load, topology, top_k)[None],
+    )  # fmt: skip
+    out = _even_split(one, placement, topology, level, remote)[0]
+    if stats is not None and memo_key is not None:
+        for a in (out.rank_tokens, out.rank_out, out.rank_in, out.pair_src, out.pair_dst,
+                  out.pair_tokens):  # fmt: skip
+            a.flags.writeable = False
+        stats.memo[memo_key] = out
+    return out
+
+
+def even_traffic_steps(
+    loads: np.ndarray,
+    placement: Placement,
+    topology: Topology,
+    top_k: int,
+    *,
+    domain: Domain = "global",
+    remote: Literal["spread", "master"] = "spread",
+) -> list[TokenTraffic]:
+    """:func:`even_traffic` of each ``loads[t]`` ([T, R, E]: the loads of ``T`` steps on one
+    placement), the same floats, in one pass of array operations over every step instead
+    of ``T`` passes of small ones (the simulator costs a placement's steps together)."""
+    if loads.ndim != 3:
+        raise ValueError(f"loads must be [T, R, E], got {loads.shape}")
+    level = _check_even(loads.shape[1], placement, topology, domain, remote)
+    lf = loads.astype(np.float64)  # [T, R, E]
+    num_steps, num_dcs = lf.shape[0], topology.num_dcs
+    per_rank = loads.sum(axis=2, dtype=np.float64)  # [T, R]
+    key = np.arange(num_steps)[:, None] * num_dcs + topology.rank_dc  # [T, R] (step, DC)
+    dc = np.bincount(key.ravel(), weights=per_rank.ravel(), minlength=num_steps * num_dcs)
+    dc_tokens = dc.reshape(num_steps, num_dcs) / top_k  # [T, D]: _dc_tokens of each step
+    many = _Loads(lf, lf.sum(axis=1), _level_sums_steps(lf, topology), dc_tokens)
+    return _even_split(many, placement, topology, level, remote)
+
+
+def _check_even(num_ranks: int, placement: Placement, topology: Topology, domain: str,
+                remote: str) -> int:  # fmt: skip
+    """The level of ``domain`` once the arguments of an even split are checked."""
+    if placement.num_ranks != num_ranks or num_ranks != topology.num_ranks:
+        raise ValueError("load, placement and topology disagree on the number of ranks")
+    if domain not in _LEVEL:
+        raise ValueError(f"domain must be one of {', '.join(_LEVEL)}")
+    if remote not in ("spread", "master"):
+        raise ValueError("remote must be 'spread' or 'master'")
+    return _LEVEL[domain]
+
+
+@dataclass(frozen=True)
+class _Loads:
+    """The loads of ``T`` steps as an even split needs them: ``lf`` [T, R, E] float64,
+    ``per_expert`` [T, E] their sums over ranks, ``lsum`` their :func:`level_sums`
+    ([T, groups at level j, E] each) and ``dc_tokens`` [T, D] (:func:`_dc_tokens`)."""
+
+    lf: np.ndarray
+    per_expert: np.ndarray
+    lsum: list[np.ndarray]
+    dc_tokens: np.ndarray
+
+
+def _even_split(
+    loads: _Loads, placement: Placement, topology: Topology, level: int, remote: str
+) -> list[TokenTraffic]:
+    """The even split of :func:`even_traffic` for the ``T`` steps of ``loads`` on one
+    placement. Every operation is the one-step operation with a leading step axis (the
+    same floats)."""
+    lf, per_expert, lsum, dc_tokens = loads.lf, loads.per_expert, loads.lsum, loads.dc_tokens
+    num_steps, num_ranks, num_experts = lf.shape
     cp = _copies(placement, topology, num_experts)
     cr, cs, ce, group, cnt, total = cp.rank, cp.slot, cp.expert, cp.group, cp.count, cp.total
     if ((per_expert > 0) & (total == 0)).any():
-        missing = np.flatnonzero((per_expert > 0) & (total == 0))
+        missing = np.flatnonzero(((per_expert > 0) & (total == 0)).any(axis=0))
         raise ValueError(f"experts with load but no copy: {missing[:8].tolist()}")
     safe_total = cp.safe_total
     k = cp.k
@@ -359,70 +425,76 @@ def even_traffic(
     # [R, E] does r's domain hold e? ("global": no locality, everything spreads)
     local = k(level) > 0 if level < 3 else None
     # "global": every load is non-local, the same floats as ``lf`` (not modified below)
-    nonlocal_load = lf if local is None else np.where(local, 0.0, lf)
+    nonlocal_load = lf if local is None else np.where(local, 0.0, lf)  # [T, R, E]
     w_nl = nonlocal_load / safe_total  # per-copy share of a spread (r, e)
 
     # ---- what each source sends, by shell: cumulative copies reached up to shell j ----
-    rank_out = np.zeros((num_ranks, 3))
+    rank_out = np.zeros((num_steps, num_ranks, 3))
     if local is not None:
         w_loc = np.where(local, lf / np.where(local, k(level), 1.0), 0.0)  # per local copy
-        reach = [np.einsum("re,re->r", w_loc, k(j)) for j in range(level + 1)]
+        reach = [np.einsum("tre,re->tr", w_loc, k(j)) for j in range(level + 1)]
         for j in range(1, level + 1):
-            rank_out[:, j - 1] = reach[j] - reach[j - 1]
+            rank_out[:, :, j - 1] = reach[j] - reach[j - 1]
     mrank = placement.master_rank()  # [E]
     if remote == "spread":
-        reach = [np.einsum("re,re->r", w_nl, k(j)) for j in range(4)]
+        reach = [np.einsum("tre,re->tr", w_nl, k(j)) for j in range(4)]
         for j in range(1, 4):  # shells inside the domain: a spread source has no copy there
-            rank_out[:, j - 1] += reach[j] - reach[j - 1]
+            rank_out[:, :, j - 1] += reach[j] - reach[j - 1]
     else:
         shell = _shell(topology, np.arange(num_ranks)[:, None], mrank[None, :])  # [R, E]
         for j in (1, 2, 3):
-            rank_out[:, j - 1] += np.where(shell == j, nonlocal_load, 0.0).sum(axis=1)
+            rank_out[:, :, j - 1] += np.where(shell == j, nonlocal_load, 0.0).sum(axis=2)
 
     # ---- what each copy receives, by shell ----
     qg = [group[j][cr] for j in range(3)] + [np.zeros(cr.size, np.int64)]
-    in_shell = np.zeros((cr.size, 4))
+    in_shell = np.zeros((num_steps, cr.size, 4))
     if level < 3:
         # sources inside the copy's domain are all local: their load splits over its copies
-        lsum = _level_sums_of(lf, topology, stats)
         kq = cnt[level][qg[level], ce]
         for j in range(level + 1):
-            inner = lsum[j][qg[j], ce] - (lsum[j - 1][qg[j - 1], ce] if j else 0.0)
-            in_shell[:, j] += inner / np.where(kq > 0, kq, 1.0)
-    nsum = (
-        _level_sums_of(lf, topology, stats) if level == 3 else level_sums(nonlocal_load, topology)
-    )
+            inner = lsum[j][:, qg[j], ce] - (lsum[j - 1][:, qg[j - 1], ce] if j else 0.0)
+            in_shell[:, :, j] += inner / np.where(kq > 0, kq, 1.0)
+    nsum = lsum if level == 3 else _level_sums_steps(nonlocal_load, topology)
     if remote == "spread":
         for j in range(4):
-            inner = nsum[j][qg[j], ce] - (nsum[j - 1][qg[j - 1], ce] if j else 0.0)
-            in_shell[:, j] += inner / safe_total[ce]
+            inner = nsum[j][:, qg[j], ce] - (nsum[j - 1][:, qg[j - 1], ce] if j else 0.0)
+            in_shell[:, :, j] += inner / safe_total[ce]
     else:
         is_master = (cr * placement.slots_per_rank + cs) == placement.master[ce]
         mq, me = cr[is_master], ce[is_master]
         mg = [group[j][mq] for j in range(3)] + [np.zeros(mq.size, np.int64)]
         for j in range(4):
-            prev = nsum[j - 1][mg[j - 1], me] if j else 0.0
-            in_shell[is_master, j] += nsum[j][mg[j], me] - prev
-    rank_tokens = np.bincount(cr, weights=in_shell.sum(axis=1), minlength=num_ranks)
-    rank_in = _shell_sums(cr, in_shell, num_ranks)
+            prev = nsum[j - 1][:, mg[j - 1], me] if j else 0.0
+            in_shell[:, is_master, j] += nsum[j][:, mg[j], me] - prev
+    step_rank = (np.arange(num_steps)[:, None] * num_ranks + cr).ravel()  # [T * C]
+    rank_tokens = np.bincount(
+        step_rank, weights=in_shell.sum(axis=2).ravel(), minlength=num_steps * num_ranks
+    ).reshape(num_steps, num_ranks)
+    rank_in = _shell_sums(step_rank, in_shell.reshape(-1, 4), num_steps * num_ranks)
+    rank_in = rank_in.reshape(num_steps, num_ranks, 3)
 
     # ---- DC pairs ----
-    nl_dc = nsum[2]  # [D, E] non-local assignments per source DC
+    nl_dc = nsum[2]  # [T, D, E] non-local assignments per source DC
     if remote == "spread":
-        dense = (nl_dc / safe_total) @ cnt[2].T  # [D, D] assignments s -> copies in x
+        share = nl_dc / safe_total
+        dense = [share[t] @ cnt[2].T for t in range(num_steps)]  # [D, D] s -> copies in x
     else:
         mdc = topology.rank_dc[mrank]  # [E]
-        dense = np.zeros((topology.num_dcs, topology.num_dcs))
-        np.add.at(dense.T, mdc, nl_dc.T)  # dense[s, mdc[e]] += nl_dc[s, e]
-    ps, pd, pt = _pairs(dense)
-    out = TokenTraffic(
-        rank_tokens, rank_out, rank_in, ps, pd, pt, _dc_tokens(load, topology, top_k)
-    )
-    if stats is not None and memo_key is not None:
-        for a in (rank_tokens, rank_out, rank_in, ps, pd, pt):
-            a.flags.writeable = False
-        stats.memo[memo_key] = out
+        dense = [np.zeros((topology.num_dcs, topology.num_dcs)) for _ in range(num_steps)]
+        for t in range(num_steps):
+            np.add.at(dense[t].T, mdc, nl_dc[t].T)  # dense[s, mdc[e]] += nl_dc[s, e]
+    out = []
+    for t in range(num_steps):
+        ps, pd, pt = _pairs(dense[t])
+        out.append(TokenTraffic(rank_tokens[t], rank_out[t], rank_in[t], ps, pd, pt, dc_tokens[t]))
     return out
+
+
+def _level_sums_steps(x: np.ndarray, topology: Topology) -> list[np.ndarray]:
+    """:func:`level_sums` of each ``x[t]`` ([T, R, E]), in one call over [R, T * E]."""
+    num_steps, num_ranks, num_experts = x.shape
+    flat = level_sums(x.transpose(1, 0, 2).reshape(num_ranks, -1), topology)
+    return [a.reshape(a.shape[0], num_steps, num_experts).transpose(1, 0, 2) for a in flat]
 
 
 def _shell_sums(rank: np.ndarray, in_shell: np.ndarray, num_ranks: int) -> np.ndarray:

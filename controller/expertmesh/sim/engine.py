@@ -19,7 +19,9 @@ Planning and costing are separate passes: a step's plans never depend on the cos
 the steps before, so planned layer-steps are held (traffic and expert streams, no
 load) and costed together by one :func:`~expertmesh.planner.costmodel.step_costs`
 call (one pass of array operations instead of one per policy-step; :data:`BATCH_CELLS`
-bounds what is held).
+bounds what is held). An even split's traffic is held as its load and placement
+(:class:`_EvenSplit`) and computed then too, every held step of one placement in one
+:func:`~expertmesh.planner.traffic.even_traffic_steps` call.
 
 Steps run outer and policies inner, so one step's load is in memory at a time
 and the history windows are shared by policies that ask for the same window. What
@@ -37,8 +39,8 @@ import copy
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Protocol, cast
+from dataclasses import dataclass, field, replace
+from typing import Literal, Protocol, cast
 
 import numpy as np
 
@@ -57,7 +59,13 @@ from expertmesh.planner.model import ModelSpec
 from expertmesh.planner.plan import LayerPlan, Migration, Placement, TransferKind
 from expertmesh.planner.policy import Policy, PolicyContext, make_policy
 from expertmesh.planner.topology import Topology
-from expertmesh.planner.traffic import TokenTraffic, even_traffic, traffic_from_route
+from expertmesh.planner.traffic import (
+    Domain,
+    TokenTraffic,
+    even_traffic,
+    even_traffic_steps,
+    traffic_from_route,
+)
 
 __all__ = [
     "COLUMNS",
@@ -362,10 +370,21 @@ def _add_history(world: _World, st: _PolicyState) -> None:
 
 
 @dataclass(frozen=True)
+class _EvenSplit:
+    """The even split ``split`` = (domain, remote) of ``load`` [R, E] over ``placement``:
+    traffic computed when its layer-step is costed, every step of one placement in one
+    :func:`~expertmesh.planner.traffic.even_traffic_steps` call."""
+
+    load: np.ndarray
+    placement: Placement
+    split: tuple[Domain, Literal["spread", "master"]]
+
+
+@dataclass(frozen=True)
 class _Planned:
     """One layer of one policy at one step, planned and waiting for its cost."""
 
-    traffic: TokenTraffic
+    traffic: TokenTraffic | _EvenSplit
     streams: ExpertStreams
     place_seconds: float
     fanout: float
@@ -377,7 +396,9 @@ class _Planned:
     def cells(self) -> int:
         """Array cells it holds for the cost model (ranks and DC pairs): what
         :data:`BATCH_CELLS` counts."""
-        return self.traffic.num_ranks + self.traffic.pair_src.size + self.streams.pair_src.size
+        t = self.traffic
+        held = t.load.shape[0] if isinstance(t, _EvenSplit) else t.num_ranks + t.pair_src.size
+        return held + self.streams.pair_src.size
 
 
 def _plan_step(
@@ -412,14 +433,16 @@ def _stop(st: _PolicyState, t: int, err: ValueError) -> None:
 def _cost_pending(pending: list[tuple[_PolicyState, int, list[_Planned]]], world: _World) -> None:
     """Cost every planned ``(policy, step, layers)`` of ``pending`` with one ``step_costs``
     call and append each row (in ``pending``'s order: step by step); each policy's cost
-    parts and CPU seconds get the call's CPU time in proportion to its layers."""
+    parts and CPU seconds get the call's CPU time in proportion to its layers. Deferred even
+    splits (:class:`_EvenSplit`) are computed first (:func:`_even_splits`)."""
+    pending = _even_splits(pending, world)
     items = [p for _, _, layers in pending for p in layers]
     if not items:
         return
     t0 = time.process_time()
     try:
         costs = step_costs(
-            world.topology, world.model, [p.traffic for p in items],
+            world.topology, world.model, [cast(TokenTraffic, p.traffic) for p in items],
             [p.streams for p in items], world.cost,
         )  # fmt: skip
     except ValueError as err:
@@ -434,6 +457,73 @@ def _cost_pending(pending: list[tuple[_PolicyState, int, list[_Planned]]], world
         at += len(layers)
         st.run.cpu_seconds += per_item * len(layers)
         st.run.cost_parts["step cost"] += per_item * len(layers)
+
+
+def _even_splits(
+    pending: list[tuple[_PolicyState, int, list[_Planned]]], world: _World
+) -> list[tuple[_PolicyState, int, list[_Planned]]]:
+    """``pending`` with the traffic of every :class:`_EvenSplit` computed: the steps of one
+    placement and split in one :func:`~expertmesh.planner.traffic.even_traffic_steps` call,
+    its CPU time the ``traffic`` part of their policies. A split that fails (``ValueError``)
+    stops its policy at the first step that fails, as when it was computed while planning:
+    that policy's layer-steps from that step on are dropped."""
+    jobs: dict[tuple[object, ...], list[tuple[int, int]]] = {}  # (placement, split): [(i, layer)]
+    for i, (_, _, layers) in enumerate(pending):
+        for layer, p in enumerate(layers):
+            if isinstance(p.traffic, _EvenSplit):
+                key = (_pkey(p.traffic.placement), p.traffic.split)
+                jobs.setdefault(key, []).append((i, layer))
+    if not jobs:
+        return pending
+    done = [list(layers) for _, _, layers in pending]
+    stopped: dict[str, int] = {}  # policy -> the step its split failed at
+    for at in jobs.values():
+        t0 = time.process_time()
+        split = [cast(_EvenSplit, pending[i][2][layer].traffic) for i, layer in at]
+        got = _split_traffic(split, world, pending, at, stopped)
+        for (i, layer), traffic in zip(at, got, strict=True):
+            done[i][layer] = replace(done[i][layer], traffic=traffic)
+        share = (time.process_time() - t0) / len(at)
+        for i, _ in at:
+            pending[i][0].run.cost_parts["traffic"] += share
+            pending[i][0].run.cpu_seconds += share
+    return [
+        (st, t, layers)
+        for (st, t, _), layers in zip(pending, done, strict=True)
+        if t < stopped.get(st.name, t + 1)
+    ]
+
+
+def _split_traffic(
+    split: list[_EvenSplit],
+    world: _World,
+    pending: list[tuple[_PolicyState, int, list[_Planned]]],
+    at: list[tuple[int, int]],
+    stopped: dict[str, int],
+) -> list[TokenTraffic | _EvenSplit]:
+    """The traffic of ``split`` (deferred splits of one placement, at ``at`` in ``pending``);
+    when the steps together fail, each alone, and a failing one stops its policy (recorded
+    in ``stopped``: policy -> step) and stays deferred (it is dropped)."""
+    topo, k = world.topology, world.model.top_k
+    domain, remote = split[0].split
+    try:
+        loads = np.stack([s.load for s in split])  # [T, R, E]
+        return list(
+            even_traffic_steps(loads, split[0].placement, topo, k, domain=domain, remote=remote)
+        )
+    except ValueError:
+        pass
+    out: list[TokenTraffic | _EvenSplit] = []
+    for s, (i, _) in zip(split, at, strict=True):
+        st, t = pending[i][0], pending[i][1]
+        try:
+            out.append(even_traffic(s.load, s.placement, topo, k, domain=domain, remote=remote))
+        except ValueError as err:
+            out.append(s)
+            if t < stopped.get(st.name, t + 1):
+                stopped[st.name] = t
+                _stop(st, t, err)
+    return out
 
 
 def _plan(st: _PolicyState, world: _World, t: int, layer: int, load: np.ndarray) -> _Planned:
@@ -586,9 +676,9 @@ def _fanout_seconds(
 
 def _fast_traffic(
     st: _PolicyState, ctx: PolicyContext, placement: Placement
-) -> TokenTraffic | None:
+) -> TokenTraffic | _EvenSplit | None:
     """The traffic without route rows: the policy's own ``route_traffic`` view, or its even
-    split; ``None`` when neither applies."""
+    split (computed when costed: :class:`_EvenSplit`); ``None`` when neither applies."""
     summarize = getattr(st.policy, "route_traffic", None)
     if callable(summarize):
         traffic = summarize(ctx, placement)
@@ -596,8 +686,7 @@ def _fast_traffic(
             return traffic
     if st.split is None:
         return None
-    topo, k = ctx.topology, ctx.model.top_k
-    return even_traffic(ctx.load, placement, topo, k, domain=st.split[0], remote=st.split[1])
+    return _EvenSplit(ctx.load, placement, st.split)
 
 
 def _sync_streams(
