@@ -188,6 +188,7 @@ def replay_within(run: SpmdRun, steps: list[Any]) -> dict[str, Any]:
         i = index.get(s.step, s.step)
         for layer, measured in enumerate(s.tokens_per_layer_rank):
             counts = trace.load[i, layer].astype(np.int64)
+            assert plans.phy2log is not None and plans.master is not None  # plans.npz has both
             placement = Placement(plans.phy2log[i, layer], plans.master[i, layer])
             holds = np.stack([placement.holds()[m].any(axis=0) for m in dcs])
             split = split_dcs(counts, holds, rank_dc)
@@ -228,7 +229,7 @@ def migration_row(label: str, run: SpmdRun) -> dict[str, Any]:
     touched = {s.step for s in sw} | ({s.step - 1 for s in sw} if background else set())
     others = [s.seconds for s in run.steps[1:] if s.step not in touched]
     base = statistics.median(others) if others else float("nan")
-    extra = sum(s.seconds - base for s in run.steps[1:] if s.step in touched)  # type: ignore[operator]
+    extra = sum(s.seconds - base for s in run.steps[1:] if s.step in touched)
     med = statistics.median
     return {
         "mode": label,
@@ -258,7 +259,7 @@ def balanced_steps(run: SpmdRun) -> list[Any]:
 def balance_row(label: str, run: SpmdRun, base: SpmdRun | None) -> dict[str, Any]:
     steps = balanced_steps(run)
     per_mb = [1.0 / b for s in steps for b in (s.balancedness or [])]
-    med = statistics.median(s.seconds for s in steps)  # type: ignore[type-var]
+    med = statistics.median(s.seconds for s in steps)
     out = {
         "mode": label,
         "steps_used": [s.step for s in steps],
@@ -269,10 +270,7 @@ def balance_row(label: str, run: SpmdRun, base: SpmdRun | None) -> dict[str, Any
         "median_floor": statistics.median(floor(run, steps)),
         **within_and_floor(run, steps),
         "median_seconds": med,
-        "median_balance_fraction": statistics.median(
-            s.balance_seconds / s.seconds  # type: ignore[operator]
-            for s in steps
-        ),
+        "median_balance_fraction": statistics.median(s.balance_seconds / s.seconds for s in steps),
         "median_replicas": statistics.median(s.replicas for s in steps),
         "median_fanout_mb": statistics.median(s.fanout_bytes for s in steps) / 1e6,
         "median_token_mb": statistics.median(s.cross_dc_token_bytes for s in steps) / 1e6,
@@ -282,13 +280,7 @@ def balance_row(label: str, run: SpmdRun, base: SpmdRun | None) -> dict[str, Any
         "plan_versions": [s.plan_version for s in run.steps],
     }
     if base is not None:
-        out["speedup_vs_static"] = (
-            statistics.median(
-                s.seconds  # type: ignore[misc]
-                for s in balanced_steps(base)
-            )
-            / med
-        )
+        out["speedup_vs_static"] = statistics.median(s.seconds for s in balanced_steps(base)) / med
     return out
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 import numpy as np
 
@@ -39,7 +40,7 @@ def main() -> None:
     split, bound = dcfloor.split_dcs, dcfloor.floor_bound
     calls = [0]
 
-    def counted(*a, **kw):  # type: ignore[no-untyped-def]
+    def counted(*a: Any, **kw: Any) -> Any:
         calls[0] += 1
         return split(*a, **kw)
 

@@ -180,6 +180,7 @@ def _client(target: str, kind: str, a: dict[str, Any], go: Any, out: Any) -> Non
     _pin(1)
     rng = np.random.default_rng(0)
     # serialize everything first: the generator should spend its CPU on sending
+    resp_type: Any  # the response message class of the method
     if kind == "rank":
         num_ranks = a["dcs"] * a["ranks_per_dc"]
         loads = rng.integers(0, 64, (num_ranks, a["layers"], a["experts"]))

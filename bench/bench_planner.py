@@ -172,6 +172,10 @@ def first_master(phy2log: np.ndarray, num_experts: int) -> np.ndarray:
 Contender = Callable[[np.ndarray, np.ndarray], LayerPlan]  # (load [R, E], history [W, R, E])
 
 
+def _eplb_rebalance(weight: np.ndarray, args: tuple[int, ...], hier: bool) -> object:
+    return rebalance(weight[None], *args, hierarchical=hier)
+
+
 def contenders(
     topo: Topology, model: ModelSpec, peer: ModuleType | None
 ) -> dict[str, tuple[Contender, Callable[[np.ndarray], object] | None]]:
@@ -209,12 +213,12 @@ def contenders(
         args = (num_ranks * slots, groups, topo.num_nodes, num_ranks)
         out["eplb" + label] = (
             ours(eplb),
-            lambda w, a=args, h=hier: rebalance(w[None], *a, hierarchical=h),
+            partial(_eplb_rebalance, args=args, hier=hier),
         )
         if peer is not None:
             out["peer" + label] = (
                 theirs(args, hier),
-                lambda w, a=args, h=hier: peer_phy2log(peer, w, a, h),
+                partial(peer_phy2log, peer, args=args, hier=hier),
             )
     if "quota" in available_policies():
         out["quota"] = (ours(make_policy("quota")), None)
@@ -228,7 +232,7 @@ def balance_rows(
     solve and placement-only seconds."""
     window = make_policy("eplb").history_window()
     who = contenders(topo, model, peer)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for target in IMBALANCES:
         score: dict[str, list[float]] = {c: [] for c in who}
         solve: dict[str, list[float]] = {c: [] for c in who}
