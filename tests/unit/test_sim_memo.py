@@ -4,14 +4,24 @@ functions they stand in for give, for every argument that can differ between two
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from expertmesh.planner.costmodel import CostSettings, TransferEncoding, replica_streams
 from expertmesh.planner.migration import align_placement, plan_migration
 from expertmesh.planner.model import ModelSpec
+from expertmesh.planner.plan import LayerPlan
 from expertmesh.planner.policy import PolicyContext, make_policy
 from expertmesh.planner.topology import Topology
 from expertmesh.planner.traffic import even_traffic
-from expertmesh.sim.engine import _aligned, _migration, _PolicyState, _sync_streams, _World
+from expertmesh.sim.engine import (
+    _aligned,
+    _context,
+    _History,
+    _migration,
+    _PolicyState,
+    _sync_streams,
+    _World,
+)
 
 TOPO = Topology.generate(4, 4, nodes_per_dc=2, masters=2, spare=2)
 MODEL = ModelSpec(num_experts=32, top_k=2, num_layers=1)
@@ -88,3 +98,28 @@ def test_engine_memo_keeps_each_encodings_replica_streams():
             for f in ("pair_src", "pair_dst", "pair_tail", "pair_background", "port_tail",
                       "port_background"):  # fmt: skip
                 assert np.array_equal(getattr(got, f), getattr(want, f)), f
+
+
+def test_each_window_gets_its_own_history_and_the_checked_load():
+    # a step's contexts are checked once per layer: another window's context is a copy
+    # with its own history (_context), the policy's previous plan in a copy of that
+    load, ps = _placements(4)
+    world = _World(TOPO, MODEL, CostSettings(), {}, (TOPO.num_ranks, MODEL.num_experts))
+    for w in (0, 3):
+        world.hist[(w, 0)] = _History(w)
+    for t in range(5):
+        step = load + t
+        step.flags.writeable = False
+        c0 = _context(world, t, (0, 0), step, None)
+        prev = LayerPlan(placement=ps[0], route=np.zeros((0, 4), np.int64))
+        c3 = _context(world, t, (3, 0), step, prev)
+        assert c0.load is c3.load and c0.history.shape[0] == 0 and c0.previous is None
+        assert c3.previous is prev and c3.step == t
+        assert [int(h[0, 0]) for h in c3.history] == [
+            int(load[0, 0]) + s for s in range(max(0, t - 3), t)
+        ]
+        for h in world.hist.values():
+            h.push(step)
+        world.contexts.clear()
+    with pytest.raises(ValueError, match="negative"):
+        _context(world, 5, (3, 0), load - 10**6, None)  # the first context of a step checks

@@ -252,25 +252,30 @@ def _context(
     world: _World, t: int, key: tuple[int, int], load: np.ndarray, prev: LayerPlan | None
 ) -> PolicyContext:
     """Step ``t``'s context for layer ``key[1]`` with history window ``key[0]``. Its load and
-    history are checked once per step, not once per policy (``PolicyContext`` scans both);
-    a policy's own previous plan (the engine's, of this topology and model) goes into a
-    copy."""
+    history are checked once per step, not once per policy or window (``PolicyContext``
+    scans both): another window's context of the layer has checked this load, and a
+    history holds only loads checked at their own steps. A policy's own previous plan (the
+    engine's, of this topology and model) goes into a copy."""
     base = world.contexts.get(key)
     if base is None:
-        base = PolicyContext(
-            topology=world.topology,
-            model=world.model,
-            step=t,
-            layer=key[1],
-            load=load,
-            history=world.hist[key].view(world.shape),
-        )
+        history = world.hist[key].view(world.shape)
+        seen = next((c for (_, layer), c in world.contexts.items() if layer == key[1]), None)
+        if seen is None:
+            base = PolicyContext(
+                topology=world.topology, model=world.model, step=t, layer=key[1],
+                load=load, history=history,
+            )  # fmt: skip
+        else:
+            base = _unchecked(seen, "history", history)
         world.contexts[key] = base
-    if prev is None:
-        return base
-    ctx = copy.copy(base)
-    object.__setattr__(ctx, "previous", prev)
-    return ctx
+    return base if prev is None else _unchecked(base, "previous", prev)
+
+
+def _unchecked(ctx: PolicyContext, name: str, value: object) -> PolicyContext:
+    """A copy of ``ctx`` with field ``name`` set to ``value``, not checked again."""
+    out = copy.copy(ctx)
+    object.__setattr__(out, name, value)
+    return out
 
 
 class _PolicyState:
