@@ -3,6 +3,7 @@ import pytest
 import yaml
 
 from expertmesh.planner import LinkClass, Topology
+from expertmesh.planner.topology import DC, Link
 
 
 def _two_dc(repo):
@@ -61,3 +62,20 @@ def test_generate_large_is_cheap():
     t = Topology.generate(dcs=1000, ranks_per_dc=8)
     assert t.num_ranks == 8000 and t.dc_gbps.shape == (1000, 1000)
     assert t.link_class(np.array([0]), np.array([7999]))[0] == LinkClass.INTER_DC
+
+
+def test_links_are_latency_and_bandwidth_of_each_pair():
+    # links works the link class out once for both; the same floats as each alone
+    topo = Topology(
+        (DC("a", 2, 2), DC("b", 1, 3)), 2, 2,
+        intra_node=Link(900, 0.01), intra_dc=Link(200, 0.2), inter_dc=Link(5, 30.0),
+    )  # fmt: skip
+    src, dst = np.meshgrid(np.arange(topo.num_ranks), np.arange(topo.num_ranks))
+    src, dst = src.ravel(), dst.ravel()
+    lat, bw = topo.links(src, dst)
+    cls = topo.link_class(src, dst)
+    want_ms = np.select([cls == 0, cls == 1, cls == 2], [0.0, 0.01, 0.2], topo.dc_latency_ms[0, 1])
+    want_gbps = np.select([cls == 0, cls == 1, cls == 2], [np.inf, 900, 200], 5)
+    assert np.array_equal(lat, want_ms / 1e3) and np.array_equal(bw, want_gbps * 1e9 / 8.0)
+    assert np.array_equal(topo.latency_s(src, dst), lat)
+    assert np.array_equal(topo.bandwidth_Bps(src, dst), bw)

@@ -125,7 +125,7 @@ def _align_slots(
     knew = np.where(new_p2l >= 0, ((rows * num_experts + new_p2l) * num_slots + occ_new), -2)
     flat_old, flat_new = kold.ravel(), knew.ravel()
     order = np.argsort(flat_old, kind="stable")
-    pos = np.searchsorted(flat_old[order], flat_new).clip(max=flat_old.size - 1)
+    pos = np.minimum(np.searchsorted(flat_old[order], flat_new), flat_old.size - 1)
     hit = flat_old[order][pos] == flat_new  # [R*S] new copy already in old, same rank
     dest_flat = np.empty(flat_new.size, dtype=np.int64)
     dest_flat[hit] = order[pos[hit]]
@@ -276,7 +276,7 @@ def _member(sorted_keys: np.ndarray, query: np.ndarray) -> np.ndarray:
     """[N] bool: ``query`` [N] occurs in ``sorted_keys`` [H] (sorted)."""
     if sorted_keys.size == 0:
         return np.zeros(query.size, dtype=bool)
-    pos = np.searchsorted(sorted_keys, query).clip(max=sorted_keys.size - 1)
+    pos = np.minimum(np.searchsorted(sorted_keys, query), sorted_keys.size - 1)
     return sorted_keys[pos] == query
 
 
@@ -289,7 +289,7 @@ def _pair_sorted(dkey: np.ndarray, hkey: np.ndarray) -> tuple[np.ndarray, np.nda
     span = max(dkey.size, hkey.size) + 1
     dcode = dkey * span + _rank_in_group(dkey)
     hcode = hkey * span + _rank_in_group(hkey)
-    pos = np.searchsorted(hcode, dcode).clip(max=hcode.size - 1)
+    pos = np.minimum(np.searchsorted(hcode, dcode), hcode.size - 1)
     hit = hcode[pos] == dcode
     return np.flatnonzero(hit), pos[hit]
 
@@ -699,7 +699,7 @@ def _jobs_and_local_copies(
 
     def had(rank: np.ndarray, expert: np.ndarray) -> np.ndarray:
         key = rank * num_experts + expert
-        return old_keys[np.searchsorted(old_keys, key).clip(max=old_keys.size - 1)] == key
+        return old_keys[np.minimum(np.searchsorted(old_keys, key), old_keys.size - 1)] == key
 
     old_mr, new_mr = old.master // num_slots, new.master // num_slots
     mexp = np.flatnonzero(old_mr != new_mr)  # experts whose master changes rank
@@ -778,7 +778,7 @@ def plan_migration(
     t_master = np.concatenate([jobs.master, np.zeros(len(local), dtype=bool)])
     seconds = np.zeros(int(t_round.max()) + 1 if t_round.size else 0)
     if src.size:
-        lat, bw = topology.latency_s(src, jobs.dst), topology.bandwidth_Bps(src, jobs.dst)
+        lat, bw = topology.links(src, jobs.dst)
         np.maximum.at(seconds, rnd, lat + jobs.nbytes / bw)
     order = np.lexsort((t_slot, t_dst, t_round))
     kinds = (TransferKind.REPLICA, TransferKind.MASTER)

@@ -349,21 +349,24 @@ class Topology:
 
     def bandwidth_Bps(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
         """[N] bytes/s between ranks ``src`` and ``dst`` (``inf`` on the same rank)."""
-        cls = self.link_class(src, dst)
-        gbps = self.dc_gbps[self.rank_dc[src], self.rank_dc[dst]].astype(np.float64)
-        gbps = np.where(cls == LinkClass.INTRA_NODE, self.intra_node.gbps, gbps)
-        gbps = np.where(cls == LinkClass.SAME_RANK, np.inf, gbps)
-        return gbps * 1e9 / 8.0
+        return self.links(src, dst)[1]
 
     def latency_s(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
         """[N] one-way latency in seconds between ranks ``src`` and ``dst`` (0 on the same rank)."""
+        return self.links(src, dst)[0]
+
+    def links(self, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(latency_s, bandwidth_Bps)`` between ranks ``src`` and ``dst``, [N] each, with
+        their link class worked out once."""
         cls = self.link_class(src, dst)
-        ms = self.dc_latency_ms[self.rank_dc[src], self.rank_dc[dst]].astype(np.float64)
-        ms = np.where(cls == LinkClass.INTRA_NODE, self.intra_node.latency_ms, ms)
-        ms = np.where(cls == LinkClass.SAME_RANK, 0.0, ms)
-        return ms / 1e3
+        a, b = self.rank_dc[src], self.rank_dc[dst]
+        node, same = cls == LinkClass.INTRA_NODE, cls == LinkClass.SAME_RANK
+        ms = np.where(node, self.intra_node.latency_ms, self.dc_latency_ms[a, b])
+        gbps = np.where(node, self.intra_node.gbps, self.dc_gbps[a, b])
+        return np.where(same, 0.0, ms) / 1e3, np.where(same, np.inf, gbps) * 1e9 / 8.0
 
     def distance(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
         """[N] seconds to send one byte-ish unit: latency + 1 MB / bandwidth. Used to rank
         holders by nearness (smaller is nearer); same rank is 0."""
-        return self.latency_s(src, dst) + 1e6 / self.bandwidth_Bps(src, dst)
+        latency, bandwidth = self.links(src, dst)
+        return latency + 1e6 / bandwidth
