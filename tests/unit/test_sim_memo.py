@@ -81,7 +81,7 @@ def test_engine_memo_aligns_and_migrates_as_the_planner_does():
             assert np.array_equal(got.phy2log, want.phy2log)
             assert np.array_equal(got.master, want.master)
     for old in (ps[0], ps[2], qs[0], ps[0]):  # one new placement from several old ones
-        assert _migration(world, old, ps[1]) == plan_migration(old, ps[1], TOPO, MODEL)
+        assert _migration(world, old, ps[1]).migration == plan_migration(old, ps[1], TOPO, MODEL)
     assert world.memo.hits > 0
 
 

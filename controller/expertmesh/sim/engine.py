@@ -564,16 +564,15 @@ def _plan(st: _PolicyState, world: _World, t: int, layer: int, load: np.ndarray)
     mig_bytes = 0.0
     fanout = 0.0  # seconds until this microbatch's replica weights have landed
     if changed and prev is not None:
-        migration = _migration(world, prev.placement, placement)
+        moves = _migration(world, prev.placement, placement)
+        migration = moves.migration
         gap = max(1, t - st.changed_at[layer])
         st.changed_at[layer] = t
-        nbytes, src, dst = _migration_bytes(st, world, (layer, t), migration, prev.placement)
+        nbytes = _migration_bytes(st, world, (layer, t), moves, prev.placement)
         mig_bytes = float(nbytes.sum())
-        streams = streams + migration_streams(src, dst, nbytes, topology, scale=1.0 / gap)
+        streams = streams + _moved(world, moves.src, moves.dst, nbytes, 1.0 / gap)
         if st.microbatch is not None:
-            fanout = _fanout_seconds(
-                st.microbatch, st.policy, migration, (nbytes, src, dst), topology
-            )
+            fanout = _fanout_seconds(world, st.microbatch, st.policy, moves, nbytes)
     _lap(parts, "migration", clock)
     st.prev[layer] = LayerPlan(placement=placement, route=route, migration=migration)
     replicas = int((placement.phy2log >= 0).sum()) - model.num_experts
@@ -644,29 +643,58 @@ def _aligned(world: _World, prev: Placement, placement: Placement, relabel: bool
     return got  # type: ignore[return-value]
 
 
-def _migration(world: _World, old: Placement, new: Placement) -> Migration:
-    """:func:`plan_migration` from ``old`` to ``new``, memoized by value."""
+@dataclass(frozen=True)
+class _Moves:
+    """A migration and its transfers as arrays [M]: source and destination rank, expert,
+    and whether the transfer moves a master."""
+
+    migration: Migration
+    src: np.ndarray
+    dst: np.ndarray
+    expert: np.ndarray
+    master: np.ndarray
+
+    @classmethod
+    def of(cls, migration: Migration) -> _Moves:
+        rows = [(x.src_rank, x.dst_rank, x.expert, x.kind == TransferKind.MASTER)
+                for x in migration.transfers]  # fmt: skip
+        src, dst, expert, master = np.array(rows, np.int64).reshape(len(rows), 4).T
+        return cls(migration, src, dst, expert, master.astype(bool))
+
+
+def _migration(world: _World, old: Placement, new: Placement) -> _Moves:
+    """:func:`plan_migration` from ``old`` to ``new`` with its arrays, memoized by value."""
     key = ("migration", _pkey(old), _pkey(new))
     got = world.memo.get(key)
     if got is None:
-        got = plan_migration(old, new, world.topology, world.model)
+        got = _Moves.of(plan_migration(old, new, world.topology, world.model))
         world.memo.put(key, got)
     return got  # type: ignore[return-value]
 
 
+def _moved(
+    world: _World, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, scale: float
+) -> ExpertStreams:
+    """:func:`migration_streams` of transfers ``src -> dst`` of ``nbytes`` (all [M]) times
+    ``scale``, memoized by value (policies that make the same move with the same bytes,
+    ``quota`` and ``hybrid`` often do, share it)."""
+    key = ("moved", src.tobytes(), dst.tobytes(), nbytes.tobytes(), scale)
+    got = world.memo.get(key)
+    if got is None:
+        got = migration_streams(src, dst, nbytes, world.topology, scale=scale)
+        world.memo.put(key, got)
+    return cast(ExpertStreams, got)
+
+
 def _fanout_seconds(
-    mode: str,
-    policy: Policy,
-    migration: Migration,
-    transfers: tuple[np.ndarray, np.ndarray, np.ndarray],
-    topology: Topology,
+    world: _World, mode: str, policy: Policy, moves: _Moves, nbytes: np.ndarray
 ) -> float:
     """Seconds the microbatch's new replicas take to arrive, all sent at once (``mode``
     ``"all"``: every replica transfer; ``"in_dc"``: those inside one DC; ``"in_domain"``:
-    those inside one domain of the policy's ``copy_domain`` [R])."""
-    nbytes, src, dst = transfers
-    n = len(migration.transfers)
-    replica = np.fromiter((x.kind != TransferKind.MASTER for x in migration.transfers), bool, n)
+    those inside one domain of the policy's ``copy_domain`` [R]); ``nbytes`` [M] of each
+    transfer of ``moves``."""
+    topology, src, dst = world.topology, moves.src, moves.dst
+    replica = ~moves.master
     if mode == "in_dc":
         replica &= topology.rank_dc[src] == topology.rank_dc[dst]
     elif mode == "in_domain":
@@ -675,8 +703,9 @@ def _fanout_seconds(
         replica &= dom[src] == dom[dst]
     if not replica.any():
         return 0.0
-    streams = migration_streams(src[replica], dst[replica], nbytes[replica], topology)
-    return transfer_seconds(streams, topology)
+    return transfer_seconds(
+        _moved(world, src[replica], dst[replica], nbytes[replica], 1.0), topology
+    )
 
 
 def _fast_traffic(
@@ -711,12 +740,11 @@ def _sync_streams(
 
 
 def _migration_bytes(
-    st: _PolicyState, world: _World, at: tuple[int, int], migration: Migration, old: Placement
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Bytes of each transfer under the policy's encoding: a replica sends only what changed
-    since its receiver's last copy (``changed_fraction`` per step since), a master moves
-    with its optimizer state. ``at``: (layer, step). Returns ``(nbytes, src_rank, dst_rank)``,
-    each [M]."""
+    st: _PolicyState, world: _World, at: tuple[int, int], moves: _Moves, old: Placement
+) -> np.ndarray:
+    """[M] bytes of each transfer of ``moves`` under the policy's encoding: a replica sends
+    only what changed since its receiver's last copy (``changed_fraction`` per step since),
+    a master moves with its optimizer state. ``at``: (layer, step)."""
     layer, t = at
     model = world.model
     last = st.last_held[layer]
@@ -725,19 +753,14 @@ def _migration_bytes(
         st.last_held[layer] = last
     r, s = np.nonzero(old.phy2log >= 0)
     last[r, old.phy2log[r, s]] = t - 1  # everything held until now was current one step ago
-    n = len(migration.transfers)
-    src = np.fromiter((x.src_rank for x in migration.transfers), np.int64, n)
-    dst = np.fromiter((x.dst_rank for x in migration.transfers), np.int64, n)
-    exp = np.fromiter((x.expert for x in migration.transfers), np.int64, n)
-    master = np.fromiter((x.kind == TransferKind.MASTER for x in migration.transfers), bool, n)
     enc = st.encoding
-    seen = last[dst, exp]
+    seen = last[moves.dst, moves.expert]
     f = enc.changed_fraction
     changed = np.where(seen >= 0, 1.0 - (1.0 - f) ** np.maximum(t - seen, 1), 1.0)
     wb = model.weight_bytes if enc.weight_bytes is None else enc.weight_bytes
     replica = model.expert_params * np.where(changed >= 1.0, wb, changed * wb + 1.0 / 8.0)
-    nbytes = np.where(master, enc.copy_bytes(model, master=True), replica)
-    return nbytes.astype(np.float64), src, dst
+    nbytes = np.where(moves.master, enc.copy_bytes(model, master=True), replica)
+    return nbytes.astype(np.float64)
 
 
 def dense_source(load: np.ndarray) -> LoadSource:
