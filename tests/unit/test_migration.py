@@ -19,7 +19,7 @@ from expertmesh.planner import (
     make_policy,
     plan_trace,
 )
-from expertmesh.planner.migration import align_placement, plan_migration
+from expertmesh.planner.migration import _occurrence, align_placement, plan_migration
 from expertmesh.planner.policy import Policy, PolicyContext
 from expertmesh.planner.refs import (
     best_kept_ref,
@@ -468,3 +468,20 @@ def test_small_scheduler_equals_the_numpy_one_on_the_scale_group(seed):
         assert plan_migration(old, new, topo, model) == fast
     finally:
         mig_mod.SMALL_JOBS = saved
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), flagged=st.booleans())
+def test_occurrence_counts_the_same_expert_earlier_on_its_rank(seed, flagged):
+    # _occurrence by pairs of slots: slots flagged first, then by slot index
+    rng = np.random.default_rng(seed)
+    p2l = rng.integers(-1, 4, (int(rng.integers(1, 6)), int(rng.integers(1, 8))))
+    first = rng.random(p2l.shape) < 0.4 if flagged else None
+    got = _occurrence(p2l, first)
+    for r in range(p2l.shape[0]):
+        f = [False] * p2l.shape[1] if first is None else first[r].tolist()
+        order = sorted(range(p2l.shape[1]), key=lambda s: (not f[s], s))
+        seen: dict[int, int] = {}
+        for s in order:
+            assert got[r, s] == seen.get(int(p2l[r, s]), 0)
+            seen[int(p2l[r, s])] = seen.get(int(p2l[r, s]), 0) + 1

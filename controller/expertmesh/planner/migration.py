@@ -84,20 +84,16 @@ def _occurrence(phy2log: np.ndarray, first: np.ndarray | None = None) -> np.ndar
     """[R, S] int64: for each slot, how many slots of the same rank holding the same
     expert come before it. Order inside a rank: slots flagged in ``first`` [R, S]
     bool, then slot index. Gives every copy a key ``(rank, expert, occurrence)``
-    that is unique even when a rank holds several copies of one expert."""
-    num_ranks, num_slots = phy2log.shape
-    n = num_ranks * num_slots
-    rows = np.repeat(np.arange(num_ranks), num_slots)
-    vals = phy2log.ravel()
-    later = np.zeros(n, dtype=bool) if first is None else ~first.ravel()
-    order = np.lexsort((np.tile(np.arange(num_slots), num_ranks), later, vals, rows))
-    sv, sr = vals[order], rows[order]
-    new_run = np.ones(n, dtype=bool)
-    new_run[1:] = (sv[1:] != sv[:-1]) | (sr[1:] != sr[:-1])
-    run_start = np.maximum.accumulate(np.where(new_run, np.arange(n), 0))
-    occ = np.empty(n, dtype=np.int64)
-    occ[order] = np.arange(n) - run_start
-    return occ.reshape(num_ranks, num_slots)
+    that is unique even when a rank holds several copies of one expert. Counted over
+    every pair of a rank's slots ([R, S, S]: a rank has a handful of slots)."""
+    slot = np.arange(phy2log.shape[1])
+    # order[r, j, i]: slot j comes before slot i on rank r
+    order = slot[:, None] < slot[None, :]  # [S, S] (broadcast over ranks)
+    if first is not None:
+        fj, fi = first[:, :, None], first[:, None, :]
+        order = (fj & ~fi) | ((fj == fi) & order)
+    same = phy2log[:, :, None] == phy2log[:, None, :]  # [R, S (j), S (i)]
+    return (same & order).sum(axis=1, dtype=np.int64)
 
 
 def _master_mask(p: Placement) -> np.ndarray:
