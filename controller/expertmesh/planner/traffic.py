@@ -436,9 +436,12 @@ def _even_split(
         for j in range(1, level + 1):
             rank_out[:, :, j - 1] = reach[j] - reach[j - 1]
     mrank = placement.master_rank()  # [E]
+    # a spread source has no copy inside its domain: what it reaches in the shells up to the
+    # domain's, and what copies there get of spreads, are exact zeros (not computed)
+    inside = level if level < 3 else -1
     if remote == "spread":
-        reach = [np.einsum("tre,re->tr", w_nl, k(j)) for j in range(4)]
-        for j in range(1, 4):  # shells inside the domain: a spread source has no copy there
+        reach = [np.einsum("tre,re->tr", w_nl, k(j)) if j > inside else 0.0 for j in range(4)]
+        for j in range(max(1, inside + 1), 4):
             rank_out[:, :, j - 1] += reach[j] - reach[j - 1]
     else:
         shell = _shell(topology, np.arange(num_ranks)[:, None], mrank[None, :])  # [R, E]
@@ -456,7 +459,7 @@ def _even_split(
             in_shell[:, :, j] += inner / np.where(kq > 0, kq, 1.0)
     nsum = lsum if level == 3 else _level_sums_steps(nonlocal_load, topology)
     if remote == "spread":
-        for j in range(4):
+        for j in range(inside + 1, 4):
             inner = nsum[j][:, qg[j], ce] - (nsum[j - 1][:, qg[j - 1], ce] if j else 0.0)
             in_shell[:, :, j] += inner / safe_total[ce]
     else:
