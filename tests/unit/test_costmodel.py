@@ -505,3 +505,34 @@ def test_step_costs_refuses_mismatched_inputs():
     with pytest.raises(ValueError, match="one ExpertStreams"):
         step_costs(TOPO, FWD, [t, t], [ExpertStreams.empty(2)], CS)
     assert step_costs(TOPO, FWD, [], [], CS) == []
+
+
+@pytest.mark.parametrize("per_update", [1, 4])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_replica_streams_ports_copy_by_copy(seed, per_update):
+    # every replica off its master's rank takes the weights in and sends its gradient out on
+    # its node fabric or NIC; each master sends once and takes once per expert and fabric
+    topo, pl, _ = _random_case(seed)
+    model = ModelSpec(num_experts=6, top_k=2, hidden=1000, ffn_hidden=10, training=True)
+    cs = CostSettings(microbatches_per_update=per_update)
+    got = replica_streams(pl, topo, model, cs)
+    enc = TransferEncoding()
+    w, g = enc.refresh_bytes(model) / per_update, enc.gradient_bytes(model) / per_update
+    back, grads = np.zeros((topo.num_ranks, 4)), np.zeros((topo.num_ranks, 4))
+    grad = grads if per_update == 1 else back
+    mrank = pl.master_rank()
+    used = set()
+    for r, s in zip(*np.nonzero(pl.phy2log >= 0), strict=True):
+        e = int(pl.phy2log[r, s])
+        m = int(mrank[e])
+        if r == m:
+            continue
+        nic = 2 * int(topo.rank_node[r] != topo.rank_node[m])
+        back[r, 1 + nic] += w
+        grad[r, 0 + nic] += g
+        used.add((nic, e))
+    for nic, e in sorted(used):
+        back[mrank[e], 0 + nic] += w
+        grad[mrank[e], 1 + nic] += g
+    np.testing.assert_allclose(got.port_background, back, rtol=1e-12)
+    np.testing.assert_allclose(got.port_tail, grads if per_update == 1 else 0.0, rtol=1e-12)

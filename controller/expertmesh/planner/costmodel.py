@@ -258,14 +258,14 @@ def replica_streams(
     # replica side: weights in, gradient out
     _port_add(back, cr, shell, _NODE_IN, w)
     _port_add(grad_port, cr, shell, _NODE_OUT, g)
-    # master side: once per expert and fabric it uses
+    # master side: once per expert and fabric it uses (node, else NIC: one column each, what
+    # _port_add of that one shell adds)
     node_use = np.unique(ce[shell == 1])
     nic_use = np.unique(ce[shell >= 2])
-    for experts, sh in ((node_use, 1), (nic_use, 2)):
+    for experts, out, into in ((node_use, _NODE_OUT, _NODE_IN), (nic_use, _NIC_OUT, _NIC_IN)):
         ranks = mrank[experts]
-        s = np.full(ranks.shape, sh)
-        _port_add(back, ranks, s, _NODE_OUT, w)
-        _port_add(grad_port, ranks, s, _NODE_IN, g)
+        back[:, out] += np.bincount(ranks, np.full(ranks.shape, w), minlength=num_ranks)
+        grad_port[:, into] += np.bincount(ranks, np.full(ranks.shape, g), minlength=num_ranks)
     # WAN: one crossing per (expert, remote DC)
     remote = shell == 3
     num_dcs = topology.num_dcs
