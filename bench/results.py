@@ -547,19 +547,20 @@ def _left(run: dict[str, Any]) -> list[str]:
         + ", ".join(f"{k} {v:.1f}" for k, v in sorted(cost.items(), key=lambda x: -x[1]))
         + " s (migration: the plan's round scheduler, the bytes and streams of its",
         "transfers; a placement's alignment counts as solve). The simulator computes once",
-        "what policies share at a step (a placement's alignment, migration plan and",
-        "replica streams, memoized by value; the load's statistics; the checked context);",
-        "a re-plan that moves a few experts is scheduled in plain Python (the numpy",
-        "scheduler's rounds were dozens of calls each), and each speed-up was checked to",
-        "give the rows of the code before it to the bit on the same machine",
-        "(`tests/unit/test_sim_golden.py` pins them). A group's steps are planned first",
-        f"and costed together: one `step_costs` pass over its {len(solves) * steps}"
+        "what policies share at a step (a placement's alignment, migration plan and its",
+        "streams, and replica streams, memoized by value; the load's statistics; the",
+        "context, checked once per layer); a re-plan that moves a few experts is scheduled",
+        "in plain Python (the numpy scheduler's rounds were dozens of calls each), and each",
+        "speed-up was checked to give the rows of the code before it to the bit on the same",
+        "machine (`tests/unit/test_sim_golden.py` pins them). A group's steps are planned",
+        f"first and costed together: one `step_costs` pass over its {len(solves) * steps}"
         " policy-steps (the same",
-        "numbers as `step_cost` one by one, checked bit for bit). Not done: the traffic",
-        "builders, replica streams and migration plans still run once per policy-step;",
-        "running the groups in lockstep instead (one pass per step over every group) made",
-        "the planner's caches of recent placements miss and cost more than it saved",
-        "(measured in commit d19f813).",
+        "numbers as `step_cost` one by one, checked bit for bit), the even splits of static",
+        "and eplb computed then, every step of one placement in one `even_traffic_steps`",
+        "pass. Not done: quota's traffic, the replica streams and migration plans still run",
+        "once per policy-step; running the groups in lockstep instead (one pass per step",
+        "over every group) made the planner's caches of recent placements miss and cost",
+        "more than it saved (measured in commit d19f813).",
     ]
 
 
