@@ -90,7 +90,8 @@ COST_PARTS = ("traffic", "replica streams", "migration", "step cost")
 
 #: planned layer-steps are costed together (one ``step_costs`` call) until they hold this
 #: many array cells (:attr:`_Planned.cells`): a whole 64-rank EP group's run in one call,
-#: a step at a time on thousands of ranks and DC pairs
+#: a step at a time on thousands of ranks and DC pairs; deferred even splits are computed
+#: with at most this many load cells stacked at once
 BATCH_CELLS = 1 << 20
 
 COLUMNS = (
@@ -506,19 +507,22 @@ def _split_traffic(
     at: list[tuple[int, int]],
     stopped: dict[str, int],
 ) -> list[TokenTraffic | _EvenSplit]:
-    """The traffic of ``split`` (deferred splits of one placement, at ``at`` in ``pending``);
-    when the steps together fail, each alone, and a failing one stops its policy (recorded
-    in ``stopped``: policy -> step) and stays deferred (it is dropped)."""
+    """The traffic of ``split`` (deferred splits of one placement, at ``at`` in ``pending``),
+    at most :data:`BATCH_CELLS` load cells stacked at once. When the steps together fail,
+    each alone: a failing one stops its policy (recorded in ``stopped``: policy -> step)
+    and stays deferred (it is dropped)."""
     topo, k = world.topology, world.model.top_k
     domain, remote = split[0].split
-    try:
-        loads = np.stack([s.load for s in split])  # [T, R, E]
-        return list(
-            even_traffic_steps(loads, split[0].placement, topo, k, domain=domain, remote=remote)
-        )
-    except ValueError:
-        pass
+    per = max(1, BATCH_CELLS // split[0].load.size)  # steps stacked at once: [T, R, E] each
     out: list[TokenTraffic | _EvenSplit] = []
+    try:
+        for first in range(0, len(split), per):
+            loads = np.stack([s.load for s in split[first : first + per]])  # [T, R, E]
+            pl = split[0].placement
+            out += even_traffic_steps(loads, pl, topo, k, domain=domain, remote=remote)
+        return out
+    except ValueError:
+        out.clear()
     for s, (i, _) in zip(split, at, strict=True):
         st, t = pending[i][0], pending[i][1]
         try:
