@@ -1,9 +1,13 @@
-"""Pure pieces the MoE layer calls (workers/replicas.py, workers/dcspread.py): the replica
-fetch's all-to-all sizes and orders agree between every sender and receiver; each DC's
-holder is its lowest live rank holding the expert; the split by DC has a choice only for
-an expert two live DCs hold and some live DC lacks."""
+"""Pure pieces the MoE layer and the expert sync call (workers/replicas.py,
+workers/dcspread.py, workers/hops.py, workers/bundles.py): the replica fetch's all-to-all
+sizes and orders agree between every sender and receiver; each DC's holder is its lowest
+live rank holding the expert; the split by DC has a choice only for an expert two live DCs
+hold and some live DC lacks; the remembered expert sync hops are the plans' own; a token
+bundle unpacks to what was packed."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -11,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from expertmesh.workers.dcspread import can_spread, dc_holders
+from expertmesh.workers.hops import HopCache, plan_hops
 from expertmesh.workers.replicas import fetch_splits
 
 pytestmark = pytest.mark.unit
@@ -58,32 +63,13 @@ def test_can_spread_needs_two_live_holders_and_a_live_dc_without() -> None:
     assert not can_spread(np.array([[0, -1], [1, 1], [-1, -1]]), gone)
 
 
-def _fake_ep(rank_dc: np.ndarray, plans: list) -> tuple:
-    """An ExpertParallel over stand-in layers and comm (no process groups: _hops reads
-    only the plans, the live ranks and the DCs)."""
-    from types import SimpleNamespace
-
-    from expertmesh.workers.experts import ExpertParallel
-
-    def comm(live: np.ndarray) -> SimpleNamespace:
-        rd = np.where(live, rank_dc, -1)
-        return SimpleNamespace(
-            rank=0, live=live, rank_dc=rd,
-            dc_ranks=[np.flatnonzero(rd == d) for d in range(int(rank_dc.max()) + 1)],
-        )  # fmt: skip
-
-    layers = [
-        SimpleNamespace(
-            plan=p,
-            num_experts=p.holds.shape[1],
-            held=list,
-            ffn_hidden=8,
-            gate=SimpleNamespace(in_features=4),
-        )
-        for p in plans
-    ]
-    ep = ExpertParallel(comm(np.ones(rank_dc.size, bool)), layers, lr=1e-3)  # type: ignore[arg-type]
-    return ep, comm
+def _ranks(rank_dc: np.ndarray, live: np.ndarray) -> SimpleNamespace:
+    """A stand-in comm (no process groups: the hops read only the live ranks and DCs)."""
+    rd = np.where(live, rank_dc, -1)
+    return SimpleNamespace(
+        live=live, rank_dc=rd,
+        dc_ranks=[np.flatnonzero(rd == d) for d in range(int(rank_dc.max()) + 1)],
+    )  # fmt: skip
 
 
 @given(seed=st.integers(0, 10_000))
@@ -115,15 +101,16 @@ def test_expert_sync_hops_cache_matches_a_fresh_computation(seed: int) -> None:
         return LayerPlan(Placement(p2l, master), np.zeros((0, 4), np.int64))
 
     a, b = [plan(), plan()], [plan(), plan()]
-    ep, comm = _fake_ep(rank_dc, a)
+    cache, counts = HopCache([experts, experts]), [experts, experts]
+    c = _ranks(rank_dc, np.ones(6, bool))
     for old, new in [(a, a), (a, b), (a, a), (b, b), (b, b), (a, b)]:
-        assert ep._hops(old, new) == ep._plan_hops(old, new)
+        assert cache.hops(c, old, new) == plan_hops(c, old, new, counts)
     # a rank leaves: new comm, same plans
     live = np.ones(6, bool)
     live[int(rng.integers(6))] = False
-    ep.comm = comm(live)
-    assert ep._hops(b, b) == ep._plan_hops(b, b)
-    assert ep._hops(a, b) == ep._plan_hops(a, b)
+    c = _ranks(rank_dc, live)
+    assert cache.hops(c, b, b) == plan_hops(c, b, b, counts)
+    assert cache.hops(c, a, b) == plan_hops(c, a, b, counts)
 
 
 @given(seed=st.integers(0, 10_000))
@@ -140,3 +127,37 @@ def test_the_replay_and_the_workers_ask_the_same_can_spread(seed: int) -> None:
     ranks = [np.flatnonzero(rank_dc == d) for d in range(3)]
     want = can_spread(dc_holders(p.holds(), ranks), ranks)
     assert _can_spread(p, rank_dc, 3) == want
+
+
+@given(
+    seed=st.integers(0, 10_000),
+    shapes=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 6)), min_size=1, max_size=4),
+    cols=st.integers(1, 3),
+)
+def test_a_token_bundle_unpacks_to_what_was_packed(seed: int, shapes: list, cols: int) -> None:
+    """Bundles of (tokens, assignments) packed in one buffer unpack to the same tokens,
+    weights and metadata, each assignment's row offset by the rows of the bundles before
+    it (planted: without the offset, a second bundle's rows point into the first's)."""
+    import torch
+
+    from expertmesh.workers.bundles import lengths, pack, unpack
+
+    rng = np.random.default_rng(seed)
+    n, d, m_all = 5, 3, 7
+    x, w = torch.randn(n, d), torch.randn(m_all)
+    bundles = []
+    for nu, nm in shapes:
+        rows = rng.choice(n, size=min(nu, n), replace=False)
+        meta = rng.integers(0, 1_000_000, (nm, cols))
+        meta[:, 0] = rng.integers(0, max(rows.size, 1), nm)
+        bundles.append((rows, rng.integers(0, m_all, nm), meta))
+    got = np.array([(r.size, i.size) for r, i, _ in bundles], np.int64).reshape(-1, 2)
+    buf = torch.cat(pack(x, w, bundles, torch.device("cpu")))
+    assert buf.numel() == sum(lengths(got, d, cols))
+    x_in, w_in, meta_in = unpack(buf, got, d, cols)
+    assert torch.equal(x_in, torch.cat([x[torch.as_tensor(r)] for r, _, _ in bundles]))
+    assert torch.equal(w_in, torch.cat([w[torch.as_tensor(i)] for _, i, _ in bundles]))
+    offsets = np.cumsum([0] + [r.size for r, _, _ in bundles])[:-1]
+    want = np.concatenate([m + np.eye(1, cols, 0, np.int64) * o for (_, _, m), o in
+                           zip(bundles, offsets, strict=True)])  # fmt: skip
+    assert np.array_equal(meta_in, want)

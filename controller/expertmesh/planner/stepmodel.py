@@ -86,12 +86,13 @@ def sync_hops(
     topology: Topology,
     new: Sequence[Placement] | None = None,
 ) -> tuple[bool, ...]:
-    """Which of the expert sync's four hops carry anything (``ExpertParallel._hops``), per
-    layer: replica gradients from ``placements``' holders to their DC's lead (the master
-    when the DC has it, else the DC's lowest holder), the leads' gradients over the WAN to
-    the master, the master's fresh weights back over the WAN to ``new``'s holders, and
-    inside the DC. ``new``: the plan a background switch commits at this step's sync (its
-    masters receive the gradients, its holders the refresh); None: ``placements``."""
+    """Which of the expert sync's four hops carry anything (the workers'
+    ``expertmesh.workers.hops.plan_hops``), per layer: replica gradients from
+    ``placements``' holders to their DC's lead (the master when the DC has it, else the
+    DC's lowest holder), the leads' gradients over the WAN to the master, the master's
+    fresh weights back over the WAN to ``new``'s holders, and inside the DC. ``new``: the
+    plan a background switch commits at this step's sync (its masters receive the
+    gradients, its holders the refresh); None: ``placements``."""
     new = placements if new is None else new
     hops = [False, False, False, False]
     for a, b in zip(placements, new, strict=True):

@@ -22,6 +22,7 @@ import torch
 
 from expertmesh.planner.plan import Placement
 from expertmesh.workers.comm import KINDS, Comm
+from expertmesh.workers.hops import HopCache, Transfer
 from expertmesh.workers.layer import LayerPlan, MoELayer
 from expertmesh.workers.model import ExpertWeights
 from expertmesh.workers.moe import adam_
@@ -29,7 +30,6 @@ from expertmesh.workers.wire import WireFormat
 
 __all__ = ["ExpertParallel", "Pending", "Transfer"]
 
-Transfer = tuple[int, int, int, int, str]  # (layer, expert, src_rank, dst_rank, "w" | "opt")
 State = tuple[list[torch.Tensor], list[torch.Tensor]]  # Adam (m, v) of an expert's tensors
 
 
@@ -72,8 +72,7 @@ class ExpertParallel:
         self.opt_step = 0
         self.pending: Pending | None = None  # a plan prepared in the background
         self.switched: dict[str, Any] | None = None  # the switch the last step made
-        # the last two (old plans, new plans, comm, live ranks) -> hops (_hops)
-        self._hop_cache: list[tuple[tuple[Any, ...], list[list[Transfer]]]] = []
+        self._hop_cache = HopCache([moe.num_experts for moe in layers])
 
     def rebind(self, comm: Comm) -> None:
         """Use ``comm``'s groups from now on; a plan in preparation is dropped (its transfer
@@ -85,61 +84,9 @@ class ExpertParallel:
         """Drop the plan in preparation, if any (after a failed step: it is prepared again)."""
         self.pending = None
 
-    def _lead(self, master: int, holds: np.ndarray, e: int, dc: int) -> int:
-        """Where ``e``'s gradients meet in ``dc`` (and its weights enter it): the master
-        when it is in ``dc``, else the DC's lowest rank that ``holds`` [R, E] marks."""
-        if self.comm.rank_dc[master] == dc:
-            return master
-        ranks = self.comm.dc_ranks[dc]
-        return int(ranks[holds[ranks, e]][0])
-
     def _hops(self, old: list[LayerPlan], new: list[LayerPlan]) -> list[list[Transfer]]:
-        """:meth:`_plan_hops`, remembered: they depend only on the plans, the live ranks and
-        the groups, so a step on the plan of the step before reuses them (the last two
-        pairs are kept: a switch asks for its own hops and the committed plan's). Callers
-        only read the lists."""
-        c = self.comm
-        for key, hops in self._hop_cache:
-            k_old, k_new, k_comm, k_live = key
-            if (
-                k_comm is c
-                and len(k_old) == len(old)
-                and len(k_new) == len(new)
-                and all(a is b for a, b in zip(k_old, old, strict=True))
-                and all(a is b for a, b in zip(k_new, new, strict=True))
-                and np.array_equal(k_live, c.live)
-            ):
-                return hops
-        hops = self._plan_hops(old, new)
-        entry = ((tuple(old), tuple(new), c, c.live.copy()), hops)
-        self._hop_cache = [entry, *self._hop_cache[:1]]
-        return hops
-
-    def _plan_hops(self, old: list[LayerPlan], new: list[LayerPlan]) -> list[list[Transfer]]:
-        """The step's four hops: gradients from ``old``'s holders (who computed) to ``new``'s
-        masters, inside each DC then over the WAN; fresh weights from ``new``'s masters to
-        ``new``'s holders, over the WAN then inside each DC (``old`` is ``new`` except at a
-        plan switch)."""
-        c = self.comm
-        hops: list[list[Transfer]] = [[], [], [], []]  # grads in DC, WAN; weights WAN, in DC
-        for layer, (a, b) in enumerate(zip(old, new, strict=True)):
-            for e in range(self.layers[layer].num_experts):
-                m = int(b.master_rank[e])
-                have = np.flatnonzero(a.holds[:, e] & c.live).tolist()
-                want = np.flatnonzero(b.holds[:, e] & c.live).tolist()
-                for h in have:
-                    lead = self._lead(m, a.holds, e, int(c.rank_dc[h]))
-                    if h != lead:
-                        hops[0].append((layer, e, h, lead, "g"))
-                for dc in sorted({int(c.rank_dc[h]) for h in have} - {int(c.rank_dc[m])}):
-                    hops[1].append((layer, e, self._lead(m, a.holds, e, dc), m, "g"))
-                for dc in sorted({int(c.rank_dc[h]) for h in want} - {int(c.rank_dc[m])}):
-                    hops[2].append((layer, e, m, self._lead(m, b.holds, e, dc), "w"))
-                for h in want:
-                    lead = self._lead(m, b.holds, e, int(c.rank_dc[h]))
-                    if h != lead:
-                        hops[3].append((layer, e, lead, h, "w"))
-        return hops
+        """The step's four hops (:func:`~expertmesh.workers.hops.plan_hops`), remembered."""
+        return self._hop_cache.hops(self.comm, old, new)
 
     def step(self, world_counts: np.ndarray) -> None:
         """After the backward: replica gradients into masters (inside the DC to the DC's lead
@@ -277,16 +224,8 @@ class ExpertParallel:
                 incoming.append((src, (layer, e)))
         flat = torch.cat(out_parts) if out_parts else torch.zeros(0, dtype=dtype, device=c.device)
         got = c.all_to_all(flat, send, recv, c.world, kind)
-        out = []
-        at = 0
-        for _, key in incoming:
-            ts = []
-            for s in shapes:
-                size = int(np.prod(s))
-                ts.append(got[at : at + size].reshape(s))
-                at += size
-            out.append((key, ts))
-        return out
+        pieces = _unflatten(got, shapes, len(incoming), clone=False)
+        return [(key, ts) for (_, key), ts in zip(incoming, pieces, strict=True)]
 
     def _shapes(self) -> ExpertWeights:
         d, f = self.hidden, self.ffn_hidden
@@ -309,16 +248,7 @@ class ExpertParallel:
         arrived stays exact), and its refresh fills the new copies (so nothing stale is
         switched to). No token reaches a copy before that switch."""
         t0 = time.perf_counter()
-        if version <= self.version:
-            raise ValueError(f"plan {version} is not newer than committed plan {self.version}")
-        if self.pending is not None:
-            raise ValueError(f"plan {self.pending.version} is still being prepared")
-        if len(layers) != len(self.layers):
-            raise ValueError(f"plan has {len(layers)} layers, the model {len(self.layers)}")
-        c = self.comm
-        plans = [
-            LayerPlan(Placement(np.asarray(p), np.asarray(m)), np.asarray(r)) for p, m, r in layers
-        ]
+        c, plans = self.comm, self._new_plans(version, layers)
         moves: list[Transfer] = []
         for layer, (moe, plan) in enumerate(zip(self.layers, plans, strict=True)):
             if (plan.placement.phy2log[~c.live] >= 0).any():
@@ -328,32 +258,32 @@ class ExpertParallel:
             old = moe.plan.master_rank
             for e in np.flatnonzero(old != plan.master_rank).tolist():
                 moves.append((layer, e, int(old[e]), int(plan.master_rank[e]), "opt"))
-        shapes = [t.shape for t in self._shapes()] * 3
-        per = sum(int(np.prod(s)) for s in shapes)
-        send, recv = [0] * c.world.size, [0] * c.world.size
-        parts: list[torch.Tensor] = []
-        incoming: list[tuple[int, int]] = []
-        for layer, e, src, dst, _ in sorted(moves, key=lambda t: (t[3], t[0], t[1])):
-            if src == c.rank:
-                send[c.world.index[dst]] += per
-                m, v = self.opt[layer][e]
-                w = self.layers[layer].expert(e)
-                parts += [t.detach().reshape(-1) for t in (*w, *m, *v)]
-        for layer, e, src, dst, _ in sorted(moves, key=lambda t: (t[2], t[0], t[1])):
-            if dst == c.rank:
-                recv[c.world.index[src]] += per
-                incoming.append((layer, e))
+        flat, send, recv, incoming = self._pack_state(moves, with_weights=True)
         before = c.bytes[KINDS.index("migration")].copy()
         arrive: list[float] = []
         got, work = None, None
         if moves:  # every rank knows the same moves: all take part or none
-            flat = torch.cat(parts) if parts else torch.zeros(0, device=c.device)
             got, work = c.all_to_all_async(flat, send, recv, c.world_aux, "migration", arrive)
         self.pending = Pending(
             version, plans, wire or WireFormat(), [moe.plan.holds.copy() for moe in self.layers],
             incoming, got, work, arrive, c.bytes[KINDS.index("migration")] - before,
             time.perf_counter() - t0,
         )  # fmt: skip
+
+    def _new_plans(
+        self, version: int, layers: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
+    ) -> list[LayerPlan]:
+        """Plan ``version``'s layers, checked: newer than the committed plan, none being
+        prepared in the background, one per MoE layer."""
+        if version <= self.version:
+            raise ValueError(f"plan {version} is not newer than committed plan {self.version}")
+        if self.pending is not None:
+            raise ValueError(f"plan {self.pending.version} is being prepared in the background")
+        if len(layers) != len(self.layers):
+            raise ValueError(f"plan has {len(layers)} layers, the model {len(self.layers)}")
+        return [
+            LayerPlan(Placement(np.asarray(p), np.asarray(m)), np.asarray(r)) for p, m, r in layers
+        ]
 
     def _land(self, pend: Pending) -> dict[tuple[int, int], tuple[list[torch.Tensor], ...]]:
         """Wait for ``pend``'s background transfer (the wait is exposed: it was not hidden
@@ -362,16 +292,12 @@ class ExpertParallel:
         if pend.work is not None:
             pend.work.wait()
         self.comm.settle(max(pend.arrive, default=0.0))
-        shape = [t.shape for t in self._shapes()]
-        at = 0
-        for key in pend.incoming:
+        if pend.incoming:
             assert pend.got is not None
-            ts = []
-            for s in shape * 3:
-                n = int(np.prod(s))
-                ts.append(pend.got[at : at + n].reshape(s).clone())
-                at += n
-            pend.landed[key] = (ts[:3], ts[3:6], ts[6:])
+            shapes = [t.shape for t in self._shapes()] * 3
+            pieces = _unflatten(pend.got, shapes, len(pend.incoming), clone=True)
+            for key, ts in zip(pend.incoming, pieces, strict=True):
+                pend.landed[key] = (ts[:3], ts[3:6], ts[6:])
         pend.wait_seconds = time.perf_counter() - t0
         return pend.landed
 
@@ -385,17 +311,9 @@ class ExpertParallel:
         """Prepare then commit plan ``version`` on every rank at once: per layer ``(phy2log
         [R, S], master [E], route [N, 4])``; ``rounds``: the migration's transfers (every rank
         passes the same). Returns [D, D] bytes this rank's migration sent between DCs."""
-        if version <= self.version:
-            raise ValueError(f"plan {version} is not newer than committed plan {self.version}")
-        if self.pending is not None:
-            raise ValueError(f"plan {self.pending.version} is being prepared in the background")
-        if len(layers) != len(self.layers):
-            raise ValueError(f"plan has {len(layers)} layers, the model {len(self.layers)}")
+        plans = self._new_plans(version, layers)
         wire = wire or WireFormat()
         before = self.comm.bytes[KINDS.index("migration")].copy()
-        plans = [
-            LayerPlan(Placement(np.asarray(p), np.asarray(m)), np.asarray(r)) for p, m, r in layers
-        ]
         got_w: dict[tuple[int, int], list[torch.Tensor]] = {}
         got_opt: dict[tuple[int, int], list[torch.Tensor]] = {}
 
@@ -444,36 +362,55 @@ class ExpertParallel:
     ) -> dict[tuple[int, int], list[torch.Tensor]]:
         """A moving master's Adam state (m, v: 6 tensors), after its float32 weights when
         ``with_weights`` (its copy arrived rounded): 9 tensors."""
-        shapes = [t.shape for t in self._shapes()] * (3 if with_weights else 2)
         c = self.comm
-        send = [0] * c.world.size
-        recv = [0] * c.world.size
-        per = sum(int(np.prod(s)) for s in shapes)
+        flat, send, recv, incoming = self._pack_state(transfers, with_weights=with_weights)
+        got = c.all_to_all(flat, send, recv, c.world, "migration")
+        shapes = [t.shape for t in self._shapes()] * (3 if with_weights else 2)
+        pieces = _unflatten(got, shapes, len(incoming), clone=True)
+        return dict(zip(incoming, pieces, strict=True))
+
+    def _pack_state(
+        self, moves: list[Transfer], *, with_weights: bool
+    ) -> tuple[torch.Tensor, list[int], list[int], list[tuple[int, int]]]:
+        """One all-to-all's buffer of the moving masters this rank sends (their float32
+        weights when ``with_weights``, then Adam's m and v), in receiver order; the send
+        and receive sizes per world rank, and the (layer, expert) keys that arrive here in
+        arrival order (every rank passes the same ``moves``)."""
+        c = self.comm
+        per = sum(int(np.prod(t.shape)) for t in self._shapes()) * (3 if with_weights else 2)
+        send, recv = [0] * c.world.size, [0] * c.world.size
         parts: list[torch.Tensor] = []
-        incoming = []
-        for layer, e, src, dst, _ in sorted(transfers, key=lambda t: (t[3], t[0], t[1])):
+        incoming: list[tuple[int, int]] = []
+        for layer, e, src, dst, _ in sorted(moves, key=lambda t: (t[3], t[0], t[1])):
             if src == c.rank:
                 send[c.world.index[dst]] += per
                 m, v = self.opt[layer][e]
                 w = list(self.layers[layer].expert(e)) if with_weights else []
                 parts += [t.detach().reshape(-1) for t in (*w, *m, *v)]
-        for layer, e, src, dst, _ in sorted(transfers, key=lambda t: (t[2], t[0], t[1])):
+        for layer, e, src, dst, _ in sorted(moves, key=lambda t: (t[2], t[0], t[1])):
             if dst == c.rank:
                 recv[c.world.index[src]] += per
                 incoming.append((layer, e))
         flat = torch.cat(parts) if parts else torch.zeros(0, device=c.device)
-        got = c.all_to_all(flat, send, recv, c.world, "migration")
-        out, at = {}, 0
-        for key in incoming:
-            ts = []
-            for s in shapes:
-                ts.append(got[at : at + int(np.prod(s))].reshape(s).clone())
-                at += int(np.prod(s))
-            out[key] = ts
-        return out
-
-    # ---- numbers ----
+        return flat, send, recv, incoming
 
 
 def _zeros(w: Any) -> State:
     return [torch.zeros_like(t.detach()) for t in w], [torch.zeros_like(t.detach()) for t in w]
+
+
+def _unflatten(
+    flat: torch.Tensor, shapes: list[torch.Size], count: int, *, clone: bool
+) -> list[list[torch.Tensor]]:
+    """``count`` groups of tensors of ``shapes`` laid end to end in ``flat`` (views, or
+    copies with ``clone``)."""
+    out, at = [], 0
+    for _ in range(count):
+        ts = []
+        for s in shapes:
+            n = int(np.prod(s))
+            t = flat[at : at + n].reshape(s)
+            ts.append(t.clone() if clone else t)
+            at += n
+        out.append(ts)
+    return out

@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from expertmesh.workers.balance import DomainBase, solve
+from expertmesh.workers.bundles import ix, lengths, pack, unpack
 from expertmesh.workers.comm import Comm, exchange
 from expertmesh.workers.dcspread import (
     can_spread,
@@ -62,6 +63,7 @@ from expertmesh.workers.replicas import ReplicaFetch
 __all__ = ["LayerPlan", "MoELayer"]
 
 _META = 3  # int32 per assignment in stage A: (row, expert, destination rank)
+_META_B = 2  # in stage B: (row, expert)
 
 
 class MoELayer(nn.Module):
@@ -261,31 +263,19 @@ class MoELayer(nn.Module):
             got = relay_sizes(c, self._split, self.relayed, sizes)
         else:
             got = c.exchange_counts(sizes, world) if self.cross else sizes
-        parts, order = [], sorted(bundles)
-        for i in order:
-            uniq, a_ids, pos = bundles[i]
-            m3 = np.stack([pos, flat_e[a_ids], dst[a_ids]], 1).reshape(-1)
-            parts += [u[_ix(uniq, dev)].reshape(-1), w[_ix(a_ids, dev)], _bits(m3, dev)]
-        send = [int(s[0]) * d + int(s[1]) * (1 + _META) for s in sizes]
-        recv = [int(g[0]) * d + int(g[1]) * (1 + _META) for g in got]
+        order = sorted(bundles)
+        out = [
+            (uniq, a_ids, np.stack([pos, flat_e[a_ids], dst[a_ids]], 1))
+            for uniq, a_ids, pos in (bundles[i] for i in order)
+        ]
+        parts = pack(u, w, out, dev)
+        send, recv = lengths(sizes, d, _META), lengths(got, d, _META)
         flat = torch.cat(parts) if parts else u.reshape(-1)[:0]  # empty, still in the graph
         got_a = exchange(flat, c, send, recv, world, "tokens") if self.cross else flat
-        # unpack what each source sent to this rank (as relay of its DC)
-        xs, ws, pos_l, e_l, dst_l, offs = [], [], [], [], [], []
-        row = at = 0
-        for g in got.tolist():
-            nu, nm = g
-            xs.append(got_a[at : at + nu * d].reshape(nu, d))
-            ws.append(got_a[at + nu * d : at + nu * d + nm])
-            meta = _ints(got_a[at + nu * d + nm : at + nu * d + nm * (1 + _META)]).reshape(nm, 3)
-            pos_l.append(meta[:, 0] + row)
-            e_l.append(meta[:, 1])
-            dst_l.append(meta[:, 2])
-            offs.append(row)
-            row, at = row + nu, at + nu * d + nm * (1 + _META)
-        x_in = torch.cat(xs) if xs else u.new_zeros(0, d)  # [U, d] tokens this relay holds
-        w_in = torch.cat(ws) if ws else u.new_zeros(0)  # [M]
-        pos_in, e_in, dst_in = (np.concatenate(v) for v in (pos_l, e_l, dst_l))
+        # what each source sent to this rank (as relay of its DC): x_in [U, d] the tokens
+        # this relay holds, w_in [M]; per assignment its row of x_in, expert, destination
+        x_in, w_in, meta = unpack(got_a, got, d, _META)
+        pos_in, e_in, dst_in = np.ascontiguousarray(meta.T)
         self.replicas, self.balance_seconds = 0, 0.0
         self.replica_fetch.clear_stats()
         if self.balance:
@@ -301,7 +291,7 @@ class MoELayer(nn.Module):
         # one index_add over every bundle's rows: ``y`` depends on the exchange even when
         # nothing came back, so every rank's backward runs the same collectives
         rows = np.concatenate([bundles[i][0] for i in order] + [np.zeros(0, np.int64)])
-        return u.new_zeros(n, d).index_add(0, _ix(rows, dev), y_parts.reshape(-1, d))
+        return u.new_zeros(n, d).index_add(0, ix(rows, dev), y_parts.reshape(-1, d))
 
     def _balance(self, experts: np.ndarray) -> np.ndarray:
         """The fast loop on this relay's assignments ``experts`` [M] (token order): the DC's
@@ -355,34 +345,24 @@ class MoELayer(nn.Module):
         for i, (uniq, sel, _) in per.items():
             sizes[i] = (uniq.size, sel.size)
         got = c.exchange_counts(sizes, grp)
-        parts = []
-        for i in sorted(per):
-            uniq, sel, p = per[i]
-            m2 = np.stack([p, experts[sel]], 1).reshape(-1)
-            parts += [x[_ix(uniq, dev)].reshape(-1), w[_ix(sel, dev)], _bits(m2, dev)]
-        send = [int(s[0]) * d + int(s[1]) * 3 for s in sizes]
-        recv = [int(g[0]) * d + int(g[1]) * 3 for g in got]
+        out = [
+            (uniq, sel, np.stack([p, experts[sel]], 1))
+            for uniq, sel, p in (per[i] for i in sorted(per))
+        ]
+        parts = pack(x, w, out, dev)
+        send, recv = lengths(sizes, d, _META_B), lengths(got, d, _META_B)
         flat = torch.cat(parts) if parts else x.reshape(-1)[:0]  # empty, still in the graph
         got_b = exchange(flat, c, send, recv, grp, "tokens")
-        xs, ws, ps, es = [], [], [], []
-        row = at = 0
-        for nu, nm in got.tolist():
-            xs.append(got_b[at : at + nu * d].reshape(nu, d))
-            ws.append(got_b[at + nu * d : at + nu * d + nm])
-            meta = _ints(got_b[at + nu * d + nm : at + nu * d + nm * 3]).reshape(nm, 2)
-            ps.append(meta[:, 0] + row)
-            es.append(meta[:, 1])
-            row, at = row + nu, at + nu * d + nm * 3
-        xq = torch.cat(xs) if xs else x.new_zeros(0, d)
-        wq = torch.cat(ws) if ws else x.new_zeros(0)
-        yq = self._compute(xq, wq, np.concatenate(ps), np.concatenate(es))
+        xq, wq, meta = unpack(got_b, got, d, _META_B)
+        pos_q, e_q = np.ascontiguousarray(meta.T)
+        yq = self._compute(xq, wq, pos_q, e_q)
         # combine B: results back to each relay, summed there per token
         back = exchange(
             yq.reshape(-1), c, [int(g[0]) * d for g in got], [int(s[0]) * d for s in sizes],
             grp, "tokens",
         )  # fmt: skip
         rows = np.concatenate([per[i][0] for i in sorted(per)] + [np.zeros(0, np.int64)])
-        return x.new_zeros(x.shape[0], d).index_add(0, _ix(rows, dev), back.reshape(-1, d))
+        return x.new_zeros(x.shape[0], d).index_add(0, ix(rows, dev), back.reshape(-1, d))
 
     def _compute(
         self, x: torch.Tensor, w: torch.Tensor, pos: np.ndarray, experts: np.ndarray
@@ -405,22 +385,9 @@ class MoELayer(nn.Module):
             if e not in held and e not in self.temp:
                 raise ValueError(f"rank {self.comm.rank}: tokens for expert {e}, not held here")
             ids = np.flatnonzero(experts == e)
-            rows = _ix(pos[ids], dev)
+            rows = ix(pos[ids], dev)
             weights = self.expert(e) if e in held else self.temp[e]
             out = expert_forward(x[rows], weights)  # [m_e, d]
-            y = y.index_add(0, rows, w[_ix(ids, dev), None] * out)
+            y = y.index_add(0, rows, w[ix(ids, dev), None] * out)
         self.expert_seconds += time.perf_counter() - t0
         return y
-
-
-def _ix(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
-
-
-def _bits(meta: np.ndarray, device: torch.device) -> torch.Tensor:
-    """int32 metadata travelling inside a float32 buffer (bit for bit, no gradient)."""
-    return torch.from_numpy(meta.astype(np.int32)).view(torch.float32).to(device)
-
-
-def _ints(t: torch.Tensor) -> np.ndarray:
-    return t.detach().cpu().contiguous().view(torch.int32).numpy().astype(np.int64)
