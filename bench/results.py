@@ -556,8 +556,8 @@ def _left(run: dict[str, Any]) -> list[str]:
         f"first and costed together: one `step_costs` pass over its {len(solves) * steps}"
         " policy-steps (the same",
         "numbers as `step_cost` one by one, checked bit for bit), the even splits of static",
-        "and eplb computed then, every step of one placement in one `even_traffic_steps`",
-        "pass. Not done: quota's traffic, the replica streams and migration plans still run",
+        "and eplb computed then, the steps of one placement together (`even_traffic_steps`).",
+        "Not done: quota's traffic, the replica streams and migration plans still run",
         "once per policy-step; running the groups in lockstep instead (one pass per step",
         "over every group) made the planner's caches of recent placements miss and cost",
         "more than it saved (measured in commit d19f813).",

@@ -20,8 +20,8 @@ the steps before, so planned layer-steps are held (traffic and expert streams, n
 load) and costed together by one :func:`~expertmesh.planner.costmodel.step_costs`
 call (one pass of array operations instead of one per policy-step; :data:`BATCH_CELLS`
 bounds what is held). An even split's traffic is held as its load and placement
-(:class:`_EvenSplit`) and computed then too, every held step of one placement in one
-:func:`~expertmesh.planner.traffic.even_traffic_steps` call.
+(:class:`_EvenSplit`) and computed then too, the held steps of one placement together
+(:func:`~expertmesh.planner.traffic.even_traffic_steps`).
 
 Steps run outer and policies inner, so one step's load is in memory at a time
 and the history windows are shared by policies that ask for the same window. What
@@ -378,8 +378,8 @@ def _add_history(world: _World, st: _PolicyState) -> None:
 @dataclass(frozen=True)
 class _EvenSplit:
     """The even split ``split`` = (domain, remote) of ``load`` [R, E] over ``placement``:
-    traffic computed when its layer-step is costed, every step of one placement in one
-    :func:`~expertmesh.planner.traffic.even_traffic_steps` call."""
+    traffic computed when its layer-step is costed, the steps of one placement together
+    (:func:`~expertmesh.planner.traffic.even_traffic_steps`)."""
 
     load: np.ndarray
     placement: Placement
@@ -469,8 +469,7 @@ def _even_splits(
     pending: list[tuple[_PolicyState, int, list[_Planned]]], world: _World
 ) -> list[tuple[_PolicyState, int, list[_Planned]]]:
     """``pending`` with the traffic of every :class:`_EvenSplit` computed: the steps of one
-    placement and split in one :func:`~expertmesh.planner.traffic.even_traffic_steps` call,
-    its CPU time the ``traffic`` part of their policies. A split that fails (``ValueError``)
+    placement and split together (:func:`_split_traffic`), its CPU time the ``traffic`` part of their policies. A split that fails (``ValueError``)
     stops its policy at the first step that fails, as when it was computed while planning:
     that policy's layer-steps from that step on are dropped."""
     jobs: dict[tuple[object, ...], list[tuple[int, int]]] = {}  # (placement, split): [(i, layer)]
