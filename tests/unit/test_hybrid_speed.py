@@ -62,16 +62,25 @@ def test_the_guard_bound_is_below_the_cost_of_every_candidate(
     # every candidate the guard bounds, also those it then neither lays out nor scores
     topo, load, base, model, cfg = _setup(seed, gbps, dcs, ffn, training, hierarchical)
     seen = []
-    scores = hybridguard.GuardCosts.scores
+    scores, above = hybridguard.GuardCosts.scores, hybridguard.GuardCosts.above
+
+    def check(guard, cands):
+        for holds in cands:
+            bound = hybridguard.guard_bound(guard.inp, holds, guard.master_dc)
+            seen.append((bound, guard.cost(guard.inp, guard.build(holds))))
 
     def checked(self, cands, ceiling=np.inf):
-        for holds in cands:
-            bound = hybridguard.guard_bound(self.inp, holds, self.master_dc)
-            seen.append((bound, self.cost(self.inp, self.build(holds))))
+        check(self, cands)
         return scores(self, cands, ceiling)
+
+    def checked_above(self, cands, bar):  # also the candidates only bounded, never scored
+        cands = list(cands)
+        check(self, cands)
+        return above(self, cands, bar)
 
     with monkeypatch_module.context() as m:  # undone after each example
         m.setattr(hybridguard.GuardCosts, "scores", checked)
+        m.setattr(hybridguard.GuardCosts, "above", checked_above)
         prev = _solve(topo, load, base, model, cfg)
         if again:  # a second re-plan from a running plan: copies from it are charged too
             _solve(topo, np.roll(load, 1, axis=1), prev, model, cfg, previous=prev)

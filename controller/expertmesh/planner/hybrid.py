@@ -57,6 +57,7 @@ simulator charge.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import ClassVar, Literal, cast
 
 import numpy as np
@@ -74,6 +75,7 @@ from expertmesh.planner.costmodel import (
 from expertmesh.planner.dcfloor import even_dcs
 from expertmesh.planner.domainquota import (
     DomainSolution,
+    _sum_rows,
     at_home,
     dc_holds,
     domain_quota,
@@ -210,8 +212,7 @@ def plan_hybrid(
     num_experts = estimate.shape[1]
     num_dcs, slots = topology.num_dcs, topology.slots_per_rank
     rank_dc = topology.rank_dc
-    dc_load = np.zeros((num_dcs, num_experts))
-    np.add.at(dc_load, rank_dc, estimate)  # [D, E]
+    dc_load = _sum_rows(estimate, rank_dc, num_dcs)  # [D, E] (np.add.at's floats, faster)
     dc_tokens = dc_load.sum(axis=1) / model.top_k
     mrank = masters.master_rank()
     mdc = rank_dc[mrank]
@@ -249,14 +250,22 @@ def plan_hybrid(
     keep_cost = guard(keep)
     pair_sets = [_replicas(pairs, jc) for jc in _unique(choices)]
     pair_holds = [_holds(num_dcs, mdc, reps) for reps in pair_sets]
+    empty = np.zeros(0, np.int64)
+    plain = _holds(num_dcs, mdc, (empty, empty))
+    # nothing can beat the running plan when every candidate's bound is above the bar:
+    # the pair choices, plain EP and the fills of every pair choice (the fills build on
+    # the fastest pair choice, unknown unless they are scored)
+    bar = (1.0 - cfg.min_gain) * keep_cost
+    if guard.above([*pair_holds, plain], bar) and guard.above(
+        (h for reps in pair_sets for h in _fills(inp, mdc, reps, cfg.fill)), bar
+    ):
+        return _evened(inp, keep, keep_cost, guard) if cfg.even_dcs else keep
     pair_costs = guard.scores(pair_holds)  # the fastest of them exactly: fills build on it
     best = pair_sets[int(np.argmin(pair_costs))]
-    empty = np.zeros(0, np.int64)
-    fills = [_holds(num_dcs, mdc, _fill(inp, mdc, best, f)) for f in cfg.fill]
-    candidates = pair_holds + fills
-    candidates.append(_holds(num_dcs, mdc, (empty, empty)))
+    fills = list(_fills(inp, mdc, best, cfg.fill))
+    candidates = [*pair_holds, *fills, plain]
     # a candidate above the bar to beat, or above a faster one, cannot be the answer
-    bar = min((1.0 - cfg.min_gain) * keep_cost, *pair_costs)
+    bar = min(bar, *pair_costs)
     costs = pair_costs + guard.scores(candidates[len(pair_holds) :], bar)
     i = int(np.argmin(costs))
     if costs[i] > (1.0 - cfg.min_gain) * keep_cost:
@@ -376,26 +385,28 @@ def _split_gain(inp: _Inputs) -> np.ndarray:
     return np.asarray(nbytes / bw / token_seconds)
 
 
-def _fill(
-    inp: _Inputs, mdc: np.ndarray, replicas: tuple[np.ndarray, np.ndarray], frac: float
-) -> tuple[np.ndarray, np.ndarray]:
-    """``replicas`` plus, in every DC, copies of its heaviest experts it does not hold yet,
-    in ``frac`` of its remaining free slots (compute relief for overloaded masters)."""
+def _fills(
+    inp: _Inputs, mdc: np.ndarray, replicas: tuple[np.ndarray, np.ndarray], fracs: list[float]
+) -> Iterator[np.ndarray]:
+    """For each share ``frac`` of ``fracs``, the holder sets [D, E] of ``replicas`` plus, in
+    every DC, copies of its heaviest experts it does not hold yet, in ``frac`` of its
+    remaining free slots (compute relief for overloaded masters); the order sorted once."""
     topo, dc_load = inp.topology, inp.dc_load
     num_dcs, num_experts = dc_load.shape
-    held = np.zeros(dc_load.shape, bool)
-    held[mdc, np.arange(num_experts)] = True
-    held[replicas[0], replicas[1]] = True
+    held = _holds(num_dcs, mdc, replicas)
     ranks = np.bincount(topo.rank_dc, minlength=num_dcs)
     slots = ranks * (topo.slots_per_rank - inp.cfg.reserve_slots)  # the reserve stays free
-    quota = np.floor(frac * np.maximum(slots - held.sum(axis=1), 0)).astype(np.int64)
+    free = np.maximum(slots - held.sum(axis=1), 0)
     d, e = np.nonzero(~held & (dc_load > 0))
     rot = (e - d * num_experts // num_dcs) % num_experts  # equal loads: DCs pick different ones
     o = np.lexsort((rot, -dc_load[d, e], d))
     d, e = d[o], e[o]
     pos = np.arange(d.size) - np.searchsorted(d, d, "left")
-    take = pos < quota[d]
-    return np.concatenate([replicas[0], d[take]]), np.concatenate([replicas[1], e[take]])
+    for frac in fracs:
+        take = pos < np.floor(frac * free).astype(np.int64)[d]
+        out = held.copy()
+        out[d[take], e[take]] = True
+        yield out
 
 
 def _guard_cost(inp: _Inputs, cand: Placement) -> float:

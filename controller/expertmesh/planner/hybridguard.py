@@ -5,7 +5,9 @@ candidate is laid out on ranks (the domain-based partition) only when it is scor
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -14,7 +16,7 @@ from expertmesh.planner.costmodel import (
     crossings,
     expected_crossings,
 )
-from expertmesh.planner.domainquota import DomainSolution, _routing, dc_holds
+from expertmesh.planner.domainquota import DomainSolution, _routing, _sum_rows, dc_holds
 from expertmesh.planner.hybridpairs import HybridInputs
 from expertmesh.planner.model import ModelSpec
 from expertmesh.planner.plan import Placement
@@ -44,6 +46,7 @@ class GuardCosts:
         self.inp, self.cost, self.build, self.master_dc = inp, cost, build, master_dc
         self.seen: dict[tuple[object, ...], float] = {}
         self.built: dict[bytes, Placement] = {}
+        self.bounds: dict[bytes, float] = {}
 
     def __call__(self, cand: Placement) -> float:
         key = self._key(cand)
@@ -67,15 +70,25 @@ class GuardCosts:
         got = self.built.get(holds.tobytes())
         return got is not None and self._key(got) in self.seen
 
+    def bound(self, holds: np.ndarray) -> float:
+        """:func:`guard_bound` of holder sets ``holds`` [D, E] (once per holder sets)."""
+        key = holds.tobytes()
+        if key not in self.bounds:
+            self.bounds[key] = guard_bound(self.inp, holds, self.master_dc)
+        return self.bounds[key]
+
+    def above(self, cands: Iterable[np.ndarray], bar: float) -> bool:
+        """Whether every candidate's (holder sets [D, E]) lower bound is above ``bar``: none
+        of them can cost ``bar`` or less (stops at the first that can)."""
+        return all(self.bound(h) > bar for h in cands)
+
     def scores(self, cands: list[np.ndarray], ceiling: float = np.inf) -> list[float]:
         """The cost of each candidate (holder sets [D, E], masters included), or ``inf``
         for one whose lower bound is above ``ceiling`` or above the cost of one scored
         before it (lowest bound first): such a candidate is never the list's fastest, nor
         does it tie with it, so ``argmin`` of the result is ``argmin`` of the exact costs
         wherever that is at most ``ceiling``. Only the candidates scored are laid out."""
-        bounds = [
-            -np.inf if self._scored(h) else guard_bound(self.inp, h, self.master_dc) for h in cands
-        ]
+        bounds = [-np.inf if self._scored(h) else self.bound(h) for h in cands]
         out = [np.inf] * len(cands)
         best = ceiling
         for i in np.argsort(bounds, kind="stable").tolist():
@@ -92,48 +105,48 @@ def guard_bound(inp: HybridInputs, holds: np.ndarray, master_dc: np.ndarray) -> 
     ``(d, e)``, masters included) with masters in DC ``master_dc`` [E], from what its
     holder sets fix before quota runs and before its copies are laid out on ranks: the
     tokens that cross between DCs (every DC pair's crossings, whatever the balance inside
-    DCs), the mean compute, and the expert bytes that cross. :func:`chain_floor` at the
-    mean rank's tokens, or the WAN links' resource bound: tokens of both phases (both
-    passes when training), one sync per (expert, remote DC) (in-DC replicas add none) and
-    the copies from ``previous`` into a DC that held none of that expert (whatever ranks
-    they land on, each crosses from its master's DC in ``previous``); no port and no late
-    copy (each only adds). A few array passes instead of a
-    :func:`~expertmesh.planner.hybrid.compose`."""
+    DCs, :func:`_dc_pairs`), the mean compute, and the expert bytes that cross.
+    :func:`chain_floor` at the mean rank's tokens (with the replica gradients on the
+    backward tail where they return there: one update per microbatch), or the WAN links'
+    resource bound: tokens of both phases (both passes when training), one sync per
+    (expert, remote DC) (in-DC replicas add none) and the copies from ``previous`` into a
+    DC that held none of that expert (whatever ranks they land on, each crosses from its
+    master's DC in ``previous``); no port and no late copy (each only adds). A few array
+    passes instead of a :func:`~expertmesh.planner.hybrid.compose`."""
     if inp.cfg.inside != "quota":
         return -np.inf
     topology, model, cost = inp.topology, inp.model, inp.cfg.cost
-    load = inp.load
-    rank_dc, num_dcs = topology.rank_dc, topology.num_dcs
-    routing = _routing(holds, rank_dc)  # memoized: compose of this candidate reuses it
-    if routing.orphan.size and load[:, routing.orphan].any():
+    fixed = _bound_inputs(inp)
+    num_dcs = topology.num_dcs
+    pair = _dc_pairs(fixed, holds, topology.rank_dc)
+    if pair is None:
         return -np.inf  # an expert with load and no copy: compose says why
-    pair = np.bincount(routing.pair_key, weights=load.ravel(), minlength=num_dcs**2).reshape(
-        num_dcs, num_dcs
-    )  # [D, D] assignments from DC a to copies in DC b (a's own copies on the diagonal)
-    np.fill_diagonal(pair, 0.0)
     a, b = np.nonzero(pair > 0)
     k = model.top_k
     if cost.hierarchical and k > 1:
-        dc_tokens = np.bincount(rank_dc, weights=load.sum(axis=1), minlength=num_dcs) / k
-        x = expected_crossings(dc_tokens[a], pair[a, b], k)
+        x = expected_crossings(fixed.dc_tokens[a], pair[a, b], k)
     else:
         x = pair[a, b]
     nbytes = x * float(model.token_bytes)
-    mean = float(load.sum()) / topology.num_ranks
-    chain = chain_floor((a, b, nbytes), mean, topology, model, cost)
     crossing = np.zeros((num_dcs, num_dcs))
     crossing[a, b] = nbytes
     link = (2.0 if model.training else 1.0) * (crossing + crossing.T)
+    tail = None
     if model.training:  # replica sync: weights out of the master's DC, gradients back
         mdc = master_dc
         d, ex = np.nonzero(holds & (np.arange(num_dcs)[:, None] != mdc[None, :]))
         per = float(cost.microbatches_per_update)
         enc = inp.cfg.encoding
+        grads = np.zeros((num_dcs, num_dcs))
+        np.add.at(grads, (d, mdc[ex]), enc.gradient_bytes(model) / per)
         np.add.at(link, (mdc[ex], d), enc.refresh_bytes(model) / per)
-        np.add.at(link, (d, mdc[ex]), enc.gradient_bytes(model) / per)
-    if inp.previous is not None:  # what copy_streams charges across DCs, at least
-        src = rank_dc[inp.previous.master_rank()]  # [E] the master's DC in previous
-        d, ex = np.nonzero(holds & ~dc_holds(inp.previous, topology))
+        link += grads
+        if cost.microbatches_per_update == 1:  # the gradients return on the backward tail
+            tail = grads
+    chain = chain_floor((a, b, nbytes), fixed.mean, topology, model, cost, tail=tail)
+    if fixed.previous is not None:  # what copy_streams charges across DCs, at least
+        held, src = fixed.previous
+        d, ex = np.nonzero(holds & ~held)
         cross = d != src[ex]
         d, ex = d[cross], ex[cross]
         enc, share = inp.cfg.encoding, 1.0 / inp.cfg.period
@@ -146,18 +159,102 @@ def guard_bound(inp: HybridInputs, holds: np.ndarray, master_dc: np.ndarray) -> 
     return max(chain, resource) * (1.0 - 1e-9)
 
 
+class _Fixed(NamedTuple):
+    """What :func:`guard_bound` takes from one solve's inputs alone (every candidate of
+    the solve shares it): ``load`` [R, E] and ``local`` [D, E] (its sums by DC) as
+    integers in floats, ``used`` [E] experts with load, ``dc_tokens`` [D], ``mean`` tokens
+    per rank, ``previous``: what the running plan holds [D, E] and its masters' DCs [E]
+    (``None`` without one), and the ranks' ``sizes`` [D] and ``place`` [R] in their DC
+    (``None`` unless each DC's ranks are consecutive)."""
+
+    load: np.ndarray
+    local: np.ndarray
+    used: np.ndarray
+    dc_tokens: np.ndarray
+    mean: float
+    previous: tuple[np.ndarray, np.ndarray] | None
+    sizes: np.ndarray | None
+    place: np.ndarray | None
+
+
+@functools.lru_cache(maxsize=1)
+def _bound_inputs(inp: HybridInputs) -> _Fixed:
+    """:class:`_Fixed` of ``inp`` (one per solve: its candidates are bounded one by one)."""
+    topology, load = inp.topology, inp.load
+    rank_dc, num_dcs = topology.rank_dc, topology.num_dcs
+    dc_tokens = np.bincount(rank_dc, weights=load.sum(axis=1), minlength=num_dcs)
+    previous = sizes = place = None
+    if inp.previous is not None:
+        previous = (dc_holds(inp.previous, topology), rank_dc[inp.previous.master_rank()])
+    if not (rank_dc.size and np.any(rank_dc[1:] < rank_dc[:-1])):  # as _ordinal counts
+        sizes = np.bincount(rank_dc, minlength=num_dcs)
+        place = np.arange(rank_dc.size) - np.searchsorted(rank_dc, rank_dc)
+    return _Fixed(
+        load=load.astype(np.float64),
+        local=_sum_rows(load, rank_dc, num_dcs),
+        used=np.asarray(load.any(axis=0)),
+        dc_tokens=dc_tokens / inp.model.top_k,
+        mean=float(load.sum()) / topology.num_ranks,
+        previous=previous,
+        sizes=sizes,
+        place=place,
+    )
+
+
+def _dc_pairs(fixed: _Fixed, holds: np.ndarray, rank_dc: np.ndarray) -> np.ndarray | None:
+    """[D, D] assignments from DC ``a`` to copies in another DC ``b`` (0 on the diagonal)
+    under holder sets ``holds`` [D, E], as the route of
+    :func:`~expertmesh.planner.domainquota.remote_holder` sends them, or ``None`` when an
+    expert with load has no copy. An expert with one holder takes every other DC's tokens
+    (from ``local``, no [R, E] pass); only the columns of experts held more than once go
+    rank by rank. Sums of integers: the same floats as summing the route's cells."""
+    num_dcs = holds.shape[0]
+    h = holds.sum(axis=0)
+    if (fixed.used & (h == 0)).any():
+        return None
+    if fixed.place is None or fixed.sizes is None:  # DCs' ranks not consecutive
+        pair = np.bincount(
+            _routing(holds, rank_dc).pair_key, weights=fixed.load.ravel(), minlength=num_dcs**2
+        ).reshape(num_dcs, num_dcs)
+        np.fill_diagonal(pair, 0.0)
+        return pair
+    lack = ~holds
+    one = np.flatnonzero(h == 1)
+    d, c = np.nonzero(lack[:, one])
+    key = d * num_dcs + np.argmax(holds[:, one], axis=0)[c]
+    pair = np.bincount(key, weights=fixed.local[d, one[c]], minlength=num_dcs**2)
+    pair = pair.astype(np.float64, copy=False)  # empty weights count in int64
+    many = np.flatnonzero(h > 1)
+    if many.size:  # remote_holder's rotation, on these columns only
+        held = holds[:, many]
+        lacking = np.where(held, 0, fixed.sizes[:, None])
+        before = np.cumsum(lacking, axis=0) - lacking  # [D, M] ranks without e before d
+        j = (before[rank_dc] + fixed.place[:, None] + many[None, :]) % h[many]  # [R, M]
+        v_e, v_d = np.nonzero(held.T)  # each expert's holders, in DC order
+        dst = v_d[np.searchsorted(v_e, np.arange(many.size)) + j]
+        away = lack[:, many][rank_dc]
+        key = (rank_dc[:, None] * num_dcs + dst)[away]
+        pair += np.bincount(key, weights=fixed.load[:, many][away], minlength=num_dcs**2)
+    return pair.reshape(num_dcs, num_dcs)
+
+
 def chain_floor(
     pairs: tuple[np.ndarray, np.ndarray, np.ndarray],
     tokens: float,
     topology: Topology,
     model: ModelSpec,
     cost: CostSettings,
+    *,
+    tail: np.ndarray | None = None,
 ) -> float:
     """A floor of the chain of :func:`~expertmesh.planner.costmodel.step_cost`: dispatch and
     combine at their busiest WAN link plus the message overhead, compute at ``tokens``
-    on the busiest rank, no port and no replica gradient on the tail; times ``1 - 1e-9``
-    for rounding. ``pairs``: ``(src DC, dst DC, bytes)`` [P] each, the token bytes that
-    cross each ordered DC pair in one phase (one row per pair)."""
+    on the busiest rank, no port; times ``1 - 1e-9`` for rounding. ``pairs``: ``(src DC,
+    dst DC, bytes)`` [P] each, the token bytes that cross each ordered DC pair in one phase
+    (one row per pair). ``tail`` [D, D]: replica gradient bytes on each link in the
+    backward tail (dispatch backward: combine's links plus these), ``None``: none counted.
+    Training's chain is ``P1 + pipe(D, 2F, C) - C + T`` (``T`` the tail, at least ``C``),
+    and ``pipe(D, 2F, C) - C`` is at least ``(D + 2F) / chunks``."""
     a, b, nbytes = pairs
     keep = nbytes > 0
     a, b, nbytes = a[keep], b[keep], nbytes[keep]
@@ -170,7 +267,13 @@ def chain_floor(
     fwd = tokens * 2.0 * model.expert_params / cost.flops_per_second
     chain = _pipe_floor((disp, fwd, comb), chunks)
     if model.training:
-        chain += _pipe_floor((disp, 2.0 * fwd, comb), chunks)
+        back = _pipe_floor((disp, 2.0 * fwd, comb), chunks)
+        if tail is not None:
+            link = tail.copy()
+            np.add.at(link, (b, a), nbytes)  # combine runs each pair's reverse link
+            busy = np.max(lat + link / bw, where=link > 0, initial=0.0)
+            back = max(back, (disp + 2.0 * fwd) / chunks + float(busy) + msg)
+        chain += back
     return chain * (1.0 - 1e-9)
 
 
