@@ -438,6 +438,7 @@ def compose(
     before: np.ndarray | None = None,
     extra: ExpertStreams | None = None,
     domain: Topology | None = None,
+    plain: bool = True,
 ) -> tuple[DomainSolution, TokenTraffic, float]:
     """``quota`` inside every domain over ``base`` (:func:`~expertmesh.planner.domainquota.domain_quota`)
     on ``load`` [R, E], or no replicas when the cost model says they do not pay: the
@@ -446,7 +447,8 @@ def compose(
     tokens compute), and their sync, against the compute they save. ``domain``: the DCs
     merged into domains (:func:`~expertmesh.planner.domainquota.merge_dcs`; ``None``: each
     DC), ``base`` holding one copy per domain and expert. Returns the solution, its traffic
-    on ``topology`` and its modeled seconds (``extra``: more background streams)."""
+    on ``topology`` and its modeled seconds (``extra``: more background streams).
+    ``plain=False``: the solution with replicas, not compared with the one without."""
     dom = topology if domain is None else domain
 
     def option(sol: DomainSolution) -> tuple[DomainSolution, TokenTraffic, float]:
@@ -465,13 +467,13 @@ def compose(
         return sol, traffic, step.seconds + max(0.0, late)
 
     balanced = option(domain_quota(load, base, dom))
-    if balanced[0].replicas[0].size == 0:
-        return balanced  # no replica needed
+    if balanced[0].replicas[0].size == 0 or not plain:
+        return balanced  # no replica needed (or the caller knows it cannot do without)
     at = at_home(balanced[0], base, dom)
     if dom is topology and plain_floor(at, balanced[1], topology, model, cfg.cost) > balanced[2]:
         return balanced  # without replicas it cannot be as fast: not scored
-    plain = option(at)
-    return plain if plain[2] <= balanced[2] else balanced  # ties: no replicas
+    bare = option(at)
+    return bare if bare[2] <= balanced[2] else balanced  # ties: no replicas
 
 
 def choose_domain(
@@ -492,6 +494,10 @@ def choose_domain(
         return int(cfg.domain)
     if load.size > cfg.domain_cells:
         return 1
+    # every expert in one DC at most (plain EP's holder sets): in every domain the plan
+    # without replicas sends each token where a DC's does, at least as slow as a DC's
+    # choice; a larger domain can win only with replicas
+    single = bool((dc_holds(base, topology).sum(axis=0) <= 1).all())
     best, best_cost = 1, np.inf
     for k in domain_sizes(topology):
         if k > cfg.max_domain:
@@ -500,7 +506,8 @@ def choose_domain(
         if dom is None:
             continue
         kbase = base if k == 1 else rehome(base, load, dom)
-        cost = compose(load, kbase, topology, model, cfg, before=before, domain=dom)[2]
+        plain = k == 1 or not single
+        cost = compose(load, kbase, topology, model, cfg, before=before, domain=dom, plain=plain)[2]
         if cost < best_cost * (1 - 1e-9):
             best, best_cost = k, cost
     return best
