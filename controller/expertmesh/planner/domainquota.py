@@ -426,11 +426,8 @@ def domain_traffic(
     num_dcs = holds.shape[0]
     lf = load.astype(np.float64)
     routing = _routing(holds, rank_dc)
-    here = routing.here  # [R, E]
-    local = np.where(here, lf, 0.0)
-    away = lf - local
-    inflow = np.zeros(holds.shape)  # [D, E] tokens sent in from DCs without e
-    inflow[sol.v_dc, sol.v_expert] = sol.inflow
+    left = np.where(routing.here, lf, 0.0)  # [R, E] tokens for a copy in the source's DC
+    away = lf - left
     # copies: homes (they compute what the replicas leave) and replicas
     rep_v, rep_rank, rep_tokens = sol.replicas
     given = np.bincount(rep_v, weights=rep_tokens, minlength=sol.v_dc.size)
@@ -438,19 +435,19 @@ def domain_traffic(
     c_rank = np.concatenate([sol.home, rep_rank])
     c_amount = np.concatenate([sol.demand - given, rep_tokens]).astype(np.float64)
     c_exp, c_dc = sol.v_expert[c_v], sol.v_dc[c_v]
-    own = np.minimum(c_amount, local[c_rank, c_exp])  # own rank's tokens first
-    left = local.copy()
+    c_inflow = sol.inflow[c_v].astype(np.float64)  # tokens sent in to its DC from DCs without e
+    own = np.minimum(c_amount, left[c_rank, c_exp])  # own rank's tokens first
     left[c_rank, c_exp] -= own  # a rank holds one copy of e at most
     lsum = level_sums(left, topology)  # rank, node, DC, all: what local sources have left
     node = topology.rank_node[c_rank]
-    total = lsum[2][c_dc, c_exp] + inflow[c_dc, c_exp]
+    total = lsum[2][c_dc, c_exp] + c_inflow
     w = np.where(total > 0, (c_amount - own) / np.where(total > 0, total, 1.0), 0.0)  # [C]
     in_shell = np.stack(
         [
             own,
             w * (lsum[1][node, c_exp] - left[c_rank, c_exp]),
             w * (lsum[2][c_dc, c_exp] - lsum[1][node, c_exp]),
-            w * inflow[c_dc, c_exp],
+            w * c_inflow,
         ],
         axis=1,
     )  # [C, 4]
@@ -502,10 +499,16 @@ def rehome(
     moves."""
     num_ranks, num_slots = placement.phy2log.shape
     num_experts = int(placement.master.size)
-    rank_dc = topology.rank_dc
-    holds_r = placement.holds()  # [R, E]
-    holds = dc_holds(placement, topology)
-    local = _sum_rows(load, rank_dc, topology.num_dcs)
+    rank_dc, num_dcs = topology.rank_dc, topology.num_dcs
+    # every (rank, expert) held, in the order of np.nonzero(placement.holds()), from the
+    # slots (not an [R, E] pass), and the copies of each expert in each DC
+    rs, ss = np.nonzero(placement.phy2log >= 0)
+    cr, ce = np.divmod(np.unique(rs * num_experts + placement.phy2log[rs, ss]), num_experts)
+    cd = rank_dc[cr]
+    count = np.bincount(cd * num_experts + ce, minlength=num_dcs * num_experts)
+    count = count.reshape(num_dcs, num_experts)  # [D, E] ranks of d holding e
+    holds = count > 0  # dc_holds(placement, topology)
+    local = _sum_rows(load, rank_dc, num_dcs)
     h = holds.sum(axis=0)
     sent = np.where(holds, 0.0, local).sum(axis=0) / np.maximum(h, 1)  # [E] to each holder
     weight = np.where(holds, local + sent[None, :], 0.0)  # [D, E]
@@ -514,16 +517,15 @@ def rehome(
     work = np.bincount(mrank, weights=weight[mdc, np.arange(num_experts)], minlength=num_ranks)
     home = np.full(holds.shape, -1, np.int64)  # [D, E]
     home[mdc, np.arange(num_experts)] = mrank
-    count = _sum_rows(holds_r, rank_dc, topology.num_dcs)  # [D, E] copies in each DC
-    r, e = np.nonzero(holds_r)
-    d = rank_dc[r]
-    single = (home[d, e] < 0) & (count[d, e] == 1)
-    home[d[single], e[single]] = r[single]
-    np.add.at(work, r[single], weight[d[single], e[single]])
-    kept = np.bincount(mrank, minlength=num_ranks) + np.bincount(r[single], minlength=num_ranks)
+    single = (home[cd, ce] < 0) & (count[cd, ce] == 1)
+    home[cd[single], ce[single]] = cr[single]
+    np.add.at(work, cr[single], weight[cd[single], ce[single]])
+    kept = np.bincount(mrank, minlength=num_ranks) + np.bincount(cr[single], minlength=num_ranks)
     d, e = np.nonzero((home < 0) & holds)  # held more than once, home not chosen yet
     if d.size:
-        sizes = np.bincount(rank_dc, minlength=topology.num_dcs)
+        holds_r = np.zeros((num_ranks, num_experts), bool)  # [R, E]
+        holds_r[cr, ce] = True
+        sizes = np.bincount(rank_dc, minlength=num_dcs)
         width = int(sizes.max())
         start = np.concatenate([[0], np.cumsum(sizes)[:-1]])
         valid = np.arange(width)[None, :] < sizes[:, None]
