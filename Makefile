@@ -56,6 +56,7 @@ lint: setup ## ruff (lint + format check) and mypy
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy controller/expertmesh workers/expertmesh
+	$(VENV)/bin/mypy bench
 
 fmt: setup ## apply ruff's formatting and safe fixes
 	$(VENV)/bin/ruff check --fix .

@@ -256,7 +256,9 @@ def _versus(
 ) -> tuple[list[tuple[str, float, float, float]], ...]:
     """Points where hybrid is ahead of, tied with, behind ``rival``: (kind, x, hybrid's
     speedup, rival's), mean step time over steps ``first`` onward."""
-    ahead, tied, behind = [], [], []
+    ahead: list[tuple[str, float, float, float]] = []
+    tied: list[tuple[str, float, float, float]] = []
+    behind: list[tuple[str, float, float, float]] = []
     for p in pts:
         base, hyb, riv = (p.result.run(n) for n in ("static", "hybrid", rival))
         if base is None or hyb is None or riv is None:
