@@ -31,7 +31,7 @@ def test_the_guard_bounds_dc_pairs_are_the_routes_cells_summed(seed, dcs, shuffl
     holds = rng.random((dcs, num_experts)) < rng.choice([0.1, 0.5, 0.9])
     holds[rng.integers(0, dcs, num_experts), np.arange(num_experts)] = True
     fixed = hybridguard._Fixed(
-        load=load.astype(np.float64), local=domainquota._sum_rows(load, rank_dc, dcs),
+        load=load.astype(np.float64), local=domainquota.sum_rows(load, rank_dc, dcs),
         used=load.any(axis=0), dc_tokens=np.zeros(dcs), mean=0.0, previous=None,
         sizes=None if shuffled else np.bincount(rank_dc, minlength=dcs),
         place=None if shuffled else np.arange(rank_dc.size) - np.searchsorted(rank_dc, rank_dc),

@@ -43,16 +43,19 @@ from expertmesh.planner.traffic import TokenTraffic, level_sums
 
 __all__ = [
     "DomainSolution",
+    "HolderRouting",
     "at_home",
     "dc_holds",
     "domain_quota",
     "domain_route",
     "domain_sizes",
     "domain_traffic",
+    "holder_routing",
     "merge_dcs",
     "rehome",
     "remote_holder",
     "remote_inflow",
+    "sum_rows",
 ]
 
 
@@ -113,7 +116,7 @@ def _scatter(
     return flat.reshape(shape)
 
 
-def _sum_rows(x: np.ndarray, group: np.ndarray, num_groups: int) -> np.ndarray:
+def sum_rows(x: np.ndarray, group: np.ndarray, num_groups: int) -> np.ndarray:
     """[num_groups, E] float64: rows of ``x`` [R, E] summed by ``group`` [R]. Integer and
     bool rows of groups in order, each of the same size (a topology's DCs), are summed as
     integers (exact, so the same floats in any order) over a [G, size, E] view."""
@@ -189,8 +192,8 @@ def remote_inflow(
     return _sent_in(load, ~holds[rank_dc], target, num_v)
 
 
-def _inflow(load: np.ndarray, routing: _Routing) -> np.ndarray:
-    """:func:`remote_inflow` from a :class:`_Routing`: one ``bincount`` over every cell
+def _inflow(load: np.ndarray, routing: HolderRouting) -> np.ndarray:
+    """:func:`remote_inflow` from a :class:`HolderRouting`: one ``bincount`` over every cell
     (a cell that sends nowhere into a last bin, dropped; a zero adds nothing, so each
     bin sums the same integers as :func:`_sent_in`)."""
     num_v = routing.v_dc.size
@@ -209,7 +212,7 @@ def _sent_in(load: np.ndarray, away: np.ndarray, target: np.ndarray, num_v: int)
     return np.bincount(target[sent], weights=load[sent], minlength=num_v).astype(np.int64)
 
 
-class _Routing(NamedTuple):
+class HolderRouting(NamedTuple):
     """What the DC-level route (step 1 of the module doc) takes from the holder sets
     ``holds`` [D, E] and ``rank_dc`` [R] alone, each read-only: the virtual experts
     (:func:`_virtual`), ``here`` [R, E] (the source's DC holds ``e``) and ``away``
@@ -230,8 +233,8 @@ class _Routing(NamedTuple):
     orphan: np.ndarray
 
 
-def _routing(holds: np.ndarray, rank_dc: np.ndarray) -> _Routing:
-    """:class:`_Routing` of ``holds`` [D, E] and ``rank_dc`` [R], memoized: the holder
+def holder_routing(holds: np.ndarray, rank_dc: np.ndarray) -> HolderRouting:
+    """:class:`HolderRouting` of ``holds`` [D, E] and ``rank_dc`` [R], memoized: the holder
     sets stay fixed between re-plans, so every microbatch's :func:`domain_quota` and
     :func:`domain_traffic` until the next one share them (a pure function of its inputs,
     keyed by their bytes)."""
@@ -248,7 +251,7 @@ def _routing(holds: np.ndarray, rank_dc: np.ndarray) -> _Routing:
     pair_key = (rank_dc[:, None] * num_dcs + v_dc[to_v]).ravel()  # where nobody holds e: any
     sent_bin = np.where(remote >= 0, remote, v_dc.size).ravel()
     orphan = np.flatnonzero(~holds.any(axis=0))
-    out = _Routing(v_dc, v_expert, vid, here, ~here, remote, to_v, pair_key, sent_bin, orphan)
+    out = HolderRouting(v_dc, v_expert, vid, here, ~here, remote, to_v, pair_key, sent_bin, orphan)
     for a in out:
         a.setflags(write=False)
     if _ROUTINGS_KEPT > 0:
@@ -258,8 +261,8 @@ def _routing(holds: np.ndarray, rank_dc: np.ndarray) -> _Routing:
     return out
 
 
-#: :func:`_routing` of the last few holder sets (0: none kept)
-_ROUTINGS: dict[tuple[object, ...], _Routing] = {}
+#: :func:`holder_routing` of the last few holder sets (0: none kept)
+_ROUTINGS: dict[tuple[object, ...], HolderRouting] = {}
 _ROUTINGS_KEPT = 4
 
 
@@ -283,14 +286,14 @@ def domain_quota(
     e = base.phy2log[r, s].astype(np.int64)
     holds = np.zeros((topology.num_dcs, num_experts), bool)  # dc_holds(base, topology)
     holds[rank_dc[r], e] = True
-    routing = _routing(holds, rank_dc)
+    routing = holder_routing(holds, rank_dc)
     v_dc, v_expert, vid = routing.v_dc, routing.v_expert, routing.vid
     v = vid[rank_dc[r], e]
     if np.bincount(v, minlength=v_dc.size).max(initial=1) > 1:
         raise ValueError("the base holds an expert more than once in a DC")
     home = np.zeros(v_dc.size, np.int64)
     home[v] = r
-    local = _sum_rows(load, rank_dc, topology.num_dcs).astype(np.int64)  # [D, E] d's tokens
+    local = sum_rows(load, rank_dc, topology.num_dcs).astype(np.int64)  # [D, E] d's tokens
     inflow = _inflow(load, routing)
     to_v = routing.to_v  # [R, E] the own DC's copy, else the remote holder's
     demand = local[v_dc, v_expert] + inflow
@@ -425,7 +428,7 @@ def domain_traffic(
     rank_dc, holds = topology.rank_dc, sol.holds
     num_dcs = holds.shape[0]
     lf = load.astype(np.float64)
-    routing = _routing(holds, rank_dc)
+    routing = holder_routing(holds, rank_dc)
     left = np.where(routing.here, lf, 0.0)  # [R, E] tokens for a copy in the source's DC
     away = lf - left
     # copies: homes (they compute what the replicas leave) and replicas
@@ -508,7 +511,7 @@ def rehome(
     count = np.bincount(cd * num_experts + ce, minlength=num_dcs * num_experts)
     count = count.reshape(num_dcs, num_experts)  # [D, E] ranks of d holding e
     holds = count > 0  # dc_holds(placement, topology)
-    local = _sum_rows(load, rank_dc, num_dcs)
+    local = sum_rows(load, rank_dc, num_dcs)
     h = holds.sum(axis=0)
     sent = np.where(holds, 0.0, local).sum(axis=0) / np.maximum(h, 1)  # [E] to each holder
     weight = np.where(holds, local + sent[None, :], 0.0)  # [D, E]

@@ -75,7 +75,6 @@ from expertmesh.planner.costmodel import (
 from expertmesh.planner.dcfloor import even_dcs
 from expertmesh.planner.domainquota import (
     DomainSolution,
-    _sum_rows,
     at_home,
     dc_holds,
     domain_quota,
@@ -84,6 +83,7 @@ from expertmesh.planner.domainquota import (
     domain_traffic,
     merge_dcs,
     rehome,
+    sum_rows,
 )
 from expertmesh.planner.hybridguard import GuardCosts, plain_floor
 from expertmesh.planner.hybridpairs import DcPairs as _Pairs
@@ -212,7 +212,7 @@ def plan_hybrid(
     num_experts = estimate.shape[1]
     num_dcs, slots = topology.num_dcs, topology.slots_per_rank
     rank_dc = topology.rank_dc
-    dc_load = _sum_rows(estimate, rank_dc, num_dcs)  # [D, E] (np.add.at's floats, faster)
+    dc_load = sum_rows(estimate, rank_dc, num_dcs)  # [D, E] (np.add.at's floats, faster)
     dc_tokens = dc_load.sum(axis=1) / model.top_k
     mrank = masters.master_rank()
     mdc = rank_dc[mrank]

@@ -16,7 +16,7 @@ from expertmesh.planner.costmodel import (
     crossings,
     expected_crossings,
 )
-from expertmesh.planner.domainquota import DomainSolution, _routing, _sum_rows, dc_holds
+from expertmesh.planner.domainquota import DomainSolution, dc_holds, holder_routing, sum_rows
 from expertmesh.planner.hybridpairs import HybridInputs
 from expertmesh.planner.model import ModelSpec
 from expertmesh.planner.plan import Placement
@@ -191,7 +191,7 @@ def _bound_inputs(inp: HybridInputs) -> _Fixed:
         place = np.arange(rank_dc.size) - np.searchsorted(rank_dc, rank_dc)
     return _Fixed(
         load=load.astype(np.float64),
-        local=_sum_rows(load, rank_dc, num_dcs),
+        local=sum_rows(load, rank_dc, num_dcs),
         used=np.asarray(load.any(axis=0)),
         dc_tokens=dc_tokens / inp.model.top_k,
         mean=float(load.sum()) / topology.num_ranks,
@@ -214,7 +214,9 @@ def _dc_pairs(fixed: _Fixed, holds: np.ndarray, rank_dc: np.ndarray) -> np.ndarr
         return None
     if fixed.place is None or fixed.sizes is None:  # DCs' ranks not consecutive
         pair = np.bincount(
-            _routing(holds, rank_dc).pair_key, weights=fixed.load.ravel(), minlength=num_dcs**2
+            holder_routing(holds, rank_dc).pair_key,
+            weights=fixed.load.ravel(),
+            minlength=num_dcs**2,
         ).reshape(num_dcs, num_dcs)
         np.fill_diagonal(pair, 0.0)
         return pair
