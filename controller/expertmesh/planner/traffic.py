@@ -101,12 +101,22 @@ def _dc_tokens(load: np.ndarray, topology: Topology, top_k: int) -> np.ndarray:
     key = ("dc_tokens", topology, top_k)
     if stats is not None and key in stats.memo:
         return cast(np.ndarray, stats.memo[key])
-    per_rank = load.sum(axis=1, dtype=np.float64)
-    out = np.bincount(topology.rank_dc, weights=per_rank, minlength=topology.num_dcs) / top_k
+    out = _dc_sums(load[None], topology)[0] / top_k
     if stats is not None:
         out.flags.writeable = False
         stats.memo[key] = out
     return out
+
+
+def _dc_sums(loads: np.ndarray, topology: Topology) -> np.ndarray:
+    """[T, D] the assignments from each DC in each step of ``loads`` [T, R, E]: one
+    ``bincount`` over (step, DC) bins, each adding its ranks in order (one step's sums are
+    those of a ``bincount`` over DCs alone)."""
+    num_steps, num_dcs = loads.shape[0], topology.num_dcs
+    per_rank = loads.sum(axis=2, dtype=np.float64)  # [T, R]
+    key = np.arange(num_steps)[:, None] * num_dcs + topology.rank_dc  # [T, R] (step, DC)
+    sums = np.bincount(key.ravel(), weights=per_rank.ravel(), minlength=num_steps * num_dcs)
+    return sums.reshape(num_steps, num_dcs)
 
 
 @dataclass(eq=False)
@@ -373,11 +383,7 @@ def even_traffic_steps(
         raise ValueError(f"loads must be [T, R, E], got {loads.shape}")
     level = _check_even(loads.shape[1], placement, topology, domain, remote)
     lf = loads.astype(np.float64)  # [T, R, E]
-    num_steps, num_dcs = lf.shape[0], topology.num_dcs
-    per_rank = loads.sum(axis=2, dtype=np.float64)  # [T, R]
-    key = np.arange(num_steps)[:, None] * num_dcs + topology.rank_dc  # [T, R] (step, DC)
-    dc = np.bincount(key.ravel(), weights=per_rank.ravel(), minlength=num_steps * num_dcs)
-    dc_tokens = dc.reshape(num_steps, num_dcs) / top_k  # [T, D]: _dc_tokens of each step
+    dc_tokens = _dc_sums(loads, topology) / top_k  # [T, D]: _dc_tokens of each step
     many = _Loads(lf, lf.sum(axis=1), _level_sums_steps(lf, topology), dc_tokens)
     return _even_split(many, placement, topology, level, remote)
 
