@@ -85,17 +85,25 @@ def loads(num_ranks: int, seeds: int) -> list[tuple[float, np.ndarray]]:
     return out
 
 
-def median_seconds(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median process CPU seconds of each ``fn()`` after one warm-up call; the contenders
-    take turns, so a change in the machine's load falls on all of them alike."""
+def median_seconds(
+    fns: dict[str, Callable[[], object]],
+    repeats: int,
+    *,
+    clock: Callable[[], float] = time.process_time,
+    warmups: int = 1,
+) -> dict[str, float]:
+    """Median seconds of ``clock`` (process CPU time unless told) of each ``fn()`` after
+    ``warmups`` calls; the contenders take turns, so a change in the machine's load falls
+    on all of them alike."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     for fn in fns.values():
-        fn()
+        for _ in range(warmups):
+            fn()
     for _ in range(repeats):
         for name, fn in fns.items():
-            t0 = time.process_time()
+            t0 = clock()
             fn()
-            times[name].append(time.process_time() - t0)
+            times[name].append(clock() - t0)
     return {name: float(np.median(t)) for name, t in times.items()}
 
 

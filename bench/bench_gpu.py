@@ -45,7 +45,7 @@ for _root in ("controller", "workers", "proto", "bench"):
     if str(REPO / _root) not in sys.path:
         sys.path.insert(0, str(REPO / _root))
 
-from bench_balance import MASTERS, SIZES, SPARE, loads  # noqa: E402
+from bench_balance import MASTERS, SIZES, SPARE, loads, median_seconds  # noqa: E402
 
 from expertmesh.planner.fastquota import EXACT, balance_domain  # noqa: E402
 from expertmesh.planner.static import static_placement  # noqa: E402
@@ -59,20 +59,6 @@ STEP_CFG = {
 def _sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-
-
-def _median_wall(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median wall seconds of each ``fn()`` (taking turns) after two warm-up calls."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()
-        fn()
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def quota_rows(dev: torch.device, seeds: int, repeats: int) -> list[dict[str, Any]]:
@@ -103,7 +89,9 @@ def quota_rows(dev: torch.device, seeds: int, repeats: int) -> list[dict[str, An
                 "numpy": partial(on_device, "numpy", counts, p2l),
                 "numpy, host counts": partial(balance_domain, load, masters.phy2log, EXACT),
             }
-            for name, sec in _median_wall(fns, repeats).items():
+            for name, sec in median_seconds(
+                fns, repeats, clock=time.perf_counter, warmups=2
+            ).items():
                 times.setdefault(name, []).append(sec)
         row: dict[str, Any] = {"ranks": num_ranks, "loads": len(times["torch"])}
         row.update({f"{k} ms": 1e3 * statistics.median(v) for k, v in times.items()})

@@ -13,13 +13,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from runtime_tables import fmt_gbps
+
 TOLERANCE = 0.15  # issue 13, item 8: the predicted median step within 15% of the measured
 RECORD = "docs/results/bench-runtime.json"
 GRID = [(d, g) for d in (2, 3) for g in (1.0, 0.1, 0.02)]  # make bench-runtime's groups
-
-
-def _gbps(g: float) -> str:
-    return f"{g:g} Gbit/s" if g >= 1 else f"{g * 1000:g} Mbit/s"
 
 
 def section(root: Path) -> list[str]:
@@ -61,7 +59,7 @@ def section(root: Path) -> list[str]:
     ]
     for (g, r), ok in zip(rows, held, strict=True):
         lines.append(
-            f"| {g['dcs']} | {_gbps(g['gbps'])} | {r['policy']} | {r['median_seconds']:.3f} "
+            f"| {g['dcs']} | {fmt_gbps(g['gbps'])} | {r['policy']} | {r['median_seconds']:.3f} "
             f"| {r['predicted_seconds']:.3f} | {r['predicted_over_measured']:.3f} "
             f"| {'holds' if ok else 'does not hold'} | {r.get('drift_factor', 1.0):.2f} "
             f"| {r.get('predicted_all_over_measured', r['predicted_over_measured']):.3f} |"
@@ -89,7 +87,7 @@ def _misses(run: dict) -> list[str]:
                 else ""
             )
             out.append(
-                f"- Does not hold: {r['policy']}, {g['dcs']} DCs, {_gbps(g['gbps'])}: "
+                f"- Does not hold: {r['policy']}, {g['dcs']} DCs, {fmt_gbps(g['gbps'])}: "
                 f"{r['predicted_over_measured']:.3f}, drift factor "
                 f"{r.get('drift_factor', 1.0):.2f}{why} (docs/benchmarks.md, Runtime, says why)."
             )
@@ -105,7 +103,7 @@ def _provenance(run: dict) -> list[str]:
         rec = part.get("record", {})
         groups = part.get("groups") or []
         which = (
-            " (groups: " + ", ".join(f"{g[0]} DCs {_gbps(g[1])}" for g in groups) + ")"
+            " (groups: " + ", ".join(f"{g[0]} DCs {fmt_gbps(g[1])}" for g in groups) + ")"
             if run.get("parts")
             else ""
         )
@@ -124,13 +122,13 @@ def _provenance(run: dict) -> list[str]:
             "constants and predictions the current model's."
         )
     have = {(g["dcs"], g["gbps"]) for g in run["groups"]}
-    missing = [f"{d} DCs {_gbps(b)}" for d, b in GRID if (d, b) not in have]
+    missing = [f"{d} DCs {fmt_gbps(b)}" for d, b in GRID if (d, b) not in have]
     if missing:
         out.append(
             f"**Not in this record** (not measured by its runs): {', '.join(missing)} "
             f"({len(missing) * 5} of {len(GRID) * 5} rows of `make bench-runtime`)."
         )
     for f in run.get("failed") or []:
-        out.append(f"**Failed group**: {f['dcs']} DCs {_gbps(f['gbps'])}: {f['error']}.")
+        out.append(f"**Failed group**: {f['dcs']} DCs {fmt_gbps(f['gbps'])}: {f['error']}.")
     out.append(f"(`{RECORD}`; docs/benchmarks.md, Runtime, has every column and the analysis).")
     return out
