@@ -93,6 +93,8 @@ def _train(
         for e in range(CFG.num_experts)
     }
     out["dense"] = [p.detach().cpu().numpy().copy() for p in rank.dense.parameters()]
+    held = [t for moe in rank.layers for e in moe.held() for t in moe.expert(e)]
+    out["devices"] = sorted({t.device.type for t in [*rank.dense.parameters(), *held]})
     return out
 
 
@@ -136,6 +138,8 @@ def check_training(
         _train, topo.rank_dc, topo.to_dict(), dcs, balance, k, background, spread, fused,
         device=device, timeout=300.0 if device != "cpu" else 120.0,
     )  # fmt: skip
+    # every rank trained where it was asked to: its dense model and experts on ``device``
+    assert [r["devices"] for r in res] == [[device]] * len(res)
     # the fused dispatch ran (an expert some DC lacks and two DCs hold, in some layer and
     # step) exactly where it is asked for
     assert (sum(r["fused"] for r in res) > 0) == (balance and spread and fused)
