@@ -513,12 +513,12 @@ def _split_traffic(
     topo, k = world.topology, world.model.top_k
     domain, remote = split[0].split
     per = max(1, BATCH_CELLS // split[0].load.size)  # steps stacked at once: [T, R, E] each
+    placement = split[0].placement  # one placement: the caller groups by it
     out: list[TokenTraffic | _EvenSplit] = []
     try:
         for first in range(0, len(split), per):
             loads = np.stack([s.load for s in split[first : first + per]])  # [T, R, E]
-            pl = split[0].placement
-            out += even_traffic_steps(loads, pl, topo, k, domain=domain, remote=remote)
+            out += even_traffic_steps(loads, placement, topo, k, domain=domain, remote=remote)
         return out
     except ValueError:
         out.clear()
