@@ -3,14 +3,15 @@
 [m, cols] travelling bit for bit inside the float32 buffer (column 0 a token's row in the
 bundle; the others what the stage needs: expert, destination rank). One layout for the
 sender (:func:`pack`) and the receiver (:func:`unpack`), so the two cannot disagree;
-autograd flows through ``x`` and ``w`` (the metadata carries no gradient)."""
+autograd flows through ``x`` and ``w`` (the metadata carries no gradient). Expert tensors
+(weights, gradients, Adam state) travel laid end to end; :func:`unflatten` cuts them out."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-__all__ = ["ix", "lengths", "pack", "unpack"]
+__all__ = ["ix", "lengths", "pack", "unflatten", "unpack"]
 
 
 def ix(a: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -66,3 +67,20 @@ def unpack(
     x = torch.cat(xs) if xs else buf.new_zeros(0, d)
     w = torch.cat(ws) if ws else buf.new_zeros(0)
     return x, w, np.concatenate(metas) if metas else np.zeros((0, cols), np.int64)
+
+
+def unflatten(
+    flat: torch.Tensor, shapes: list[torch.Size], count: int, *, clone: bool
+) -> list[list[torch.Tensor]]:
+    """``count`` groups of tensors of ``shapes`` laid end to end in ``flat`` (views, or
+    copies with ``clone``)."""
+    out, at = [], 0
+    for _ in range(count):
+        ts = []
+        for s in shapes:
+            n = int(np.prod(s))
+            t = flat[at : at + n].reshape(s)
+            ts.append(t.clone() if clone else t)
+            at += n
+        out.append(ts)
+    return out

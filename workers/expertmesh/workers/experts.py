@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from expertmesh.planner.plan import Placement
+from expertmesh.workers.bundles import unflatten
 from expertmesh.workers.comm import KINDS, Comm
 from expertmesh.workers.hops import HopCache, Transfer
 from expertmesh.workers.layer import LayerPlan, MoELayer
@@ -224,7 +225,7 @@ class ExpertParallel:
                 incoming.append((src, (layer, e)))
         flat = torch.cat(out_parts) if out_parts else torch.zeros(0, dtype=dtype, device=c.device)
         got = c.all_to_all(flat, send, recv, c.world, kind)
-        pieces = _unflatten(got, shapes, len(incoming), clone=False)
+        pieces = unflatten(got, shapes, len(incoming), clone=False)
         return [(key, ts) for (_, key), ts in zip(incoming, pieces, strict=True)]
 
     def _shapes(self) -> ExpertWeights:
@@ -295,7 +296,7 @@ class ExpertParallel:
         if pend.incoming:
             assert pend.got is not None
             shapes = [t.shape for t in self._shapes()] * 3
-            pieces = _unflatten(pend.got, shapes, len(pend.incoming), clone=True)
+            pieces = unflatten(pend.got, shapes, len(pend.incoming), clone=True)
             for key, ts in zip(pend.incoming, pieces, strict=True):
                 pend.landed[key] = (ts[:3], ts[3:6], ts[6:])
         pend.wait_seconds = time.perf_counter() - t0
@@ -366,7 +367,7 @@ class ExpertParallel:
         flat, send, recv, incoming = self._pack_state(transfers, with_weights=with_weights)
         got = c.all_to_all(flat, send, recv, c.world, "migration")
         shapes = [t.shape for t in self._shapes()] * (3 if with_weights else 2)
-        pieces = _unflatten(got, shapes, len(incoming), clone=True)
+        pieces = unflatten(got, shapes, len(incoming), clone=True)
         return dict(zip(incoming, pieces, strict=True))
 
     def _pack_state(
@@ -397,20 +398,3 @@ class ExpertParallel:
 
 def _zeros(w: Any) -> State:
     return [torch.zeros_like(t.detach()) for t in w], [torch.zeros_like(t.detach()) for t in w]
-
-
-def _unflatten(
-    flat: torch.Tensor, shapes: list[torch.Size], count: int, *, clone: bool
-) -> list[list[torch.Tensor]]:
-    """``count`` groups of tensors of ``shapes`` laid end to end in ``flat`` (views, or
-    copies with ``clone``)."""
-    out, at = [], 0
-    for _ in range(count):
-        ts = []
-        for s in shapes:
-            n = int(np.prod(s))
-            t = flat[at : at + n].reshape(s)
-            ts.append(t.clone() if clone else t)
-            at += n
-        out.append(ts)
-    return out
