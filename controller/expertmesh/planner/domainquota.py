@@ -276,41 +276,28 @@ def domain_quota(
     same routes across DCs. ``ValueError`` if the base holds an expert twice in a DC or
     an expert with load nowhere.
     """
-    num_ranks, num_slots = base.phy2log.shape
+    num_ranks = base.phy2log.shape[0]
     num_experts = int(base.master.size)
     load = check_load(load, num_ranks, num_experts)
     if num_ranks != topology.num_ranks:
         raise ValueError(f"base has {num_ranks} ranks, the topology {topology.num_ranks}")
     rank_dc = topology.rank_dc
-    r, s = np.nonzero(base.phy2log >= 0)
-    e = base.phy2log[r, s].astype(np.int64)
-    holds = np.zeros((topology.num_dcs, num_experts), bool)  # dc_holds(base, topology)
-    holds[rank_dc[r], e] = True
-    routing = holder_routing(holds, rank_dc)
-    v_dc, v_expert, vid = routing.v_dc, routing.v_expert, routing.vid
-    v = vid[rank_dc[r], e]
-    if np.bincount(v, minlength=v_dc.size).max(initial=1) > 1:
-        raise ValueError("the base holds an expert more than once in a DC")
-    home = np.zeros(v_dc.size, np.int64)
-    home[v] = r
+    holds, routing, home, vmasters, v_expert_or_empty = _base_parts(base, topology)
+    v_dc, v_expert = routing.v_dc, routing.v_expert
     local = sum_rows(load, rank_dc, topology.num_dcs).astype(np.int64)  # [D, E] d's tokens
     inflow = _inflow(load, routing)
     to_v = routing.to_v  # [R, E] the own DC's copy, else the remote holder's
     demand = local[v_dc, v_expert] + inflow
-    v_p2l = np.full(base.phy2log.shape, -1, np.int64)
-    v_p2l[r, s] = v
-    v_master = home * num_slots + s[np.argsort(v)]
-    vmasters = Placement(v_p2l, v_master)
     if replicate:
         sol = balance_demand(demand, vmasters, rank_dc)
         rep, v_out, lower = sol.replicas, sol.placement.phy2log, sol.lower_bound
         quota = sol.quota
     else:
         z = np.zeros(0, np.int64)
-        rep, v_out = (z, z, z), v_p2l
+        rep, v_out = (z, z, z), vmasters.phy2log
         quota = _home_quota(home, demand, topology)
         lower = quota.copy()
-    phy2log = np.where(v_out >= 0, v_expert[np.maximum(v_out, 0)], -1).astype(np.int32)
+    phy2log = v_expert_or_empty[v_out]  # -1 (the last entry) where the slot is empty
     return DomainSolution(
         placement=Placement(phy2log, base.master.copy()),
         holds=holds,
@@ -324,6 +311,60 @@ def domain_quota(
         replicas=rep,
         to_v=to_v,
     )
+
+
+def _base_parts(
+    base: Placement, topology: Topology
+) -> tuple[np.ndarray, HolderRouting, np.ndarray, Placement, np.ndarray]:
+    """What :func:`domain_quota` takes from ``base`` alone (read-only, memoized: between
+    re-plans every microbatch's base is the same): the holder sets [D, E], their
+    :func:`holder_routing`, each virtual expert's ``home`` rank [V], the virtual masters
+    (each virtual expert in its home's slot) and ``v_expert`` with -1 appended, int32 (the
+    expert of a virtual expert, -1 for an empty slot). ``ValueError`` if the base holds an
+    expert twice in a DC."""
+    rank_dc = topology.rank_dc
+    p2l, master = base.phy2log, base.master
+    key = (
+        p2l.shape,
+        p2l.dtype.str,
+        p2l.tobytes(),
+        master.dtype.str,
+        master.tobytes(),
+        rank_dc.tobytes(),
+    )
+    hit = _BASES.get(key)
+    if hit is not None:
+        return hit
+    num_slots = base.phy2log.shape[1]
+    num_experts = int(base.master.size)
+    r, s = np.nonzero(base.phy2log >= 0)
+    e = base.phy2log[r, s].astype(np.int64)
+    holds = np.zeros((topology.num_dcs, num_experts), bool)  # dc_holds(base, topology)
+    holds[rank_dc[r], e] = True
+    routing = holder_routing(holds, rank_dc)
+    v = routing.vid[rank_dc[r], e]
+    if np.bincount(v, minlength=routing.v_dc.size).max(initial=1) > 1:
+        raise ValueError("the base holds an expert more than once in a DC")
+    home = np.zeros(routing.v_dc.size, np.int64)
+    home[v] = r
+    v_p2l = np.full(base.phy2log.shape, -1, np.int64)
+    v_p2l[r, s] = v
+    v_master = home * num_slots + s[np.argsort(v)]
+    v_expert = np.append(routing.v_expert, -1).astype(np.int32)
+    out = (holds, routing, home, Placement(v_p2l, v_master), v_expert)
+    for a in (holds, home, v_p2l, v_master, v_expert):
+        a.setflags(write=False)
+    if len(_BASES) >= _BASES_KEPT:
+        del _BASES[next(iter(_BASES))]  # the oldest
+    _BASES[key] = out
+    return out
+
+
+#: :func:`_base_parts` of the last few bases (a pure function of its inputs)
+_BASES: dict[
+    tuple[object, ...], tuple[np.ndarray, HolderRouting, np.ndarray, Placement, np.ndarray]
+] = {}
+_BASES_KEPT = 8
 
 
 def _home_quota(home: np.ndarray, demand: np.ndarray, topology: Topology) -> np.ndarray:
@@ -506,6 +547,9 @@ def rehome(
     # every (rank, expert) held, in the order of np.nonzero(placement.holds()), from the
     # slots (not an [R, E] pass), and the copies of each expert in each DC
     rs, ss = np.nonzero(placement.phy2log >= 0)
+    mrank = placement.master_rank()
+    if _masters_dcs_only(placement, rs, ss, mrank, rank_dc):
+        return _masters_kept(placement)
     cr, ce = np.divmod(np.unique(rs * num_experts + placement.phy2log[rs, ss]), num_experts)
     cd = rank_dc[cr]
     count = np.bincount(cd * num_experts + ce, minlength=num_dcs * num_experts)
@@ -515,7 +559,6 @@ def rehome(
     h = holds.sum(axis=0)
     sent = np.where(holds, 0.0, local).sum(axis=0) / np.maximum(h, 1)  # [E] to each holder
     weight = np.where(holds, local + sent[None, :], 0.0)  # [D, E]
-    mrank = placement.master_rank()
     mdc = rank_dc[mrank]
     work = np.bincount(mrank, weights=weight[mdc, np.arange(num_experts)], minlength=num_ranks)
     home = np.full(holds.shape, -1, np.int64)  # [D, E]
@@ -553,6 +596,29 @@ def rehome(
     hr = home[d, e]
     slot = np.argmax(placement.phy2log[hr] == e[:, None], axis=1)
     keep[hr, slot] = True
+    return Placement(np.where(keep, placement.phy2log, -1).astype(np.int32), placement.master)
+
+
+def _masters_dcs_only(
+    placement: Placement, rs: np.ndarray, ss: np.ndarray, mrank: np.ndarray, rank_dc: np.ndarray
+) -> bool:
+    """Whether every copy of ``placement`` (in slots ``(rs, ss)``) lies in its master's DC,
+    and none but the master on the master's rank: then :func:`rehome` keeps the masters
+    alone (each held ``(d, e)`` is a master's), whatever the load."""
+    e = placement.phy2log[rs, ss]
+    mr = mrank[e]
+    if not np.array_equal(rank_dc[rs], rank_dc[mr]):
+        return False
+    on_master = rs == mr
+    flat = rs[on_master] * placement.phy2log.shape[1] + ss[on_master]
+    return bool(np.array_equal(flat, placement.master[e[on_master]]))
+
+
+def _masters_kept(placement: Placement) -> Placement:
+    """``placement`` with every slot but the masters' emptied (what :func:`rehome` keeps
+    when :func:`_masters_dcs_only`)."""
+    keep = np.zeros(placement.phy2log.shape, bool)
+    keep.reshape(-1)[placement.master] = True
     return Placement(np.where(keep, placement.phy2log, -1).astype(np.int32), placement.master)
 
 
