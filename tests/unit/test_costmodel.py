@@ -260,6 +260,29 @@ def test_even_traffic_steps_is_even_traffic_of_each_step_to_the_bit(seed):
                     assert a.shape == b.shape and np.array_equal(a, b), (domain, remote, t, f)
 
 
+@pytest.mark.parametrize("seed", [0, 3])
+def test_even_traffic_steps_of_one_copy_placements_is_even_traffic_to_the_bit(seed):
+    # at most one copy per expert (static EP): summed in int64 (_one_copy_split)
+    topo, _, _ = _random_case(seed)
+    rng = np.random.default_rng(seed)
+    slots, num_experts = 4, 9
+    flat = rng.permutation(topo.num_ranks * slots)[:num_experts]  # some ranks hold none
+    phy = np.full(topo.num_ranks * slots, -1, np.int32)
+    phy[flat] = np.arange(num_experts)
+    pl = Placement(phy.reshape(topo.num_ranks, slots), flat.astype(np.int64))
+    loads = rng.integers(0, 60, size=(4, topo.num_ranks, num_experts))
+    loads[:, :, -1] = 0  # an expert without load
+    for domain in ("rank", "node", "dc", "global"):
+        for remote in ("spread", "master"):
+            got = even_traffic_steps(loads, pl, topo, 2, domain=domain, remote=remote)
+            for t, g in enumerate(got):
+                want = even_traffic(loads[t], pl, topo, 2, domain=domain, remote=remote)
+                for f in ("rank_tokens", "rank_out", "rank_in", "pair_src", "pair_dst",
+                          "pair_tokens", "dc_tokens"):  # fmt: skip
+                    a, b = getattr(g, f), getattr(want, f)
+                    assert a.shape == b.shape and np.array_equal(a, b), (domain, remote, t, f)
+
+
 def test_even_traffic_refuses_experts_without_copies():
     pl = Placement(np.array([[0, -1], [0, -1]], np.int32), np.array([0, 1]))
     with pytest.raises(ValueError, match="no copy"):

@@ -14,7 +14,8 @@ holds exactly that. Two builders make it:
   of integer rounding, in ``O(R * E + D^2 * E)`` time and no ``[R, R]`` or
   ``[N, 4]`` array.
 - :func:`even_traffic_steps`: :func:`even_traffic` of many steps' loads on one
-  placement, the same floats, in one pass of array operations.
+  placement, the same floats, in one pass of array operations (on a placement with one
+  copy per expert, static EP, from a rank-to-rank matrix of whole tokens).
 
 Shells: traffic between a rank and a destination is classed by how far apart
 they are: 0 same rank, 1 same node, 2 same DC (other node), 3 other DC.
@@ -382,10 +383,86 @@ def even_traffic_steps(
     if loads.ndim != 3:
         raise ValueError(f"loads must be [T, R, E], got {loads.shape}")
     level = _check_even(loads.shape[1], placement, topology, domain, remote)
-    lf = loads.astype(np.float64)  # [T, R, E]
+    if loads.dtype.kind in "iu" and int(loads.sum()) < _EXACT:
+        one = _one_copy_split(loads, placement, topology, top_k)
+        if one is not None:
+            return one
     dc_tokens = _dc_sums(loads, topology) / top_k  # [T, D]: _dc_tokens of each step
+    lf = loads.astype(np.float64)  # [T, R, E]
     many = _Loads(lf, lf.sum(axis=1), _level_sums_steps(lf, topology), dc_tokens)
     return _even_split(many, placement, topology, level, remote)
+
+
+#: whole-token totals below this are exact in float64 whatever the order of summation
+_EXACT = 2**53
+
+
+def _one_copy_split(
+    loads: np.ndarray, placement: Placement, topology: Topology, top_k: int
+) -> list[TokenTraffic] | None:
+    """:func:`even_traffic_steps` of integer ``loads`` [T, R, E] (total below 2**53) on a
+    placement with at most one copy of each expert (static EP), else ``None``. Every split
+    sends ``loads[t, r, e]`` whole to the one copy of ``e``, so each float of
+    :func:`_even_split` is a sum of whole tokens, exact in any order: summed here from a
+    [T, R, R] rank-to-rank matrix with a few passes and small matrix products (the same
+    floats, instead of dozens of passes over [T, R, E])."""
+    num_steps, num_ranks, num_experts = loads.shape
+    cp = _copies(placement, topology, num_experts)
+    if cp.total.size and cp.total.max() > 1:
+        return None
+    if (cp.total == 0).any() and (loads.sum(axis=1)[:, cp.total == 0] > 0).any():
+        return None  # _even_split raises the error
+    m = _rank_to_rank(loads.astype(np.int64, copy=False), cp).astype(np.float64)  # exact
+    # one-hot [R, groups] of each rank's node and DC: sums by group are exact products
+    node = np.zeros((num_ranks, topology.num_nodes))
+    node[np.arange(num_ranks), topology.rank_node] = 1.0
+    dc = np.zeros((num_ranks, topology.num_dcs))
+    dc[np.arange(num_ranks), topology.rank_dc] = 1.0
+    everyone = np.arange(num_ranks)
+    own = m[:, everyone, everyone]  # [T, R] to the own rank
+    sent = [own, (m @ node)[:, everyone, topology.rank_node], (m @ dc)[:, everyone, topology.rank_dc],
+            m.sum(axis=2)]  # fmt: skip
+    mt = m.transpose(0, 2, 1)
+    came = [own, (mt @ node)[:, everyone, topology.rank_node],
+            (mt @ dc)[:, everyone, topology.rank_dc], m.sum(axis=1)]  # fmt: skip
+    rank_out = np.stack([sent[j] - sent[j - 1] for j in (1, 2, 3)], axis=2)  # [T, R, 3]
+    rank_in = np.stack([came[j] - came[j - 1] for j in (1, 2, 3)], axis=2)
+    rank_tokens = came[3]
+    # _dc_tokens of each step: the per-rank sums are whole tokens, added DC by DC in order
+    key = np.arange(num_steps)[:, None] * topology.num_dcs + topology.rank_dc
+    sums = np.bincount(key.ravel(), weights=sent[3].ravel(), minlength=num_steps * topology.num_dcs)
+    dc_tokens = sums.reshape(num_steps, topology.num_dcs) / top_k
+    dense = dc.T @ m @ dc  # [T, D, D] source DC -> destination DC
+    out = []
+    for t in range(num_steps):
+        ps, pd, pt = _pairs(dense[t])
+        out.append(TokenTraffic(rank_tokens[t], rank_out[t], rank_in[t], ps, pd, pt, dc_tokens[t]))
+    return out
+
+
+def _rank_to_rank(x: np.ndarray, cp: _Copies) -> np.ndarray:
+    """[T, R, R] int64: what each source rank sends to each rank, every expert of ``x``
+    [T, R, E] to the rank of its one copy (``cp``; experts without a copy have no load)."""
+    num_steps, num_ranks, num_experts = x.shape
+    owner = np.full(num_experts, -1, np.int64)
+    owner[cp.expert] = cp.rank
+    held = np.flatnonzero(owner >= 0)
+    by_owner = held[np.argsort(owner[held], kind="stable")]
+    ranks = owner[by_owner]
+    m = np.zeros((num_steps, num_ranks, num_ranks), np.int64)
+    if ranks.size == 0:
+        return m
+    cols = x if np.array_equal(by_owner, np.arange(num_experts)) else x[:, :, by_owner]
+    per = num_experts // num_ranks
+    if 0 < per <= 8 and np.array_equal(ranks, np.repeat(np.arange(num_ranks), per)):
+        for k in range(per):  # static EP: ``per`` experts in order on every rank
+            m += cols[:, :, k::per]
+        return m
+    ends = np.flatnonzero(np.r_[ranks[1:] != ranks[:-1], True])  # last expert of each rank
+    cum = np.cumsum(cols, axis=2)[:, :, ends]
+    cum[:, :, 1:] -= cum[:, :, :-1].copy()
+    m[:, :, ranks[ends]] = cum
+    return m
 
 
 def _check_even(num_ranks: int, placement: Placement, topology: Topology, domain: str,
