@@ -17,6 +17,8 @@ search, as its full costing would have (the same plans, for a fraction of the wo
 
 from __future__ import annotations
 
+import functools
+import weakref
 from typing import ClassVar, cast
 
 import numpy as np
@@ -35,7 +37,7 @@ from expertmesh.planner.policy import Policy, PolicyContext, PolicySettings, reg
 from expertmesh.planner.routing import route_even
 from expertmesh.planner.static import static_placement
 from expertmesh.planner.topology import Topology
-from expertmesh.planner.traffic import TokenTraffic, even_traffic, level_sums
+from expertmesh.planner.traffic import TokenTraffic, even_traffic
 
 __all__ = ["FasterMoEPolicy", "master_traffic", "shadow", "shadow_floor", "shadow_traffic"]
 
@@ -76,8 +78,8 @@ def master_traffic(
 
     The same floats: each count is a sum of whole tokens of ``load`` [R, E], exact in
     float64 while the total is below 2**53, so any order of summation gives it (above,
-    ``even_traffic`` is called). Summed here in int64 over experts grouped by their
-    master's rank, node and DC (each a contiguous range of ranks), in a few passes.
+    ``even_traffic`` is called). Summed here in int64: first ``tok`` [R, R], each source
+    rank's tokens to the masters of each rank, then its node, DC and DC pair sums.
     """
     num_ranks, num_experts = load.shape
     if masters.num_ranks != num_ranks or num_ranks != topology.num_ranks:
@@ -85,43 +87,90 @@ def master_traffic(
     if int((masters.phy2log >= 0).sum()) != num_experts:
         raise ValueError("master_traffic needs a placement of masters only")
     load = load.astype(np.int64, copy=False)
-    if int(load.sum()) >= _EXACT:
+    tok = _by_master_rank(load, masters.master_rank())  # [R src, R master]
+    if int(tok.sum()) >= _EXACT:  # the total of load, wrapped alike
         return even_traffic(load, masters, topology, top_k, domain="rank")
-    mrank = masters.master_rank()  # [E]
-    by_master = np.argsort(mrank, kind="stable")  # [E] experts by master rank
-    in_order = bool((by_master[1:] > by_master[:-1]).all())  # static EP: no reordering
-    groups = (np.arange(num_ranks), topology.rank_node, topology.rank_dc)  # [R] each, sorted
-    # each rank's tokens to the masters of each level's groups, summed by master rank
-    cum = np.zeros((num_ranks, num_experts + 1), np.int64)  # [R, E + 1]
-    np.cumsum(load if in_order else load[:, by_master], axis=1, out=cum[:, 1:])
-    sums = level_sums(load, topology)  # [R, E], [Nn, E], [D, E], [1, E]: whole tokens
-    sorted_m, rows, experts = mrank[by_master], np.arange(num_ranks), np.arange(num_experts)
-    sent, came = [], []  # per level: [R] sent inside the own group, [E] got from the master's
-    for g, level in zip(groups, sums[:3], strict=True):
-        # [G + 1] where each group's experts start in by_master order
-        eb = np.searchsorted(sorted_m, np.searchsorted(g, np.arange(int(g[-1]) + 2)))
-        sent.append(cum[rows, eb[g + 1]] - cum[rows, eb[g]])
-        came.append(level[g[mrank], experts])
-    sent.append(cum[:, -1])
-    came.append(sums[3][0])
-    rank_out = np.stack([sent[j] - sent[j - 1] for j in (1, 2, 3)], axis=1).astype(np.float64)
-    rank_in = np.zeros((num_ranks, 3))
+    rows = np.arange(num_ranks)
+    (node_at, node_of), (dc_at, dc_of) = _runs(topology)
+    # [R] each: what each source sends inside its own rank, node, DC and in all; what each
+    # master rank gets from its own rank, node, DC and in all
+    by_dc = np.add.reduceat(tok, dc_at, axis=0)  # [D, R] each DC's tokens to each master rank
+    sent_dc = np.add.reduceat(tok, dc_at, axis=1)[rows, dc_of]
+    came_dc = by_dc[dc_of, rows]
+    if node_at is dc_at:  # a node per DC
+        sent_node, came_node = sent_dc, came_dc
+    else:
+        sent_node = np.add.reduceat(tok, node_at, axis=1)[rows, node_of]
+        came_node = np.add.reduceat(tok, node_at, axis=0)[node_of, rows]
+    sent = [tok.diagonal(), sent_node, sent_dc, tok.sum(axis=1)]
+    came = [sent[0], came_node, came_dc, tok.sum(axis=0)]
+    rank_out = np.empty((num_ranks, 3))
+    rank_in = np.empty((num_ranks, 3))
     for j in (1, 2, 3):
-        rank_in[:, j - 1] = np.bincount(mrank, weights=came[j] - came[j - 1], minlength=num_ranks)
-    rank_tokens = np.bincount(mrank, weights=came[3], minlength=num_ranks)
-    per_dc = sums[2] if in_order else sums[2][:, by_master]  # [D, E] by master rank
-    cum_dc = np.zeros((per_dc.shape[0], num_experts + 1))
-    np.cumsum(per_dc, axis=1, out=cum_dc[:, 1:])
-    dense = cum_dc[:, eb[1:]] - cum_dc[:, eb[:-1]]  # [D, D] src -> dst (eb: the DCs' bounds)
+        rank_out[:, j - 1] = sent[j] - sent[j - 1]
+        rank_in[:, j - 1] = came[j] - came[j - 1]
+    dense = np.add.reduceat(by_dc, dc_at, axis=1).astype(np.float64)  # [D, D] src -> dst
     np.fill_diagonal(dense, 0.0)
     src, dst = np.nonzero(dense > 0)
     dc_tokens = (
-        np.bincount(topology.rank_dc, weights=cum[:, -1], minlength=topology.num_dcs) / top_k
+        np.bincount(topology.rank_dc, weights=sent[3], minlength=topology.num_dcs) / top_k
     )  # [D] tokens (not assignments) from each DC, as even_traffic's
     return TokenTraffic(
-        rank_tokens, rank_out, rank_in, src.astype(np.int64), dst.astype(np.int64),
-        dense[src, dst], dc_tokens,
+        came[3].astype(np.float64), rank_out, rank_in, src.astype(np.int64),
+        dst.astype(np.int64), dense[src, dst], dc_tokens,
     )  # fmt: skip
+
+
+def _by_master_rank(load: np.ndarray, mrank: np.ndarray) -> np.ndarray:
+    """[R, R] int64: ``load`` [R, E] summed over the experts of each master rank
+    (``mrank`` [E]); static EP's ``E / R`` consecutive experts a rank by a reshape."""
+    num_ranks, num_experts = load.shape
+    per = num_experts // num_ranks
+    if (
+        0 < per <= 8
+        and per * num_ranks == num_experts
+        and np.array_equal(mrank, _blocks(num_experts, per))
+    ):  # the slices of a [R, R, per] view added (a reduction over its last axis is slower)
+        view = load.reshape(num_ranks, num_ranks, per)
+        out: np.ndarray = view[:, :, 0].copy()
+        for i in range(1, per):
+            out += view[:, :, i]
+        return out
+    by_master = np.argsort(mrank, kind="stable")  # [E] experts by master rank
+    bounds = np.searchsorted(mrank[by_master], np.arange(num_ranks + 1))  # [R + 1]
+    cum = np.zeros((num_ranks, num_experts + 1), np.int64)  # [R, E + 1]
+    np.cumsum(load[:, by_master], axis=1, out=cum[:, 1:])
+    return cum[:, bounds[1:]] - cum[:, bounds[:-1]]
+
+
+@functools.lru_cache(maxsize=8)
+def _blocks(num_experts: int, per: int) -> np.ndarray:
+    """[E] static EP's master rank of each expert: ``per`` consecutive experts a rank."""
+    out = np.arange(num_experts) // per
+    out.flags.writeable = False
+    return out
+
+
+#: per topology: for its ranks' nodes and DCs (sorted, contiguous), where each run of
+#: ranks starts and the run of each rank
+_RUNS: weakref.WeakKeyDictionary[Topology, tuple[tuple[np.ndarray, np.ndarray], ...]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _runs(topology: Topology) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+    """``(starts, run of each rank)`` of ``topology.rank_node`` and ``rank_dc``, made once
+    per topology (the DC's arrays twice, the same objects, when each DC is one node)."""
+    got = _RUNS.get(topology)
+    if got is None:
+        runs = []
+        for index in (topology.rank_node, topology.rank_dc):
+            first = np.r_[True, index[1:] != index[:-1]]
+            runs.append((np.flatnonzero(first), np.cumsum(first) - 1))
+        if np.array_equal(runs[0][0], runs[1][0]):
+            runs[0] = runs[1]
+        got = _RUNS[topology] = tuple(runs)
+    return got
 
 
 def shadow_traffic(
@@ -181,21 +230,18 @@ def shadow_floor(
     """
     if settings.pipeline_chunks != 1:
         return 0.0
-    m = int(masters.master_rank()[expert])
+    m = int(masters.master[expert]) // masters.slots_per_rank
     mdc = int(topology.rank_dc[m])
     msg = settings.message_seconds
+    lat, bw, symmetric = _dc_links(topology)
     src, dst = traffic.pair_src, traffic.pair_dst
     nbytes = crossings(traffic, model.top_k, settings.hierarchical) * float(model.token_bytes)
     kept = dst != mdc  # [P] pairs whose tokens the shadow does not touch
-    src, dst, nbytes = src[kept], dst[kept], nbytes[kept]
-
-    def link(a: np.ndarray, b: np.ndarray, n: np.ndarray) -> float:
-        """The busiest link among DC pairs ``a -> b`` [N] carrying ``n`` [N] bytes (0: none)."""
-        bw = topology.dc_gbps[a, b] * 1e9 / 8.0
-        return float((topology.dc_latency_ms[a, b] / 1e3 + n / bw).max(initial=0.0))
-
-    dispatch = msg + link(src, dst, nbytes)
-    combine = msg + link(dst, src, nbytes)  # the combine runs each pair backwards
+    a, b, n = src[kept], dst[kept], nbytes[kept]
+    # the busiest link among DC pairs a -> b carrying n bytes (0: none)
+    dispatch = msg + float((lat[a, b] + n / bw[a, b]).max(initial=0.0))
+    # the combine runs each pair backwards (links alike both ways: the dispatch's time)
+    combine = dispatch if symmetric else msg + float((lat[b, a] + n / bw[b, a]).max(initial=0.0))
     col = load[:, expert].astype(np.float64)
     rank_tokens = traffic.rank_tokens + col
     rank_tokens[m] -= col.sum()
@@ -205,11 +251,31 @@ def shadow_floor(
     tail = combine
     if settings.microbatches_per_update == 1:  # gradients on the tail, not in the background
         back = np.zeros(topology.num_dcs)  # combine bytes on y -> mdc: the pairs mdc -> y
-        back[dst[src == mdc]] = nbytes[src == mdc]
-        others = np.flatnonzero(np.arange(topology.num_dcs) != mdc)
-        grad = TransferEncoding().gradient_bytes(model)
-        tail = max(tail, msg + link(others, np.full_like(others, mdc), back[others] + grad))
+        out = src == mdc
+        back[dst[out]] = nbytes[out]
+        # each other DC y -> mdc with its gradient on top
+        times = lat[:, mdc] + (back + _ENCODING.gradient_bytes(model)) / bw[:, mdc]
+        times[mdc] = -np.inf
+        tail = max(tail, msg + float(times.max(initial=0.0)))
     return 2.0 * dispatch + 3.0 * fwd + combine + tail
+
+
+#: the default encoding (frozen): a replica gradient's bytes
+_ENCODING = TransferEncoding()
+
+#: per topology: [D, D] DC link latency (s) and bandwidth (bytes/s), and whether both are
+#: symmetric
+_LINKS: weakref.WeakKeyDictionary[Topology, tuple[np.ndarray, np.ndarray, bool]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _dc_links(topology: Topology) -> tuple[np.ndarray, np.ndarray, bool]:
+    got = _LINKS.get(topology)
+    if got is None:
+        lat, bw = topology.dc_latency_ms / 1e3, topology.dc_gbps * 1e9 / 8.0
+        got = _LINKS[topology] = (lat, bw, bool((lat == lat.T).all() and (bw == bw.T).all()))
+    return got
 
 
 class FasterMoESettings(PolicySettings):
@@ -242,6 +308,8 @@ class FasterMoEPolicy(Policy):
         super().__init__(settings)
         #: the last context, the placement place() chose for it and that placement's traffic
         self._last: tuple[PolicyContext, Placement, TokenTraffic] | None = None
+        #: the masters of the last step: (what they were made from, them, most shadows)
+        self._masters: tuple[tuple[object, ...], Placement, int] | None = None
 
     @property
     def cfg(self) -> FasterMoESettings:
@@ -260,25 +328,46 @@ class FasterMoEPolicy(Policy):
         flat[prev.master] = np.arange(prev.master.size)
         return Placement(phy2log=phy2log, master=prev.master.copy())
 
+    def _base(self, ctx: PolicyContext) -> tuple[Placement, int]:
+        """:meth:`masters` and the most shadows it has room for (``max_shadows`` too), made
+        again only when the previous plan's masters (or shape) changed: a fresh copy each
+        step cost more than the rest of a step that shadows nothing."""
+        t, prev = ctx.topology, None if ctx.previous is None else ctx.previous.placement
+        key: tuple[object, ...] = (
+            (t.num_ranks, t.slots_per_rank, ctx.model.num_experts, t.masters_per_rank)
+            if prev is None
+            else (prev.phy2log.shape, prev.master.dtype.str, prev.master.tobytes())
+        )
+        if self._masters is None or self._masters[0] != key:
+            base = self.masters(ctx)
+            free = base.slots_per_rank - (base.phy2log >= 0).sum(axis=1)
+            limit = int(free.min())
+            if self.cfg.max_shadows is not None:
+                limit = min(limit, self.cfg.max_shadows)
+            self._masters = (key, base, limit)
+        return self._masters[1], self._masters[2]
+
     def place(self, ctx: PolicyContext) -> Placement:
-        base = self.masters(ctx)
-        free = base.slots_per_rank - (base.phy2log >= 0).sum(axis=1)
-        limit = int(free.min())
-        if self.cfg.max_shadows is not None:
-            limit = min(limit, self.cfg.max_shadows)
-        order = np.argsort(-ctx.load.sum(axis=0), kind="stable")
+        base, limit = self._base(ctx)
+        demand = ctx.load.sum(axis=0)
+        order = None  # experts by demand descending (lower id on ties), sorted when needed
         topo, model, cs = ctx.topology, ctx.model, self.cfg.cost
         traffic = master_traffic(ctx.load, base, topo, model.top_k)
         best, best_traffic = base, traffic
         best_cost = step_cost(topo, model, traffic, None, cs).seconds
         for j in range(1, limit + 1):
-            e = int(order[j - 1])
+            if j == 1:  # argsort's first: the first of the hottest
+                e = int(np.argmax(demand))
+            else:
+                if order is None:
+                    order = np.argsort(-demand, kind="stable")
+                e = int(order[j - 1])
             floor = shadow_floor(
                 traffic, ctx.load, base, e, topology=topo, model=model, settings=cs
             )
             if floor > best_cost * (1.0 + 1e-9):  # the margin covers rounding: c >= best_cost
                 break
-            cand = shadow(base, order[:j])
+            cand = shadow(base, np.array([e]) if order is None else order[:j])
             traffic = shadow_traffic(traffic, ctx.load, base, topo, e)
             c = modeled_step(topo, model, traffic, cand, settings=cs).seconds
             if c >= best_cost:
