@@ -43,14 +43,22 @@ every row is a fresh runtime on it (new workers, initial weights, same seed).
    split between tokens and collectives stays the group's). Each row's constants go to
    ``cal-<D>dc-<speed>-<policy>.yaml``. Median predicted vs median measured over the
    same steps; beside it the workers' own counts (collectives, seconds waiting in the
-   link shaper) against the model's.
+   link shaper) against the model's. The group's calibration is checked on its own runs
+   (``spmdbench.check_calibration``, never on a row's prediction): the full batch at
+   least 1.15x the quarter batch's median step before, after and pooled, and a batch
+   size's before and after runs within 1.40x of each other. A group that fails is run
+   whole again (calibration before, rows, probes, calibration after; attempt ``n`` under
+   ``attempt-<n>/``), at most ``--calibration-attempts`` (3) times in all; the first
+   attempt that passes is the group, the rejected ones are kept under ``rejected`` with
+   their faults, and with none passing the group is under ``failed``, without rows.
 4. Tokens per second per worker: tokens a rank trains per step over the median step.
 
 Every run keeps its trace: the rows' in ``<D>dc-<speed>-<policy>/``, the calibration
 runs' and probes' in ``calibration/`` (the JSON names them), each with every rank's CPU
 seconds and shaper waits per step (``rank_cpu_seconds``, ``rank_shaped_seconds``). So
 ``--repredict JSON`` fits the constants and replays every row again with the current
-model from those files alone, in seconds, the measurements as recorded. A group whose
+model from those files alone, in seconds, the measurements as recorded, and runs the
+calibration check over every group again (``flagged``: those it fails). A group whose
 runs fail is recorded under ``failed``; the other groups still run, and the JSON is
 rewritten after every group.
 
@@ -86,6 +94,7 @@ from spmdbench import (  # noqa: E402
     SharedCluster,
     SpmdRun,
     calibrate,
+    check_calibration,
     replay_run,
     residual,
     run_bench,
@@ -220,7 +229,7 @@ def repredict(result: dict[str, Any], root: Path) -> dict[str, Any]:
     """A recorded run (``--json``) predicted again from the traces it wrote under ``root``
     (its rows', calibration runs' and probes'): the constants fitted and every row
     replayed with the current model, the measurements as recorded. Seconds, not a rerun."""
-    out = {**result, "groups": [], "calibrations": []}
+    out = {**result, "groups": [], "calibrations": [], "flagged": []}
     cals = {(c["dcs"], c["gbps"]): c for c in result["calibrations"]}
     for g in result["groups"]:
         info = cals[(g["dcs"], g["gbps"])]
@@ -236,8 +245,17 @@ def repredict(result: dict[str, Any], root: Path) -> dict[str, Any]:
         )
         fulls: list[Path] = [root / r for r in runs["probes"]]
         labels = [r["policy"] for r in g["rows"]]
-        row_cals = _row_calibrations(cal, fulls, labels, root, g["dcs"], g["gbps"])
-        out["calibrations"].append({**info, **cal.__dict__})
+        where = root / g.get("dir", "")
+        row_cals = _row_calibrations(cal, fulls, labels, where, g["dcs"], g["gbps"])
+        check = {**info.get("check", {}), **check_calibration(before, after, cal)}
+        if check["faults"]:
+            out["flagged"].append({"dcs": g["dcs"], "gbps": g["gbps"], "faults": check["faults"]})
+            print(
+                f"{g['dcs']} DCs {fmt_gbps(g['gbps'])}: calibration flagged by the check: "
+                + "; ".join(check["faults"]),
+                file=sys.stderr,
+            )
+        out["calibrations"].append({**info, **cal.__dict__, "check": check})
         rows = []
         for r in g["rows"]:
             row_cal, factor = row_cals[r["policy"]]
@@ -316,21 +334,68 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             labels = [p for p in labels_of if p.removesuffix("-bf16") in have]
             before: tuple[SpmdRun, SpmdRun, SpmdRun] | None = None
             for gbps in args.gbps:
-                try:  # a group that fails is recorded; the other groups still run
-                    before = before or calibration_runs()
-                    before = _group_and_calibration(
-                        out, args, dcs, gbps, lm, small, labels, before, calibration_runs, probe
-                    )
-                except Exception as err:  # any failure of a group's runs
-                    out["failed"].append({"dcs": dcs, "gbps": gbps, "error": repr(err)[:500]})
-                    print(f"{dcs} DCs {fmt_gbps(gbps)}: the group failed: {err!r}", flush=True)
-                    before = None  # the next group calibrates afresh
+                before = _checked_group(
+                    out, args, dcs, gbps, lm, small, labels, before, calibration_runs, probe
+                )
                 _save(out, args)  # what is measured so far, should the run be cut short
     return out
 
 
-def _group_and_calibration(
+def _checked_group(
     out: dict[str, Any],
+    args: argparse.Namespace,
+    dcs: int,
+    gbps: float,
+    lm: LMConfig,
+    small: LMConfig,
+    labels: list[str],
+    before: tuple[SpmdRun, SpmdRun, SpmdRun] | None,
+    calibration_runs: Callable[[], tuple[SpmdRun, SpmdRun, SpmdRun]],
+    probe: Callable[[Path], SpmdRun],
+) -> tuple[SpmdRun, SpmdRun, SpmdRun] | None:
+    """One group, run whole again (its calibration before, rows, probes, calibration
+    after) while its calibration fails the check (``spmdbench.check_calibration``), at
+    most ``--calibration-attempts`` times in all. Every attempt is recorded: the first
+    whose calibration passes as the group, each rejected one under ``rejected`` with its
+    faults, rows and calibration; when none passes, the group goes under ``failed``
+    (``calibration_failed``), not as rows. Returns the runs after the group (the next
+    group's "before"), or None (the next group calibrates afresh)."""
+    tries = max(args.calibration_attempts, 1) if args.calibration_check else 1
+    for attempt in range(tries):
+        try:  # a group that fails is recorded; the other groups still run
+            before = before or calibration_runs()
+            group, info, after = _group_and_calibration(
+                args, dcs, gbps, lm, small, labels, before, calibration_runs, probe, attempt
+            )
+        except Exception as err:  # any failure of a group's runs
+            out["failed"].append({"dcs": dcs, "gbps": gbps, "error": repr(err)[:500]})
+            print(f"{dcs} DCs {fmt_gbps(gbps)}: the group failed: {err!r}", flush=True)
+            return None
+        faults = info["check"]["faults"]
+        if not faults or not args.calibration_check:
+            out["groups"].append(group)
+            out["calibrations"].append(info)
+            return after
+        out.setdefault("rejected", []).append(
+            {"dcs": dcs, "gbps": gbps, "attempt": attempt + 1, "faults": faults,
+             "calibration": info, "group": group}
+        )  # fmt: skip
+        print(
+            f"{dcs} DCs {fmt_gbps(gbps)}: attempt {attempt + 1} of {tries} rejected, its "
+            f"calibration fails the check: {'; '.join(faults)}",
+            flush=True,
+        )
+        _save(out, args)
+        before = None  # the next attempt calibrates afresh, before and after
+    out["failed"].append(
+        {"dcs": dcs, "gbps": gbps, "calibration_failed": True,
+         "error": f"its calibration failed the check in all {tries} attempts (under rejected)"}
+    )  # fmt: skip
+    print(f"{dcs} DCs {fmt_gbps(gbps)}: no attempt's calibration passed; no rows", flush=True)
+    return None
+
+
+def _group_and_calibration(
     args: argparse.Namespace,
     dcs: int,
     gbps: float,
@@ -340,20 +405,24 @@ def _group_and_calibration(
     before: tuple[SpmdRun, SpmdRun, SpmdRun],
     calibration_runs: Callable[[], tuple[SpmdRun, SpmdRun, SpmdRun]],
     probe: Callable[[Path], SpmdRun],
-) -> tuple[SpmdRun, SpmdRun, SpmdRun]:
-    """One group (DC count, bandwidth): its rows with a probe between each two, the
-    calibration runs after it, its constants; appended to ``out``. Returns the runs after
-    it (the next group's "before")."""
+    attempt: int = 0,
+) -> tuple[dict[str, Any], dict[str, Any], tuple[SpmdRun, SpmdRun, SpmdRun]]:
+    """One attempt at a group (DC count, bandwidth): its rows with a probe between each
+    two, the calibration runs after it, its constants and their check. Returns ``(group,
+    calibration, runs after it)`` (the last: the next group's "before"). The first
+    attempt writes under ``--trace-dir``, attempt ``n`` > 1 under its ``attempt-<n>/``."""
     root: Path = args.trace_dir
-    runs, probes = _group_runs(dcs, gbps, lm, labels, args, probe)
+    sub = f"attempt-{attempt + 1}" if attempt else ""
+    runs, probes = _group_runs(dcs, gbps, lm, labels, args, probe, root / sub)
     after = calibration_runs()  # the next group's "before"
     cal = calibrate([before[0], after[0]], [before[1], after[1]], replicated=[before[2], after[2]])
     name = f"cal-{dcs}dc-{_speed(gbps)}.yaml"
-    cal.write(root / name)
+    cal.write(root / sub / name)
     info = _calibration_info(dcs, gbps, cal, before, after, lm, small)
+    info["check"] = {**check_calibration(before, after, cal), "attempt": attempt + 1}
     # the full-batch probes on either side of each row: [before, p1, ..., after]
     fulls = [before[0], *probes, after[0]]
-    row_cals = _row_calibrations(cal, fulls, list(runs), root, dcs, gbps)
+    row_cals = _row_calibrations(cal, fulls, list(runs), root / sub, dcs, gbps)
     info["probe_medians"] = [f.median("seconds") for f in fulls]
     # every run's trace directory (relative to --trace-dir): a model change re-predicts
     # from them (--repredict) without running the runtime again
@@ -362,7 +431,6 @@ def _group_and_calibration(
         "after": [_rel(r, root) for r in after],
         "probes": [_rel(r, root) for r in fulls],
     }
-    out["calibrations"].append(info)
     print(
         f"{dcs} DCs {fmt_gbps(gbps)} calibration (static, free links, before and "
         f"after the group): median step {cal.full_median:.3f}s at batch {lm.batch} "
@@ -377,15 +445,12 @@ def _group_and_calibration(
         f"{root / name}",
         flush=True,
     )
-    if cal.small_median >= cal.full_median:
-        print(
-            f"WARNING: {dcs} DCs calibration failed its check: the quarter "
-            f"batch's median step ({cal.small_median:.3f}s) is not below the full "
-            f"batch's ({cal.full_median:.3f}s), so a = 0; the machine was busy",
-            flush=True,
-        )
-    out["groups"].append(_group(dcs, gbps, runs, row_cals, name))
-    return after
+    faults = info["check"]["faults"]
+    print(
+        f"  calibration check: {'; '.join(faults) if faults else 'passes'} (attempt {attempt + 1})",
+        flush=True,
+    )
+    return _group(dcs, gbps, runs, row_cals, name, sub), info, after
 
 
 def _record_root(record: dict[str, Any]) -> Path:
@@ -429,6 +494,8 @@ def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
         "groups": sorted((g for r in results for g in r["groups"]), key=order),
         "calibrations": sorted((c for r in results for c in r["calibrations"]), key=order),
         "failed": [f for r in results for f in r.get("failed", [])],
+        "rejected": [a for r in results for a in r.get("rejected", [])],
+        "flagged": [f for r in results for f in r.get("flagged", [])],
         "parts": parts,
         "seconds": sum(r["seconds"] for r in results),
         "load_avg": [results[0]["load_avg"][0], results[-1]["load_avg"][1]],
@@ -503,16 +570,17 @@ def _group_runs(
     labels: list[str],
     args: argparse.Namespace,
     probe: Callable[[Path], SpmdRun],
+    root: Path,
 ) -> tuple[dict[str, SpmdRun], list[SpmdRun]]:
     """The group's rows, a full-batch calibration probe (static, free links) between each
-    two: ``(runs by label, probes)``."""
+    two, their traces under ``root``: ``(runs by label, probes)``."""
     topo = topology(dcs, gbps, args.latency_ms, lm.num_experts)
     runs: dict[str, SpmdRun] = {}
     probes: list[SpmdRun] = []
     for i, label in enumerate(labels):
         if i:
-            probes.append(probe(args.trace_dir / "calibration" / f"{dcs}dc-{_speed(gbps)}-p{i}"))
-        where = args.trace_dir / f"{dcs}dc-{_speed(gbps)}-{label}"
+            probes.append(probe(root / "calibration" / f"{dcs}dc-{_speed(gbps)}-p{i}"))
+        where = root / f"{dcs}dc-{_speed(gbps)}-{label}"
         runs[label] = run_spmd(settings(topo, lm, label, args), args.steps, where)
     return runs, probes
 
@@ -545,7 +613,10 @@ def _group(
     runs: dict[str, SpmdRun],
     cals: dict[str, tuple[Calibration, float]],
     cal_name: str,
+    sub: str = "",
 ) -> dict[str, Any]:
+    """The group's rows (``sub``: the attempt's directory under --trace-dir, if any)."""
+    pre = f"{sub}/" if sub else ""
     static = runs.get("static")
     rows = []
     for label, run in runs.items():
@@ -553,13 +624,13 @@ def _group(
         r = row(run, cal, static)
         r["policy"] = label
         r["drift_factor"] = factor
-        r["calibration"] = f"cal-{dcs}dc-{_speed(gbps)}-{label}.yaml"
-        r["trace"] = f"{dcs}dc-{_speed(gbps)}-{label}"  # relative to --trace-dir
+        r["calibration"] = f"{pre}cal-{dcs}dc-{_speed(gbps)}-{label}.yaml"
+        r["trace"] = f"{pre}{dcs}dc-{_speed(gbps)}-{label}"  # relative to --trace-dir
         rows.append(r)
         print(f"  {dcs} DCs {fmt_gbps(gbps):>11} {line(r)}", flush=True)
     return {
         "dcs": dcs, "gbps": gbps, "rows": rows, "load": os.getloadavg()[0],
-        "calibration": cal_name,
+        "calibration": pre + cal_name, "dir": sub,
     }  # fmt: skip
 
 
@@ -601,6 +672,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--batch", type=int, default=LMConfig().batch, help="sequences per rank")
     p.add_argument("--corpus-bytes", type=int, default=300_000)
+    p.add_argument(
+        "--calibration-check",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="re-run a group whose calibration fails spmdbench.check_calibration (default "
+        "on; off: the check is recorded, the first attempt kept whatever it says)",
+    )
+    p.add_argument(
+        "--calibration-attempts",
+        type=int,
+        default=3,
+        help="attempts at a group in all while its calibration fails the check (default 3)",
+    )
     p.add_argument(
         "--policies-3dc", default="", help="policies at 3 DCs and more (default: --policies)"
     )
@@ -651,6 +735,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.dcs, args.gbps, args.policies = [2], [0.02], ["static", "hybrid"]
         args.steps, args.calib_steps, args.batch, args.warmup = 4, 3, 4, False
+        args.calibration_check = False  # a smoke run's tiny batch calibrates nothing
     if args.steps < 3 or args.calib_steps < 3:
         p.error("--steps and --calib-steps must be >= 3 (the first step is not measured)")
 

@@ -94,6 +94,39 @@ def _misses(run: dict) -> list[str]:
     return out
 
 
+def _checks(run: dict) -> list[str]:
+    """The calibration check (bench/spmdbench.py ``check_calibration``, on each group's
+    calibration runs alone): which groups of the table it flags, and the attempts a run
+    rejected and ran again."""
+    cals = run.get("calibrations") or []
+    checked = [c for c in cals if c.get("check")]
+    if not checked:
+        return []
+    bad = [c for c in checked if c["check"]["faults"]]
+    out = [
+        f"Calibration check (the full batch's median step at least "
+        f"{checked[0]['check']['min_batch_ratio']:g}x the quarter batch's before, after and "
+        f"pooled; a batch size's before and after runs within "
+        f"{checked[0]['check']['max_drift']:g}x): "
+        + (
+            f"passes in all {len(checked)} groups of the table."
+            if not bad
+            else f"fails in {len(bad)} of {len(checked)} groups of the table."
+        )
+    ]
+    for c in bad:
+        out.append(
+            f"**Calibration flagged**: {c['dcs']} DCs {fmt_gbps(c['gbps'])}: "
+            f"{'; '.join(c['check']['faults'])}."
+        )
+    for r in run.get("rejected") or []:
+        out.append(
+            f"Rejected and run again: {r['dcs']} DCs {fmt_gbps(r['gbps'])}, attempt "
+            f"{r['attempt']}: {'; '.join(r['faults'])} (its rows in the record, not the table)."
+        )
+    return out
+
+
 def _provenance(run: dict) -> list[str]:
     """Which run (or runs: ``parts``, groups measured in separate runs) recorded the
     rows, at which commit and load; a re-prediction's commit."""
@@ -130,5 +163,6 @@ def _provenance(run: dict) -> list[str]:
         )
     for f in run.get("failed") or []:
         out.append(f"**Failed group**: {f['dcs']} DCs {fmt_gbps(f['gbps'])}: {f['error']}.")
+    out += _checks(run)
     out.append(f"(`{RECORD}`; docs/benchmarks.md, Runtime, has every column and the analysis).")
     return out

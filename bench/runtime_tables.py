@@ -72,9 +72,26 @@ def markdown(result: dict[str, Any]) -> str:
         + f" s, {c.get('replicated_collectives', 0)} collectives, "
         f"{c.get('replicated_copies', 0.0):g} copies; load {c['load']:.1f}); probes "
         + ", ".join(f"{m:.3f}" for m in c["probe_medians"])
+        + _check_words(c.get("check"))
         for c in result["calibrations"]
     ]
+    for r in result.get("rejected") or []:
+        lines.append(
+            f"- rejected: {r['dcs']} DCs, {fmt_gbps(r['gbps'])}, attempt {r['attempt']} (its "
+            f"calibration failed the check: {'; '.join(r['faults'])}; rows kept in the JSON "
+            "under `rejected`)"
+        )
     return "\n".join(lines) + "\n"
+
+
+def _check_words(check: dict[str, Any] | None) -> str:
+    """The calibration check's verdict (spmdbench.check_calibration), if recorded."""
+    if not check:
+        return ""
+    when = f", attempt {check['attempt']}" if "attempt" in check else ""
+    if not check["faults"]:
+        return f"; check: passes{when}"
+    return f"; **check: fails**{when} ({'; '.join(check['faults'])})"
 
 
 def _replay_table(result: dict[str, Any]) -> list[str]:

@@ -10,6 +10,8 @@
 - :func:`calibrate` and :func:`predict`: the SPMD step model on a run, as ``expertmesh sim
   replay`` computes it from the run's trace and plans (``expertmesh.sim.replay``), with
   two machine constants from static EP on free links at two batch sizes.
+- :func:`check_calibration`: whether a calibration's own runs are sane (the full batch
+  clearly slower than the quarter batch, before and after runs that agree).
 """
 
 from __future__ import annotations
@@ -327,6 +329,74 @@ def calibrate(
         replicated_collectives=nr,
         replicated_copies=kr,
     )
+
+
+# ---- the calibration's sanity check (on the calibration runs alone, never on a row) ----
+
+# Thresholds from the five healthy groups recorded in docs/results/bench-runtime-runs/
+# br-b..br-e (br-f's one group is the broken one): there the full batch's median step
+# was 1.30-1.72 times the quarter batch's in each of the before and after runs (1.27-1.51
+# pooled), and a batch size's before and after runs were 1.06-1.28x apart (full) and
+# 1.03-1.24x (quarter). br-f's group: 0.94x before, 1.11x after, 1.06x pooled; full
+# batch 0.149 s before against 0.238 s after (1.60x apart).
+MIN_BATCH_RATIO = 1.15  # full batch over quarter batch: each side and pooled, at least this
+MAX_DRIFT = 1.40  # a batch size's before and after medians: the larger over the smaller, at most
+
+
+def calibration_faults(
+    full_medians: Sequence[float],
+    small_medians: Sequence[float],
+    full_pooled: float,
+    small_pooled: float,
+) -> list[str]:
+    """Why a group's calibration is invalid, from its calibration runs' median steps
+    (``[before, after]`` of the full and the quarter batch, and the pooled medians the
+    constants were fitted on); empty: it passes. Invalid when the full batch is not
+    :data:`MIN_BATCH_RATIO` times as slow as the quarter batch (before, after or pooled:
+    four times the tokens must cost clearly more, or ``a`` is noise and the step's cost
+    goes to the per-collective and per-copy constants), or when a batch size's before and
+    after runs differ by more than :data:`MAX_DRIFT` (the machine changed under the
+    group, so the pooled medians mix two machines)."""
+    faults = []
+    sides = [*zip(("before", "after"), full_medians, small_medians, strict=True)]
+    for which, f, s in [*sides, ("pooled", full_pooled, small_pooled)]:
+        if f < MIN_BATCH_RATIO * s:
+            faults.append(
+                f"{which}: full batch {f:.3f} s is {f / s:.2f}x the quarter batch's "
+                f"{s:.3f} s (< {MIN_BATCH_RATIO:g}x)"
+            )
+    for kind, meds in (("full", full_medians), ("quarter", small_medians)):
+        lo, hi = min(meds), max(meds)
+        if hi > MAX_DRIFT * lo:
+            faults.append(
+                f"{kind} batch before {meds[0]:.3f} s, after {meds[1]:.3f} s: "
+                f"{hi / lo:.2f}x apart (> {MAX_DRIFT:g}x)"
+            )
+    return faults
+
+
+def check_calibration(
+    before: Sequence[Run], after: Sequence[Run], cal: Calibration, skip: int = 1
+) -> dict[str, Any]:
+    """The check of a group's calibration as a record keeps it: ``passed``, ``faults``
+    (:func:`calibration_faults` of its runs, ``(full, small, replicated)`` before and
+    after the group as :func:`calibrate` took them, and of ``cal``) and the thresholds."""
+
+    def med(run: Run) -> float:
+        return statistics.median(_seconds(run, skip))
+
+    faults = calibration_faults(
+        [med(before[0]), med(after[0])],
+        [med(before[1]), med(after[1])],
+        cal.full_median,
+        cal.small_median,
+    )
+    return {
+        "passed": not faults,
+        "faults": faults,
+        "min_batch_ratio": MIN_BATCH_RATIO,
+        "max_drift": MAX_DRIFT,
+    }
 
 
 def run_bench(
