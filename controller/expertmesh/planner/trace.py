@@ -28,7 +28,7 @@ does the same, per layer and per step:
   exactly ``top_k`` distinct experts: ``load[t, l, r].sum() == tokens * top_k``.
   Every source rank shares the layer's popularity (no per-rank preference).
   The multinomial's binomial draws (``E - 1`` per rank and step) are most of the
-  generator's time (2.4 of 3.9 ms per step at 64 ranks x 256 experts x 8192 tokens); the
+  generator's time (2.2 of 3.2 ms per step at 64 ranks x 256 experts x 8192 tokens); the
   exact alternative measured, independent Poisson counts completed to ``n``, is slower
   (``bench/bench_scale_parts.py --draws``; docs/benchmarks.md).
 - **drift** ``F``: each step about ``F * E / 2`` swaps (Poisson) of two experts
@@ -60,6 +60,7 @@ __all__ = [
 
 MAX_TRACE_ELEMENTS = 1 << 30  # 8 GiB of int64: more is refused, not attempted
 _MAX_EXPONENT = 64.0
+_FLAT_KEY_BITS = 23  # the sampler's sort keys: 40 bits of arc start, then the item's
 
 
 class TraceSettings(BaseModel):
@@ -174,9 +175,17 @@ def _calibrate(
     without it.
     """
 
-    f = _Imbalance(perm, expert_rank, num_ranks, top_k, memo)
     if memo is not None and memo.settled is not None:
-        return memo.settled, f(memo.settled), f.pi
+        s = memo.settled
+        by_position = memo.by_position.get(s)
+        if by_position is not None and memo.one_each:  # _Imbalance(s) in one scatter
+            pi = np.empty_like(by_position)
+            pi[perm] = by_position  # by expert: by_position[pos] with pos[perm] = arange
+            return s, float(pi.max()) / (float(pi.sum()) / pi.shape[0]), pi
+        f = _Imbalance(perm, expert_rank, num_ranks, top_k, memo)
+        return s, f(s), f.pi
+
+    f = _Imbalance(perm, expert_rank, num_ranks, top_k, memo)
 
     lo = 0.0
     if not f.below(0.0, target - 1e-9):
@@ -328,10 +337,14 @@ def _drift(rng: np.random.Generator, perm: np.ndarray, drift: float) -> bool:
     if swaps == 0:
         return False
     window = max(1, num_experts // 16)
-    pos = rng.integers(0, num_experts, size=swaps)
-    gap = rng.integers(1, window + 1, size=swaps)
+    if swaps <= 4:  # the same draws one by one: a call with ``size`` costs more than 4
+        pos = [int(rng.integers(0, num_experts)) for _ in range(swaps)]
+        gap = [int(rng.integers(1, window + 1)) for _ in range(swaps)]
+    else:
+        pos = rng.integers(0, num_experts, size=swaps).tolist()
+        gap = rng.integers(1, window + 1, size=swaps).tolist()
     last = num_experts - 1
-    for i, g in zip(pos.tolist(), gap.tolist(), strict=True):
+    for i, g in zip(pos, gap, strict=True):
         j = min(max(i + g if i + g < num_experts else i - g, 0), last)
         perm[i], perm[j] = perm[j], perm[i]
     return True
@@ -389,35 +402,86 @@ def counts_from_segments(
     )
 
 
+class _Buffers:
+    """Arrays of :func:`_systematic_sample` and :func:`_sample` for [R, K] samples, kept
+    from step to step: fresh 128 KiB arrays for each numpy call cost a good part of a
+    64 x 256 step. ``counts`` is a sample's result (overwritten by the next one)."""
+
+    def __init__(self, num_rows: int, num_items: int) -> None:
+        shape = (num_rows, num_items)
+        size = num_rows * num_items
+        # sort keys ``tick * 2^bits + flat item`` (``tick < 2^40``) order each row as
+        # ``tick * 2^b + item`` do, and give the flat index of the item in one mask; with
+        # more than 2^23 items, the item in its row (made flat after the sort)
+        self.bits = max(1, (size - 1).bit_length())
+        self.row_start = np.arange(0, size, num_items)[:, None]  # [R, 1] flat index of col 0
+        self.key_item: np.ndarray
+        self.to_flat: np.ndarray | None = None
+        if self.bits <= _FLAT_KEY_BITS:
+            self.key_item = np.arange(size, dtype=np.int64).reshape(shape)
+        else:
+            self.bits = max(1, (num_items - 1).bit_length())
+            self.key_item = np.arange(num_items, dtype=np.int64)
+            self.to_flat = self.row_start
+        self.base: np.ndarray | None = None  # [R, K] each row 0..K-1 (_sample fills it)
+        self.order = np.empty(shape, dtype=np.int64)
+        self.q, self.c, self.ticks, self.seg = (np.empty(shape) for _ in range(4))
+        self.total = np.empty((num_rows, 1))
+        self.keys, self.at, self.counts = (np.empty(shape, dtype=np.int64) for _ in range(3))
+        self.wrap = np.empty(shape, dtype=bool)
+
+
 def _sample(
     rng: np.random.Generator,
     pi: np.ndarray,
     n: int,
     num_src: int,
     out: np.ndarray | None = None,
+    *,
+    buffers: dict[int, _Buffers] | None = None,
 ) -> np.ndarray:
     """[R, E] int64: ``n`` tokens per source rank, each to ``sum(pi)`` distinct experts.
 
-    ``out``: an [R, E] int64 array to write into (returned), else a new one.
+    ``out``: an [R, E] int64 array to write into (returned), else a new one. ``buffers``:
+    :class:`_Buffers` by number of sampled experts, kept from call to call (filled here).
     """
     num_experts = pi.shape[0]
     if out is None:
         out = np.empty((num_src, num_experts), dtype=np.int64)
-    full = pi >= 1.0 - 1e-12
-    idx = np.flatnonzero(~full)
-    if idx.size < num_experts:
+    idx = None  # experts not chosen by every token: all of them (the usual case) ...
+    if float(pi.max()) >= 1.0 - 1e-12:  # ... or these
+        full = pi >= 1.0 - 1e-12
+        idx = np.flatnonzero(~full)
         out[:] = 0
         out[:, full] = n  # chosen by every token
         if idx.size == 0 or pi[idx].sum() < 0.5:
             return out
-    order = rng.permuted(np.tile(idx, (num_src, 1)), axis=1)  # [R, K] fresh order per rank
-    counts = _systematic_sample(rng, pi[order], n)  # [R, K]
-    order += np.arange(0, num_src * num_experts, num_experts)[:, None]  # flat index in out
+    num_items = num_experts if idx is None else idx.size
+    buf = None if buffers is None else buffers.get(num_items)
+    if buf is None:
+        buf = _Buffers(num_src, num_items)
+        if buffers is not None:
+            buffers[num_items] = buf
+    if idx is not None:
+        base = np.tile(idx, (num_src, 1))
+    elif buf.base is None:
+        base = buf.base = np.tile(np.arange(num_items), (num_src, 1))
+    else:
+        base = buf.base
+    order = rng.permuted(base, axis=1, out=buf.order)  # [R, K] fresh order per rank
+    np.take(pi, order, out=buf.q, mode="clip")  # pi[order]
+    counts = _systematic_sample(rng, buf.q, n, buf)  # [R, K]
+    if idx is None:
+        order += buf.row_start  # flat index in out
+    else:
+        order += np.arange(0, num_src * num_experts, num_experts)[:, None]
     out.reshape(-1)[order.reshape(-1)] = counts.reshape(-1)  # out[r, order[r]] = counts[r]
     return out
 
 
-def _systematic_sample(rng: np.random.Generator, q: np.ndarray, n: int) -> np.ndarray:
+def _systematic_sample(
+    rng: np.random.Generator, q: np.ndarray, n: int, buf: _Buffers | None = None
+) -> np.ndarray:
     """[R, K] int64: how many of ``n`` tokens per row choose each item under Madow's design.
 
     ``q``: [R, K] inclusion probabilities as :func:`systematic_arcs` takes them. The same
@@ -425,48 +489,55 @@ def _systematic_sample(rng: np.random.Generator, q: np.ndarray, n: int) -> np.nd
     starts, ``rng.multinomial(n, segment lengths)`` and :func:`counts_from_segments`, with
     fewer passes: an arc start is ``N / 1e12`` for an integer ``N`` (``np.round(x, 12)``
     is ``rint(x * 1e12) / 1e12``), so the integers ``N * 2^b + item`` (all distinct) sort
-    the items as the stable ``argsort`` of the starts does, and integers compare as the
-    starts do.
+    the items as the stable ``argsort`` of the starts does, and the ``N`` compare as the
+    starts do. ``buf``: the arrays to work in (the result is ``buf.counts``), else new ones.
+    Differences of neighbours are taken over the flattened rows (one contiguous pass), the
+    last column then written over.
     """
-    num_rows, num_items = q.shape
-    c = np.cumsum(q, axis=1)
+    if buf is None:
+        buf = _Buffers(*q.shape)
+    c, ticks, keys, seg, wrap = buf.c, buf.ticks, buf.keys, buf.seg, buf.wrap
+    np.cumsum(q, axis=1, out=c)
     c -= q  # [R, K] exclusive cumulative sum, as systematic_arcs
-    ticks = np.floor(c)
+    np.floor(c, out=ticks)
     np.subtract(c, ticks, out=ticks)
     ticks *= 1e12
     np.rint(ticks, out=ticks)  # [R, K] start * 1e12: integers in [0, 1e12]
     if ticks.max() >= 1e12:
         ticks[ticks >= 1e12] = 0.0  # a start of 1.0 is 0.0
-    start = ticks.astype(np.int64)
-    bits = max(1, (num_items - 1).bit_length())
-    keys = np.left_shift(start, bits)
-    keys |= np.arange(num_items, dtype=np.int64)
+    t1 = ticks.reshape(-1)
+    # an item's arc wraps past 1 where the next item's start (the last's end: 0) is below its own
+    np.less(t1[1:], t1[:-1], out=wrap.reshape(-1)[:-1])
+    np.greater(ticks[:, -1], 0.0, out=wrap[:, -1])
+    np.copyto(keys, ticks, casting="unsafe")  # exact: integers below 2^40
+    keys <<= buf.bits
+    keys |= buf.key_item
     keys.sort(axis=1)  # [R, K] by (start, item): the stable argsort of the starts
-    flat = keys & ((1 << bits) - 1)  # [R, K] sorted position -> item
-    flat += np.arange(0, num_rows * num_items, num_items)[:, None]  # ... its flat index
+    flat = keys
+    flat &= (1 << buf.bits) - 1  # [R, K] sorted position -> (flat) item
+    if buf.to_flat is not None:
+        flat += buf.to_flat
     ticks /= 1e12  # [R, K] arc starts
-    bounds = ticks.reshape(-1)[flat]  # [R, K] arc starts in sorted order
-    seg = np.empty_like(bounds)  # np.diff(bounds, append=1.0): never negative
-    np.subtract(bounds[:, 1:], bounds[:, :-1], out=seg[:, :-1])
+    bounds = np.take(t1, flat, out=c, mode="clip")  # arc starts in sorted order
+    b1, s1 = bounds.reshape(-1), seg.reshape(-1)  # seg: np.diff(bounds, append=1.0) >= 0
+    np.subtract(b1[1:], b1[:-1], out=s1[:-1])
     np.subtract(1.0, bounds[:, -1], out=seg[:, -1])
-    seg /= seg.sum(axis=1, keepdims=True)
+    seg /= np.sum(seg, axis=1, keepdims=True, out=buf.total)
+    some_empty = float(seg.min()) <= 0.0  # an arc of length 0 or 1 (q rounded)
     seg_counts = rng.multinomial(n, seg)  # [R, K] tokens per segment
-    cum = np.empty_like(seg_counts)  # tokens before each segment
-    cum[:, 0] = 0
-    np.cumsum(seg_counts[:, :-1], axis=1, out=cum[:, 1:])
-    at = np.empty_like(cum)  # [R, K] tokens before each item's arc starts
-    at.reshape(-1)[flat.reshape(-1)] = cum.reshape(-1)
-    counts = np.empty_like(at)  # the next item's ``at`` (item 0 starts at 0) minus its own
-    np.subtract(at[:, 1:], at[:, :-1], out=counts[:, :-1])
-    np.subtract(at[:, :1], at[:, -1:], out=counts[:, -1:])
-    step = np.empty_like(start)  # [R, K] the next item's start (the last item ends at 0) ...
-    np.subtract(start[:, 1:], start[:, :-1], out=step[:, :-1])
-    # ... minus its own (np.subtract, not np.negative: numpy 2.4.6's negative reads the
-    # wrong elements into a column of an [R, 8] int64 array, out=step[:, -1])
-    np.subtract(0, start[:, -1], out=step[:, -1])
-    np.add(counts, n, out=counts, where=step < 0)  # the arc wraps past 1
-    if not (seg > 0).all():  # some arc of length 0 or 1 (q rounded): no token or every token
-        empty = step == 0
+    cum, at = buf.counts, buf.at  # tokens before each segment
+    np.cumsum(seg_counts, axis=1, out=cum)
+    cum -= seg_counts
+    at.reshape(-1)[flat.reshape(-1)] = cum.reshape(-1)  # [R, K] tokens before each arc
+    # the next item's ``at`` (item 0 starts at 0) minus its own
+    counts, a1 = buf.counts, at.reshape(-1)
+    np.subtract(a1[1:], a1[:-1], out=counts.reshape(-1)[:-1])
+    np.subtract(at[:, 0], at[:, -1], out=counts[:, -1])
+    np.add(counts, n, out=counts, where=wrap)  # the arc wraps past 1
+    if some_empty:  # no token or every token
+        empty = np.empty_like(wrap)  # the next item's start equals its own
+        np.equal(t1[1:], t1[:-1], out=empty.reshape(-1)[:-1])
+        np.equal(ticks[:, -1], 0.0, out=empty[:, -1])
         counts[empty] = np.where(q[empty] >= 0.5, n, 0)
     return counts
 
@@ -484,6 +555,7 @@ def generate_trace(settings: TraceSettings) -> SyntheticTrace:
     expert_rank = _expert_rank(ref_ranks, s.num_experts)
     streams = np.random.SeedSequence(s.seed).spawn(s.num_layers)
     memo = _Memo(expert_rank, ref_ranks, s.num_experts)  # shared by every calibration
+    buffers: dict[int, _Buffers] = {}  # the sampler's arrays, shared by every step
     for layer, seq in enumerate(streams):
         rng = np.random.default_rng(seq)
         perm = rng.permutation(s.num_experts)
@@ -500,7 +572,7 @@ def generate_trace(settings: TraceSettings) -> SyntheticTrace:
                     perm, expert_rank, ref_ranks, s.top_k, s.imbalance, memo=memo
                 )
             exponent[t, layer], expected[t, layer] = exp_t, imb_t
-            _sample(rng, pi, s.tokens_per_rank, s.num_ranks, out=load[t, layer])
+            _sample(rng, pi, s.tokens_per_rank, s.num_ranks, load[t, layer], buffers=buffers)
     realized = static_imbalance(load)
     meta: dict[str, Any] = {
         "format": "expertmesh-trace/1",
