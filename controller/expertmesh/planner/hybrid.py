@@ -390,17 +390,17 @@ def _fills(
 ) -> Iterator[np.ndarray]:
     """For each share ``frac`` of ``fracs``, the holder sets [D, E] of ``replicas`` plus, in
     every DC, copies of its heaviest experts it does not hold yet, in ``frac`` of its
-    remaining free slots (compute relief for overloaded masters); the order sorted once."""
+    remaining free slots (compute relief for overloaded masters); the order sorted once per
+    solve (:attr:`~expertmesh.planner.hybridpairs.HybridInputs.fill_order`)."""
     topo, dc_load = inp.topology, inp.dc_load
-    num_dcs, num_experts = dc_load.shape
+    num_dcs = dc_load.shape[0]
     held = _holds(num_dcs, mdc, replicas)
     ranks = np.bincount(topo.rank_dc, minlength=num_dcs)
     slots = ranks * (topo.slots_per_rank - inp.cfg.reserve_slots)  # the reserve stays free
     free = np.maximum(slots - held.sum(axis=1), 0)
-    d, e = np.nonzero(~held & (dc_load > 0))
-    rot = (e - d * num_experts // num_dcs) % num_experts  # equal loads: DCs pick different ones
-    o = np.lexsort((rot, -dc_load[d, e], d))
-    d, e = d[o], e[o]
+    d, e = inp.fill_order
+    lack = ~held[d, e]
+    d, e = d[lack], e[lack]
     pos = np.arange(d.size) - np.searchsorted(d, d, "left")
     for frac in fracs:
         take = pos < np.floor(frac * free).astype(np.int64)[d]

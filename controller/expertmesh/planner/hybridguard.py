@@ -5,7 +5,7 @@ candidate is laid out on ranks (the domain-based partition) only when it is scor
 
 from __future__ import annotations
 
-import functools
+import weakref
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
@@ -72,15 +72,26 @@ class GuardCosts:
 
     def bound(self, holds: np.ndarray) -> float:
         """:func:`guard_bound` of holder sets ``holds`` [D, E] (once per holder sets)."""
-        key = holds.tobytes()
-        if key not in self.bounds:
-            self.bounds[key] = guard_bound(self.inp, holds, self.master_dc)
-        return self.bounds[key]
+        return float(self.bounds_of([holds])[0])
+
+    def bounds_of(self, cands: list[np.ndarray]) -> np.ndarray:
+        """[C] :func:`guard_bound` of each of ``cands`` (holder sets [D, E]), those not
+        bounded before in one batch (the same floats as one by one)."""
+        keys = [h.tobytes() for h in cands]
+        new: dict[bytes, np.ndarray] = {}
+        for key, h in zip(keys, cands, strict=True):
+            if key not in self.bounds and key not in new:
+                new[key] = h
+        if new:
+            got = guard_bound(self.inp, np.stack(list(new.values())), self.master_dc)
+            got = np.broadcast_to(np.asarray(got, dtype=np.float64), (len(new),))
+            self.bounds.update(zip(new, got.tolist(), strict=True))
+        return np.array([self.bounds[k] for k in keys], dtype=np.float64)
 
     def above(self, cands: Iterable[np.ndarray], bar: float) -> bool:
         """Whether every candidate's (holder sets [D, E]) lower bound is above ``bar``: none
-        of them can cost ``bar`` or less (stops at the first that can)."""
-        return all(self.bound(h) > bar for h in cands)
+        of them can cost ``bar`` or less."""
+        return bool((self.bounds_of(list(cands)) > bar).all())
 
     def scores(self, cands: list[np.ndarray], ceiling: float = np.inf) -> list[float]:
         """The cost of each candidate (holder sets [D, E], masters included), or ``inf``
@@ -88,7 +99,10 @@ class GuardCosts:
         before it (lowest bound first): such a candidate is never the list's fastest, nor
         does it tie with it, so ``argmin`` of the result is ``argmin`` of the exact costs
         wherever that is at most ``ceiling``. Only the candidates scored are laid out."""
-        bounds = [-np.inf if self._scored(h) else self.bound(h) for h in cands]
+        scored = [self._scored(h) for h in cands]
+        fresh = self.bounds_of([h for h, done in zip(cands, scored, strict=True) if not done])
+        bounds = np.full(len(cands), -np.inf)
+        bounds[~np.array(scored, dtype=bool)] = fresh
         out = [np.inf] * len(cands)
         best = ceiling
         for i in np.argsort(bounds, kind="stable").tolist():
@@ -99,7 +113,7 @@ class GuardCosts:
         return out
 
 
-def guard_bound(inp: HybridInputs, holds: np.ndarray, master_dc: np.ndarray) -> float:
+def guard_bound(inp: HybridInputs, holds: np.ndarray, master_dc: np.ndarray) -> float | np.ndarray:
     """A lower bound of :func:`~expertmesh.planner.hybrid.guard_cost` for ``inside="quota"``
     (``-inf`` otherwise) of the candidate holding ``holds`` [D, E] (one copy of each held
     ``(d, e)``, masters included) with masters in DC ``master_dc`` [E], from what its
@@ -112,51 +126,100 @@ def guard_bound(inp: HybridInputs, holds: np.ndarray, master_dc: np.ndarray) -> 
     (expert, remote DC) (in-DC replicas add none) and the copies from ``previous`` into a
     DC that held none of that expert (whatever ranks they land on, each crosses from its
     master's DC in ``previous``); no port and no late copy (each only adds). A few array
-    passes instead of a :func:`~expertmesh.planner.hybrid.compose`."""
+    passes instead of a :func:`~expertmesh.planner.hybrid.compose`.
+
+    ``holds`` [C, D, E]: the bounds of ``C`` candidates at once, [C], each the float it has
+    alone (one pass of array operations over all of them, every sum in the same order)."""
     if inp.cfg.inside != "quota":
-        return -np.inf
+        return -np.inf if holds.ndim == 2 else np.full(holds.shape[0], -np.inf)
+    if holds.ndim == 2:
+        return float(_bounds(inp, _bound_inputs(inp), holds[None], master_dc)[0])
+    return _bounds(inp, _bound_inputs(inp), holds, master_dc)
+
+
+def _bounds(
+    inp: HybridInputs, fixed: _Fixed, holds: np.ndarray, master_dc: np.ndarray
+) -> np.ndarray:
+    """:func:`guard_bound` of every candidate ``holds`` [C, D, E]: [C]. Each step of the
+    bound over a leading candidate axis: maxima per candidate, and ``np.add.at`` adding
+    to each candidate's cells in the order it does for that candidate alone."""
     topology, model, cost = inp.topology, inp.model, inp.cfg.cost
-    fixed = _bound_inputs(inp)
-    num_dcs = topology.num_dcs
-    pair = _dc_pairs(fixed, holds, topology.rank_dc)
-    if pair is None:
-        return -np.inf  # an expert with load and no copy: compose says why
-    a, b = np.nonzero(pair > 0)
+    num_cands, num_dcs = holds.shape[0], topology.num_dcs
+    pair, valid = _dc_pairs_all(fixed, holds, topology.rank_dc)
+    c, a, b = np.nonzero(pair > 0)
     k = model.top_k
     if cost.hierarchical and k > 1:
-        x = expected_crossings(fixed.dc_tokens[a], pair[a, b], k)
+        x = expected_crossings(fixed.dc_tokens[a], pair[c, a, b], k)
     else:
-        x = pair[a, b]
-    nbytes = x * float(model.token_bytes)
-    crossing = np.zeros((num_dcs, num_dcs))
-    crossing[a, b] = nbytes
-    link = (2.0 if model.training else 1.0) * (crossing + crossing.T)
+        x = pair[c, a, b]
+    crossing = np.zeros((num_cands, num_dcs, num_dcs))  # token bytes per pair and phase
+    crossing[c, a, b] = x * float(model.token_bytes)
+    link = (2.0 if model.training else 1.0) * (crossing + crossing.transpose(0, 2, 1))
     tail = None
     if model.training:  # replica sync: weights out of the master's DC, gradients back
         mdc = master_dc
-        d, ex = np.nonzero(holds & (np.arange(num_dcs)[:, None] != mdc[None, :]))
+        cc, d, ex = np.nonzero(holds & (np.arange(num_dcs)[:, None] != mdc[None, :]))
         per = float(cost.microbatches_per_update)
         enc = inp.cfg.encoding
-        grads = np.zeros((num_dcs, num_dcs))
-        np.add.at(grads, (d, mdc[ex]), enc.gradient_bytes(model) / per)
-        np.add.at(link, (mdc[ex], d), enc.refresh_bytes(model) / per)
+        grads = np.zeros((num_cands, num_dcs, num_dcs))
+        np.add.at(grads, (cc, d, mdc[ex]), enc.gradient_bytes(model) / per)
+        np.add.at(link, (cc, mdc[ex], d), enc.refresh_bytes(model) / per)
         link += grads
         if cost.microbatches_per_update == 1:  # the gradients return on the backward tail
             tail = grads
-    chain = chain_floor((a, b, nbytes), fixed.mean, topology, model, cost, tail=tail)
+    chain = _chain_floors(crossing, fixed.mean, topology, model, cost, tail=tail)
     if fixed.previous is not None:  # what copy_streams charges across DCs, at least
         held, src = fixed.previous
-        d, ex = np.nonzero(holds & ~held)
+        cc, d, ex = np.nonzero(holds & ~held)
         cross = d != src[ex]
-        d, ex = d[cross], ex[cross]
+        cc, d, ex = cc[cross], d[cross], ex[cross]
         enc, share = inp.cfg.encoding, 1.0 / inp.cfg.period
         nbytes = np.where(
             d == master_dc[ex], enc.copy_bytes(model, True), enc.copy_bytes(model, False)
         )
-        np.add.at(link, (src[ex], d), nbytes * share)
+        np.add.at(link, (cc, src[ex], d), nbytes * share)
     bw = topology.dc_gbps * 1e9 / 8.0
-    resource = float(np.max(np.where(link > 0, link / bw, 0.0), initial=0.0))
-    return max(chain, resource) * (1.0 - 1e-9)
+    resource = np.max(np.where(link > 0, link / bw, 0.0), axis=(1, 2), initial=0.0)
+    out = np.maximum(chain, resource) * (1.0 - 1e-9)
+    return np.where(valid, out, -np.inf)  # an expert with load and no copy: compose says why
+
+
+def _chain_floors(
+    crossing: np.ndarray,
+    tokens: float,
+    topology: Topology,
+    model: ModelSpec,
+    cost: CostSettings,
+    *,
+    tail: np.ndarray | None,
+) -> np.ndarray:
+    """:func:`chain_floor` of every candidate: ``crossing`` [C, D, D] token bytes of each
+    ordered DC pair in one phase (0: none), ``tail`` [C, D, D] or ``None``; [C]. The same
+    floats: each pair's time as there, the maxima over each candidate's pairs."""
+    bw = topology.dc_gbps * 1e9 / 8.0
+    lat = topology.dc_latency_ms / 1e3
+    chunks = cost.pipeline_chunks
+    msg = cost.message_seconds * chunks
+    has = crossing > 0
+    axes = (1, 2)
+    disp = np.max(lat + crossing / bw, axis=axes, where=has, initial=0.0) + msg
+    comb = np.max(lat.T + crossing / bw.T, axis=axes, where=has, initial=0.0) + msg
+    fwd = tokens * 2.0 * model.expert_params / cost.flops_per_second
+    chain = _pipe_floors(disp, fwd, comb, chunks)
+    if model.training:
+        back = _pipe_floors(disp, 2.0 * fwd, comb, chunks)
+        if tail is not None:
+            link = tail + crossing.transpose(0, 2, 1)  # combine runs each pair's reverse link
+            busy = np.max(lat + link / bw, axis=axes, where=link > 0, initial=0.0)
+            back = np.maximum(back, (disp + 2.0 * fwd) / chunks + busy + msg)
+        chain = chain + back
+    return chain * (1.0 - 1e-9)
+
+
+def _pipe_floors(disp: np.ndarray, fwd: float, comb: np.ndarray, chunks: int) -> np.ndarray:
+    """:func:`_pipe_floor` of ``(disp[i], fwd, comb[i])`` for every ``i`` (the same floats)."""
+    longest = np.maximum(np.maximum(disp, fwd), comb)
+    return longest + (disp + fwd + comb - longest) / chunks
 
 
 class _Fixed(NamedTuple):
@@ -177,9 +240,19 @@ class _Fixed(NamedTuple):
     place: np.ndarray | None
 
 
-@functools.lru_cache(maxsize=1)
 def _bound_inputs(inp: HybridInputs) -> _Fixed:
-    """:class:`_Fixed` of ``inp`` (one per solve: its candidates are bounded one by one)."""
+    """:class:`_Fixed` of ``inp``, once per solve (kept while ``inp`` lives)."""
+    got = _FIXED.get(inp)
+    if got is None:
+        got = _FIXED[inp] = _fixed(inp)
+    return got
+
+
+#: :func:`_bound_inputs` of the solves alive
+_FIXED: weakref.WeakKeyDictionary[HybridInputs, _Fixed] = weakref.WeakKeyDictionary()
+
+
+def _fixed(inp: HybridInputs) -> _Fixed:
     topology, load = inp.topology, inp.load
     rank_dc, num_dcs = topology.rank_dc, topology.num_dcs
     dc_tokens = np.bincount(rank_dc, weights=load.sum(axis=1), minlength=num_dcs)
@@ -205,39 +278,52 @@ def _dc_pairs(fixed: _Fixed, holds: np.ndarray, rank_dc: np.ndarray) -> np.ndarr
     """[D, D] assignments from DC ``a`` to copies in another DC ``b`` (0 on the diagonal)
     under holder sets ``holds`` [D, E], as the route of
     :func:`~expertmesh.planner.domainquota.remote_holder` sends them, or ``None`` when an
-    expert with load has no copy. An expert with one holder takes every other DC's tokens
-    (from ``local``, no [R, E] pass); only the columns of experts held more than once go
-    rank by rank. Sums of integers: the same floats as summing the route's cells."""
-    num_dcs = holds.shape[0]
-    h = holds.sum(axis=0)
-    if (fixed.used & (h == 0)).any():
-        return None
+    expert with load has no copy (:func:`_dc_pairs_all` of one candidate)."""
+    pair, valid = _dc_pairs_all(fixed, holds[None], rank_dc)
+    return pair[0] if valid[0] else None
+
+
+def _dc_pairs_all(
+    fixed: _Fixed, holds: np.ndarray, rank_dc: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_dc_pairs` of every candidate ``holds`` [C, D, E]: ``(pair [C, D, D], valid
+    [C])`` (``valid``: every expert with load has a copy; the pairs of the others mean
+    nothing). An expert with one holder takes every other DC's tokens (from ``local``, no
+    [R, E] pass); only the columns of experts held more than once go rank by rank. Sums of
+    integers (exact in any order): the same floats as summing the route's cells."""
+    num_cands, num_dcs = holds.shape[:2]
+    dd = num_dcs * num_dcs
+    h = holds.sum(axis=1)  # [C, E]
+    valid = ~(fixed.used[None, :] & (h == 0)).any(axis=1)
     if fixed.place is None or fixed.sizes is None:  # DCs' ranks not consecutive
-        pair = np.bincount(
-            holder_routing(holds, rank_dc).pair_key,
-            weights=fixed.load.ravel(),
-            minlength=num_dcs**2,
-        ).reshape(num_dcs, num_dcs)
-        np.fill_diagonal(pair, 0.0)
-        return pair
-    lack = ~holds
-    one = np.flatnonzero(h == 1)
-    d, c = np.nonzero(lack[:, one])
-    key = d * num_dcs + np.argmax(holds[:, one], axis=0)[c]
-    pair = np.bincount(key, weights=fixed.local[d, one[c]], minlength=num_dcs**2)
+        each = np.zeros((num_cands, num_dcs, num_dcs))
+        for c in range(num_cands):
+            each[c] = np.bincount(
+                holder_routing(holds[c], rank_dc).pair_key,
+                weights=fixed.load.ravel(),
+                minlength=dd,
+            ).reshape(num_dcs, num_dcs)
+            np.fill_diagonal(each[c], 0.0)
+        return each, valid
+    oc, oe = np.nonzero(h == 1)  # [n] (candidate, expert) of the one-holder columns
+    col = holds[oc, :, oe]  # [n, D]
+    holder = np.argmax(col, axis=1)
+    i, d = np.nonzero(~col)  # every DC lacking the column's expert
+    key = oc[i] * dd + d * num_dcs + holder[i]
+    pair = np.bincount(key, weights=fixed.local[d, oe[i]], minlength=num_cands * dd)
     pair = pair.astype(np.float64, copy=False)  # empty weights count in int64
-    many = np.flatnonzero(h > 1)
-    if many.size:  # remote_holder's rotation, on these columns only
-        held = holds[:, many]
+    mc, me = np.nonzero(h > 1)  # [M] the columns held more than once
+    if mc.size:  # remote_holder's rotation, on these columns only
+        held = holds[mc, :, me].T  # [D, M]
         lacking = np.where(held, 0, fixed.sizes[:, None])
         before = np.cumsum(lacking, axis=0) - lacking  # [D, M] ranks without e before d
-        j = (before[rank_dc] + fixed.place[:, None] + many[None, :]) % h[many]  # [R, M]
-        v_e, v_d = np.nonzero(held.T)  # each expert's holders, in DC order
-        dst = v_d[np.searchsorted(v_e, np.arange(many.size)) + j]
-        away = lack[:, many][rank_dc]
-        key = (rank_dc[:, None] * num_dcs + dst)[away]
-        pair += np.bincount(key, weights=fixed.load[:, many][away], minlength=num_dcs**2)
-    return pair.reshape(num_dcs, num_dcs)
+        j = (before[rank_dc] + fixed.place[:, None] + me[None, :]) % h[mc, me]  # [R, M]
+        v_e, v_d = np.nonzero(held.T)  # each column's holders, in DC order
+        dst = v_d[np.searchsorted(v_e, np.arange(mc.size)) + j]
+        away = ~held[rank_dc]  # [R, M]
+        key = (mc[None, :] * dd + rank_dc[:, None] * num_dcs + dst)[away]
+        pair += np.bincount(key, weights=fixed.load[:, me][away], minlength=num_cands * dd)
+    return pair.reshape(num_cands, num_dcs, num_dcs), valid
 
 
 def chain_floor(

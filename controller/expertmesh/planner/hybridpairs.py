@@ -4,6 +4,7 @@ equations (docs/cost-model.md), and the choice per pair under each DC's free slo
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,19 @@ class HybridInputs:
     dc_load: np.ndarray
     dc_tokens: np.ndarray
     previous: Placement | None
+
+    @functools.cached_property
+    def fill_order(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(d, e)`` [n] every DC and expert it sends load to, by DC, then heaviest first
+        (``dc_load``), equal loads rotated by DC (DCs pick different experts); the order of
+        the guard's compute-relief fills (:func:`~expertmesh.planner.hybrid._fills`) over
+        any holder sets: the pairs a DC does not hold, in this order (a stable sort, so
+        the same as sorting those alone)."""
+        num_dcs, num_experts = self.dc_load.shape
+        d, e = np.nonzero(self.dc_load > 0)
+        rot = (e - d * num_experts // num_dcs) % num_experts
+        o = np.lexsort((rot, -self.dc_load[d, e], d))
+        return d[o], e[o]
 
 
 def _link_time(nbytes: np.ndarray, lat: np.ndarray, bw: np.ndarray) -> np.ndarray:
