@@ -38,7 +38,7 @@ from expertmesh.planner.model import ModelSpec
 from expertmesh.planner.plan import Migration, Placement, Transfer, TransferKind
 from expertmesh.planner.topology import Topology
 
-__all__ = ["align_placement", "plan_migration"]
+__all__ = ["align_placement", "migration_moves", "plan_migration"]
 
 # Upper bound on matching passes inside one round (each pass accepts >= 1 transfer;
 # what is left waits for the next round, which keeps every invariant).
@@ -689,13 +689,12 @@ def _jobs_and_local_copies(
     """
     num_slots = new.phy2log.shape[1]
     num_experts = new.master.shape[0]
-    old_p2l, new_p2l = old.phy2log.astype(np.int64), new.phy2log.astype(np.int64)
-    r, s = np.nonzero(old_p2l >= 0)
-    old_keys = np.sort(r * num_experts + old_p2l[r, s])  # rank * E + expert, ascending
+    old_p2l, new_p2l = old.phy2log, new.phy2log.astype(np.int64)
 
     def had(rank: np.ndarray, expert: np.ndarray) -> np.ndarray:
-        key = rank * num_experts + expert
-        return old_keys[np.minimum(np.searchsorted(old_keys, key), old_keys.size - 1)] == key
+        """[N] bool: ``old`` has a copy of ``expert[i]`` on ``rank[i]``."""
+        out: np.ndarray = (old_p2l[rank] == expert[:, None]).any(axis=1)
+        return out
 
     old_mr, new_mr = old.master // num_slots, new.master // num_slots
     mexp = np.flatnonzero(old_mr != new_mr)  # experts whose master changes rank
@@ -703,17 +702,17 @@ def _jobs_and_local_copies(
     m_had = had(m_dst, mexp)
     m_bytes = np.where(m_had, model.master_bytes - model.expert_bytes, model.master_bytes)
 
-    moving = np.zeros(num_experts, dtype=bool)
-    moving[mexp] = True
     need = (new_p2l >= 0) & (new_p2l != old_p2l)
-    need &= ~(_master_mask(new) & moving[np.maximum(new_p2l, 0)])  # the master move writes it
-    dr, ds = np.nonzero(need)
+    if mexp.size:  # the master move writes its slot
+        moving = np.zeros(num_experts, dtype=bool)
+        moving[mexp] = True
+        need &= ~(_master_mask(new) & moving[np.maximum(new_p2l, 0)])
+    dr, ds = np.nonzero(need)  # by rank, then slot
     de = new_p2l[dr, ds]
     local0 = had(dr, de)  # the rank already holds the expert
     key = dr * num_experts + de
-    order = np.lexsort((ds, key))
-    first = np.zeros(dr.size, dtype=bool)
-    first[order] = _first_in_group(key[order])
+    first = np.zeros(dr.size, dtype=bool)  # the first slot of each (rank, expert)
+    first[np.unique(key, return_index=True)[1]] = True
     net = ~local0 & first & ~_isin(key, (m_dst * num_experts + mexp)[~m_had])
     nn = int(net.sum())
     jobs = _Jobs(
@@ -726,6 +725,62 @@ def _jobs_and_local_copies(
     )
     loc = ~net
     return jobs, np.stack([de[loc], dr[loc], ds[loc]], axis=1), ~local0[loc]
+
+
+@dataclass(frozen=True, eq=False)
+class _Transfers:
+    """:func:`plan_migration`'s transfers as arrays [M], in its order (round, destination
+    rank, slot): expert, source and destination rank, slot, bytes, round, master move."""
+
+    expert: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
+    slot: np.ndarray
+    nbytes: np.ndarray
+    round: np.ndarray
+    master: np.ndarray
+
+
+def _scheduled(
+    old: Placement, new: Placement, topology: Topology, model: ModelSpec, num_experts: int
+) -> tuple[_Transfers, _Jobs, np.ndarray, np.ndarray]:
+    """The transfers of :func:`plan_migration` (checked placements), its link jobs and
+    their ``(src, round)`` [J] from the scheduler."""
+    jobs, local, after = _jobs_and_local_copies(old, new, model)
+    r, s = np.nonzero(old.phy2log >= 0)
+    src, rnd = _Scheduler(jobs, topology, num_experts).run(old.phy2log[r, s], r)
+    # local copies: round 0, or the round after the job that brings the expert
+    local_round = np.zeros(len(local), dtype=np.int64)
+    if after.any():
+        arrival = jobs.dst * num_experts + jobs.expert
+        o = np.argsort(arrival)
+        at = np.searchsorted(arrival[o], local[after, 1] * num_experts + local[after, 0])
+        local_round[after] = rnd[o[at]] + 1
+    t_dst = np.concatenate([jobs.dst, local[:, 1]])
+    t_slot = np.concatenate([jobs.slot, local[:, 2]])
+    t_round = np.concatenate([rnd, local_round])
+    order = np.lexsort((t_slot, t_dst, t_round))
+    t = _Transfers(
+        expert=np.concatenate([jobs.expert, local[:, 0]])[order],
+        src=np.concatenate([src, local[:, 1]])[order],
+        dst=t_dst[order],
+        slot=t_slot[order],
+        nbytes=np.concatenate([jobs.nbytes, np.zeros(len(local), dtype=np.int64)])[order],
+        round=t_round[order],
+        master=np.concatenate([jobs.master, np.zeros(len(local), dtype=bool)])[order],
+    )
+    return t, jobs, src, rnd
+
+
+def migration_moves(
+    old: Placement, new: Placement, topology: Topology, model: ModelSpec
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(src, dst, expert, master)`` [M] of the transfers of ``plan_migration(old, new,
+    topology, model)``, in its order, without building them or their rounds' seconds
+    (the simulator costs a migration from these). ``old`` and ``new`` are not checked:
+    pass placements :func:`align_placement` has checked (its ``old`` and its result)."""
+    t = _scheduled(old, new, topology, model, int(new.master.shape[0]))[0]
+    return t.src, t.dst, t.expert, t.master
 
 
 def plan_migration(
@@ -754,36 +809,17 @@ def plan_migration(
     ``kept`` counts slots whose copy stays.
     """
     _, _, num_experts = _check_pair(old, new, topology)
-    jobs, local, after = _jobs_and_local_copies(old, new, model)
-    r, s = np.nonzero(old.phy2log >= 0)
-    src, rnd = _Scheduler(jobs, topology, num_experts).run(old.phy2log[r, s], r)
-    # local copies: round 0, or the round after the job that brings the expert
-    local_round = np.zeros(len(local), dtype=np.int64)
-    if after.any():
-        arrival = jobs.dst * num_experts + jobs.expert
-        o = np.argsort(arrival)
-        at = np.searchsorted(arrival[o], local[after, 1] * num_experts + local[after, 0])
-        local_round[after] = rnd[o[at]] + 1
-
-    t_e = np.concatenate([jobs.expert, local[:, 0]])
-    t_src = np.concatenate([src, local[:, 1]])
-    t_dst = np.concatenate([jobs.dst, local[:, 1]])
-    t_slot = np.concatenate([jobs.slot, local[:, 2]])
-    t_bytes = np.concatenate([jobs.nbytes, np.zeros(len(local), dtype=np.int64)])
-    t_round = np.concatenate([rnd, local_round])
-    t_master = np.concatenate([jobs.master, np.zeros(len(local), dtype=bool)])
-    seconds = np.zeros(int(t_round.max()) + 1 if t_round.size else 0)
+    t, jobs, src, rnd = _scheduled(old, new, topology, model, num_experts)
+    seconds = np.zeros(int(t.round.max()) + 1 if t.round.size else 0)
     if src.size:
         lat, bw = topology.links(src, jobs.dst)
         np.maximum.at(seconds, rnd, lat + jobs.nbytes / bw)
-    order = np.lexsort((t_slot, t_dst, t_round))
     kinds = (TransferKind.REPLICA, TransferKind.MASTER)
     transfers = tuple(
         Transfer(e, a, b, c, nb, k, kinds[m])
         for e, a, b, c, nb, k, m in zip(
-            t_e[order].tolist(), t_src[order].tolist(), t_dst[order].tolist(),
-            t_slot[order].tolist(), t_bytes[order].tolist(), t_round[order].tolist(),
-            t_master[order].tolist(), strict=True,
+            t.expert.tolist(), t.src.tolist(), t.dst.tolist(), t.slot.tolist(),
+            t.nbytes.tolist(), t.round.tolist(), t.master.tolist(), strict=True,
         )
     )  # fmt: skip
     kept = int(((new.phy2log == old.phy2log) & (new.phy2log >= 0)).sum())

@@ -2,11 +2,13 @@
 
 For every step ``t`` and layer, each policy runs exactly what the planner runs
 (``place``, then ``align_placement`` to the previous placement, then its route,
-then ``plan_migration``), and :func:`~expertmesh.planner.costmodel.step_cost`
-models the step: token streams of the route, replica sync of the placement,
-and the migration into it streamed in the background over the steps the
-previous placement ran (``1 / gap`` of its bytes charged at the commit step;
-``gap`` = steps since the previous change).
+then ``plan_migration``, whose transfers come as arrays from
+:func:`~expertmesh.planner.migration.migration_moves`: the plan a policy sees as its
+previous one holds no :class:`Migration`), and
+:func:`~expertmesh.planner.costmodel.step_cost` models the step: token streams of the
+route, replica sync of the placement, and the migration into it streamed in the
+background over the steps the previous placement ran (``1 / gap`` of its bytes charged
+at the commit step; ``gap`` = steps since the previous change).
 
 Fast path: no route rows. A policy with a ``route_traffic(ctx, placement)``
 method (``quota``, ``hybrid``) gives its own aggregated view; one whose route is an
@@ -54,9 +56,9 @@ from expertmesh.planner.costmodel import (
     step_costs,
     transfer_seconds,
 )
-from expertmesh.planner.migration import align_placement, plan_migration
+from expertmesh.planner.migration import align_placement, migration_moves, plan_migration
 from expertmesh.planner.model import ModelSpec
-from expertmesh.planner.plan import LayerPlan, Migration, Placement, TransferKind
+from expertmesh.planner.plan import LayerPlan, Migration, Placement
 from expertmesh.planner.policy import Policy, PolicyContext, make_policy
 from expertmesh.planner.topology import Topology
 from expertmesh.planner.traffic import (
@@ -563,12 +565,10 @@ def _plan(st: _PolicyState, world: _World, t: int, layer: int, load: np.ndarray)
     changed = prev is not None and not np.array_equal(prev.placement.phy2log, placement.phy2log)
     streams = _sync_streams(st, world, layer, placement)
     clock = _lap(parts, "replica streams", clock)
-    migration = Migration()
     mig_bytes = 0.0
     fanout = 0.0  # seconds until this microbatch's replica weights have landed
     if changed and prev is not None:
         moves = _migration(world, prev.placement, placement)
-        migration = moves.migration
         gap = max(1, t - st.changed_at[layer])
         st.changed_at[layer] = t
         nbytes = _migration_bytes(st, world, (layer, t), moves, prev.placement)
@@ -577,7 +577,7 @@ def _plan(st: _PolicyState, world: _World, t: int, layer: int, load: np.ndarray)
         if st.microbatch is not None:
             fanout = _fanout_seconds(world, st.microbatch, st.policy, moves, nbytes)
     _lap(parts, "migration", clock)
-    st.prev[layer] = LayerPlan(placement=placement, route=route, migration=migration)
+    st.prev[layer] = LayerPlan(placement=placement, route=route, migration=Migration())
     replicas = int((placement.phy2log >= 0).sum()) - model.num_experts
     return _Planned(traffic, streams, place_seconds, fanout, solve, mig_bytes, replicas)
 
@@ -648,29 +648,32 @@ def _aligned(world: _World, prev: Placement, placement: Placement, relabel: bool
 
 @dataclass(frozen=True)
 class _Moves:
-    """A migration and its transfers as arrays [M]: source and destination rank, expert,
-    and whether the transfer moves a master."""
+    """The transfers of :func:`plan_migration` from ``old`` to ``new`` as arrays [M], in its
+    order: source and destination rank, expert, and whether the transfer moves a master
+    (:func:`migration_moves`: what the cost needs, without the :class:`Migration`)."""
 
-    migration: Migration
+    old: Placement
+    new: Placement
+    world: _World
     src: np.ndarray
     dst: np.ndarray
     expert: np.ndarray
     master: np.ndarray
 
-    @classmethod
-    def of(cls, migration: Migration) -> _Moves:
-        rows = [(x.src_rank, x.dst_rank, x.expert, x.kind == TransferKind.MASTER)
-                for x in migration.transfers]  # fmt: skip
-        src, dst, expert, master = np.array(rows, np.int64).reshape(len(rows), 4).T
-        return cls(migration, src, dst, expert, master.astype(bool))
+    @property
+    def migration(self) -> Migration:
+        """The :class:`Migration` itself (built when asked: the simulator does not)."""
+        return plan_migration(self.old, self.new, self.world.topology, self.world.model)
 
 
 def _migration(world: _World, old: Placement, new: Placement) -> _Moves:
-    """:func:`plan_migration` from ``old`` to ``new`` with its arrays, memoized by value."""
+    """The transfers of :func:`plan_migration` from ``old`` to ``new`` (placements
+    :func:`align_placement` checked), memoized by value."""
     key = ("migration", _pkey(old), _pkey(new))
     got = world.memo.get(key)
     if got is None:
-        got = _Moves.of(plan_migration(old, new, world.topology, world.model))
+        moves = migration_moves(old, new, world.topology, world.model)
+        got = _Moves(old, new, world, *moves)
         world.memo.put(key, got)
     return got  # type: ignore[return-value]
 
