@@ -362,7 +362,7 @@ def calibration_faults(
     for which, f, s in [*sides, ("pooled", full_pooled, small_pooled)]:
         if f < MIN_BATCH_RATIO * s:
             faults.append(
-                f"{which}: full batch {f:.3f} s is {f / s:.2f}x the quarter batch's "
+                f"{which}: full batch {f:.3f} s is {f / s:.3f}x the quarter batch's "
                 f"{s:.3f} s (< {MIN_BATCH_RATIO:g}x)"
             )
     for kind, meds in (("full", full_medians), ("quarter", small_medians)):
@@ -370,7 +370,7 @@ def calibration_faults(
         if hi > MAX_DRIFT * lo:
             faults.append(
                 f"{kind} batch before {meds[0]:.3f} s, after {meds[1]:.3f} s: "
-                f"{hi / lo:.2f}x apart (> {MAX_DRIFT:g}x)"
+                f"{hi / lo:.3f}x apart (> {MAX_DRIFT:g}x)"
             )
     return faults
 

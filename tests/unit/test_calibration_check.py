@@ -37,14 +37,14 @@ def test_a_full_batch_no_slower_than_the_quarter_is_flagged(quarter: float) -> N
 
 def test_one_side_or_the_pool_alone_is_flagged() -> None:
     (fault,) = calibration_faults([0.149, 0.17], [0.158, 0.12], 0.16, 0.13)
-    assert fault.startswith("before: full batch 0.149 s is 0.94x")
+    assert fault.startswith("before: full batch 0.149 s is 0.943x")
     (fault,) = calibration_faults([0.30, 0.30], [0.20, 0.20], 0.22, 0.20)
     assert fault.startswith("pooled:")
 
 
 def test_before_and_after_that_disagree_are_flagged() -> None:
     (fault,) = calibration_faults([0.20, 0.30], [0.12, 0.15], 0.25, 0.13)
-    assert fault == "full batch before 0.200 s, after 0.300 s: 1.50x apart (> 1.4x)"
+    assert fault == "full batch before 0.200 s, after 0.300 s: 1.500x apart (> 1.4x)"
     (fault,) = calibration_faults([0.30, 0.30], [0.10, 0.15], 0.30, 0.12)
     assert fault.startswith("quarter batch before 0.100 s")
     # within the tolerance: passes
