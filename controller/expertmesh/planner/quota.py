@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import math
 from dataclasses import dataclass
 from typing import ClassVar, Literal, NamedTuple
 
@@ -60,6 +59,16 @@ from pydantic import Field
 
 from expertmesh.planner.plan import Placement, check_load
 from expertmesh.planner.policy import Policy, PolicyContext, PolicySettings, register
+from expertmesh.planner.quotaline import (
+    Items,
+    Layout,
+    layout,
+    place_replicas,
+    search_one,
+    secant_step,
+    segments,
+    solve_domains,
+)
 from expertmesh.planner.routing import route_even, route_locality
 from expertmesh.planner.static import static_placement
 from expertmesh.planner.traffic import TokenTraffic, quota_traffic
@@ -341,16 +350,6 @@ def _walk(
     return short, (rank, start, end)
 
 
-def _secant_step(a: int, b: int, short: int, last: tuple[int, int] | None, width: int) -> int:
-    """The next probe after a failure at ``a`` (``b`` succeeds) that left ``short``
-    tokens unplaced: where the shortfall reaches 0 if it falls about linearly in ``T`` as
-    it did since the failure before (``last``: its ``(T, shortfall)``; None, or no drop:
-    ``width`` tokens per unit of ``T``), at least ``a + 1``, at most the midpoint."""
-    drop = 0 if last is None else last[1] - short
-    slope = drop / (a - last[0]) if last is not None and drop > 0 else width
-    return min(a + max(1, math.ceil(short / max(slope, 1e-9))), (a + b) // 2)
-
-
 def _search(pb: _Problem, sizes: np.ndarray) -> tuple[np.ndarray, _Fit]:
     """[D] smallest feasible quota per domain, and its fit, searching all domains together.
     ``sizes``: [D] ranks of each domain.
@@ -401,15 +400,11 @@ def _search(pb: _Problem, sizes: np.ndarray) -> tuple[np.ndarray, _Fit]:
                 probe[d] = b - 1
             else:
                 s = short[d] if short is not None else 0
-                probe[d] = _secant_step(a, b, s, last[d], width[d])
+                probe[d] = secant_step(a, b, s, last[d], width[d])
                 last[d] = (a, s)
     if fit is None or used != hi:  # the last probe is the answer unless it failed somewhere
         fit = _fit(pb, np.array(hi, dtype=np.int64))
     return np.array(hi, dtype=np.int64), fit
-
-
-Items = list[tuple[int, int, int]]  # one domain's (M less earlier sheds, demand, expert)
-Receivers = list[tuple[int, int, int]]  # one domain's (rank, M, free slots), M ascending
 
 
 def _search_domains(
@@ -428,8 +423,8 @@ def _search_domains(
     for d, (lower, width) in enumerate(zip(pb.lower.tolist(), sizes.tolist(), strict=True)):
         lo, hi = first[d], first[d + 1]
         recv = list(zip(ranks[lo:hi], bases[lo:hi], slots[lo:hi], strict=True))
-        quota[d], pieces, walked = _search_one(items[d], recv, lower, quota[d], width)
-        made.extend(_segments(pieces, walked))
+        quota[d], pieces, walked = search_one(items[d], recv, lower, quota[d], width)
+        made.extend(segments(pieces, walked))
     cols = np.array(made, dtype=np.int64).reshape(-1, 3).T
     return np.array(quota, dtype=np.int64), (cols[0], cols[1], cols[2])
 
@@ -444,83 +439,6 @@ def _domain_items(pb: _Problem) -> list[Items]:
     cols = (pb.shed_above[idx], pb.shed_demand[idx], pb.shed_order[idx])
     for d, a, m, e in zip(pb.shed_dom[idx].tolist(), *(c.tolist() for c in cols), strict=True):
         out[d].append((a, m, e))
-    return out
-
-
-Pieces = list[tuple[int, int]]  # one domain's (-amount, expert) in line order
-Walked = list[tuple[int, int, int]]  # (rank, start, end) on the line of each receiver used
-
-
-def _try(items: Items, recv: Receivers, quota: int) -> tuple[int, Pieces, Walked]:
-    """The rule for one domain at ``quota`` (:func:`_fit` and :func:`_walk` for one
-    domain): ``(shortfall, pieces, receivers that take some)``; 0 shortfall: feasible."""
-    pieces = sorted([(quota - a if a - quota < m else -m, e) for a, m, e in items if a > quota])
-    ends, total = [], 0
-    for neg, _ in pieces:
-        total -= neg
-        ends.append(total)
-    num = len(ends)
-    walked: Walked = []
-    u = k = 0
-    for r, m, f in recv:
-        if m >= quota or u >= total:  # full already, and so are the rest; or all placed
-            break
-        while ends[k] <= u:  # k: the first piece ending after u
-            k += 1
-        close = u + quota - m
-        kf = k + f - 1  # the f-th piece end after u closes it: out of slots
-        if kf < num and ends[kf] < close:
-            close = ends[kf]
-        close = min(close, total)
-        walked.append((r, u, close))
-        u = close
-    return total - u, pieces, walked
-
-
-def _search_one(
-    items: Items, recv: Receivers, lower: int, upper: int, width: int
-) -> tuple[int, Pieces, Walked]:
-    """:func:`_search`'s probes for one domain (``width``: its ranks): the smallest ``T``
-    in ``[lower, upper]`` where the rule places every piece, with its pieces and
-    receivers (none at ``upper``: no rank is above it)."""
-    lo, hi = lower - 1, upper
-    galloping, last = True, None  # last: the last failure's (T, shortfall)
-    probe = min(lo + 1, hi)
-    best: tuple[Pieces, Walked] = ([], [])
-    while hi - lo > 1:
-        short, pieces, walked = _try(items, recv, probe)
-        if short == 0:
-            hi, best = probe, (pieces, walked)
-        else:
-            lo = probe
-        if hi - lo <= 1:
-            break
-        if not galloping:
-            probe = (lo + hi) // 2
-        elif short == 0:  # the first success, reached from below: T - 1, then bisection
-            galloping = False
-            probe = hi - 1
-        else:
-            probe = _secant_step(lo, hi, short, last, width)
-            last = (lo, short)
-    return hi, best[0], best[1]
-
-
-def _segments(pieces: Pieces, walked: Walked) -> list[tuple[int, int, int]]:
-    """``(expert, rank, tokens)`` of one domain's replicas at a feasible ``T``: every
-    piece's overlap with each receiver's stretch of the line, in line order
-    (:func:`_replicas`)."""
-    out: list[tuple[int, int, int]] = []
-    j, end = 0, 0
-    for neg, e in pieces:
-        start, end = end, end - neg
-        while walked[j][2] <= start:
-            j += 1
-        i = j
-        while i < len(walked) and walked[i][1] < end:
-            r, a, b = walked[i]
-            out.append((e, r, (end if end < b else b) - (start if start > a else a)))
-            i += 1
     return out
 
 
@@ -561,17 +479,6 @@ def _replicas(fit: _Fit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     lo = np.maximum(fit.piece_end[piece] - fit.piece_amount[piece], r_start[recv])
     hi = np.minimum(fit.piece_end[piece], r_end[recv])
     return fit.piece_expert[piece], r_rank[recv], hi - lo
-
-
-def _place(masters: Placement, rep_expert: np.ndarray, rep_rank: np.ndarray) -> Placement:
-    """Masters plus replicas [N], each replica in the next free slot of its rank."""
-    flat = masters.phy2log.ravel().copy()
-    free = np.flatnonzero(flat < 0)  # [F] free slots, rank by rank
-    order = np.argsort(rep_rank, kind="stable")
-    ranks = rep_rank[order]
-    nth = np.arange(ranks.size) - np.searchsorted(ranks, ranks)  # earlier replicas on the rank
-    flat[free[np.searchsorted(free // masters.slots_per_rank, ranks) + nth]] = rep_expert[order]
-    return Placement(flat.reshape(masters.phy2log.shape), masters.master)
 
 
 def quota_balance(
@@ -640,45 +547,78 @@ def balance_demand(
     if float(demand.sum(dtype=np.float64)) >= MAX_TOKENS:
         raise ValueError("demand holds 2**53 tokens or more in all: beyond exact counting")
     master = masters.master.astype(np.int64)
-    if master.min(initial=0) < 0 or master.max(initial=0) >= masters.phy2log.size:
-        raise ValueError("master slot index out of range")
+    lay = _LAYOUTS.get(_layout_key(master, num_ranks, num_slots, rank_domain))
+    if lay is None and (
+        master.min(initial=0) < 0 or master.max(initial=0) >= num_ranks * num_slots
+    ):
+        raise ValueError("master slot index out of range")  # (a layout's masters passed)
     if not np.array_equal(masters.phy2log.ravel()[master], np.arange(num_experts)):
         raise ValueError("a master slot does not hold its expert")
     if max_replicas_per_expert is not None and max_replicas_per_expert < 1:
         raise ValueError("max_replicas_per_expert must be >= 1 or None")
     if not (0.0 <= tolerance <= 1.0 and 0.0 <= min_replica_share <= 1.0):
         raise ValueError("tolerance and min_replica_share must be in [0, 1]")
-    dom = np.zeros(num_ranks, dtype=np.int64)
-    if rank_domain is not None:
-        if np.shape(rank_domain) != (num_ranks,):
-            raise ValueError(f"rank_domain must be [{num_ranks}], got {np.shape(rank_domain)}")
-        dom = _dense(np.asarray(rank_domain))
-    phy2log = np.full(masters.phy2log.size, -1, dtype=np.int32)
-    phy2log[master] = np.arange(num_experts)
-    pb = _problem(
-        demand.astype(np.int64), master // num_slots, num_slots, dom, max_replicas_per_expert
-    )
-    sizes = np.bincount(dom, minlength=pb.lower.size)
+    if rank_domain is not None and np.shape(rank_domain) != (num_ranks,):
+        raise ValueError(f"rank_domain must be [{num_ranks}], got {np.shape(rank_domain)}")
+    if lay is None:
+        lay = _layout(master, num_ranks, num_slots, rank_domain)
+    dom, num_domains = lay.dom, len(lay.sizes)
     if max_replicas_per_expert is None and tolerance == 0:
-        quota, (rep_expert, rep_rank, rep_tokens) = _search_domains(pb, sizes)
+        quota, lower, (rep_expert, rep_rank, rep_tokens) = solve_domains(
+            demand.astype(np.int64, copy=False), lay
+        )
     else:
-        quota, fit = _search(pb, sizes)
+        pb = _problem(demand.astype(np.int64), lay.mrank, num_slots, dom, max_replicas_per_expert)
+        quota, fit = _search(pb, np.array(lay.sizes))
         if tolerance > 0:
             quota, fit = _loosen(pb, quota, fit, dom, tolerance)
         rep_expert, rep_rank, rep_tokens = _replicas(fit)
+        lower = pb.lower
     if min_replica_share > 0:  # per domain: at least ceil(share * mean tokens per rank)
-        total = np.bincount(dom[master // num_slots], weights=demand, minlength=pb.lower.size)
-        least = np.ceil(min_replica_share * (total / np.bincount(dom, minlength=total.size)))
+        total = np.bincount(dom[lay.mrank], weights=demand, minlength=num_domains)
+        least = np.ceil(min_replica_share * (total / np.array(lay.sizes)))
         keep = rep_tokens >= least[dom[rep_rank]]
         rep_expert, rep_rank, rep_tokens = rep_expert[keep], rep_rank[keep], rep_tokens[keep]
-    placement = Placement(phy2log.reshape(num_ranks, num_slots), master)
+    phy2log = place_replicas(lay, rep_expert, rep_rank).reshape(num_ranks, num_slots)
     return QuotaSolution(
-        placement=_place(placement, rep_expert, rep_rank),
+        placement=Placement(phy2log, master),
         route=np.zeros((0, 4), np.int64),
         quota=quota,
-        lower_bound=pb.lower,
+        lower_bound=lower,
         replicas=(rep_expert, rep_rank, rep_tokens),
     )
+
+
+#: layouts of recent solves by (ranks, slots, masters, domain ids): a run solves on the same
+#: masters and domains step after step
+_LAYOUTS: dict[tuple[object, ...], Layout] = {}
+
+
+def _layout_key(
+    master: np.ndarray, num_ranks: int, num_slots: int, rank_domain: object
+) -> tuple[object, ...]:
+    """What :func:`_layout` keeps a layout by: sizes, masters and domain ids, as bytes."""
+    ids = None if rank_domain is None else np.asarray(rank_domain)
+    dom = None if ids is None else (ids.dtype.str, ids.shape, ids.tobytes())
+    return (num_ranks, num_slots, master.tobytes(), dom)
+
+
+def _layout(
+    master: np.ndarray, num_ranks: int, num_slots: int, rank_domain: np.ndarray | None
+) -> Layout:
+    """:func:`~expertmesh.planner.quotaline.layout` of valid masters ``master`` [E] (int64)
+    in domains ``rank_domain`` [R] (any ids, renumbered by :func:`_dense`; None: one),
+    kept in :data:`_LAYOUTS`."""
+    key = _layout_key(master, num_ranks, num_slots, rank_domain)
+    got = _LAYOUTS.get(key)
+    if got is None:
+        dom = np.zeros(num_ranks, np.int64)
+        if rank_domain is not None:
+            dom = _dense(np.asarray(rank_domain))
+        if len(_LAYOUTS) >= 16:
+            _LAYOUTS.clear()
+        got = _LAYOUTS[key] = layout(master, num_ranks, num_slots, dom)
+    return got
 
 
 def _dense(ids: np.ndarray) -> np.ndarray:
