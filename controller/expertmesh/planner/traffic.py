@@ -389,7 +389,7 @@ def even_traffic_steps(
             return one
     dc_tokens = _dc_sums(loads, topology) / top_k  # [T, D]: _dc_tokens of each step
     lf = loads.astype(np.float64)  # [T, R, E]
-    many = _Loads(lf, lf.sum(axis=1), _level_sums_steps(lf, topology), dc_tokens)
+    many = _Loads(lf, None, _level_sums_steps(lf, topology), dc_tokens)
     return _even_split(many, placement, topology, level, remote)
 
 
@@ -480,11 +480,11 @@ def _check_even(num_ranks: int, placement: Placement, topology: Topology, domain
 @dataclass(frozen=True)
 class _Loads:
     """The loads of ``T`` steps as an even split needs them: ``lf`` [T, R, E] float64,
-    ``per_expert`` [T, E] their sums over ranks, ``lsum`` their :func:`level_sums`
+    ``per_expert`` [T, E] their sums over ranks (``None``: summed when needed), ``lsum`` their :func:`level_sums`
     ([T, groups at level j, E] each) and ``dc_tokens`` [T, D] (:func:`_dc_tokens`)."""
 
     lf: np.ndarray
-    per_expert: np.ndarray
+    per_expert: np.ndarray | None
     lsum: list[np.ndarray]
     dc_tokens: np.ndarray
 
@@ -499,9 +499,11 @@ def _even_split(
     num_steps, num_ranks, num_experts = lf.shape
     cp = _copies(placement, topology, num_experts)
     cr, cs, ce, group, cnt, total = cp.rank, cp.slot, cp.expert, cp.group, cp.count, cp.total
-    if ((per_expert > 0) & (total == 0)).any():
-        missing = np.flatnonzero(((per_expert > 0) & (total == 0)).any(axis=0))
-        raise ValueError(f"experts with load but no copy: {missing[:8].tolist()}")
+    if (total == 0).any():  # an expert without a copy must have no load
+        per_expert = lf.sum(axis=1) if per_expert is None else per_expert
+        if ((per_expert > 0) & (total == 0)).any():
+            missing = np.flatnonzero(((per_expert > 0) & (total == 0)).any(axis=0))
+            raise ValueError(f"experts with load but no copy: {missing[:8].tolist()}")
     safe_total = cp.safe_total
     k = cp.k
 
@@ -634,22 +636,24 @@ def weighted_traffic(
     num_ranks, num_experts = left.shape
     group = [np.arange(num_ranks), topology.rank_node, topology.rank_dc]
     sizes = [num_ranks, topology.num_nodes, topology.num_dcs]
+    # qg[j]: [C] the rank, node, DC (and everything) of each copy
+    qg = [c_rank.astype(np.int64, copy=False), topology.rank_node[c_rank],
+          topology.rank_dc[c_rank], np.zeros(c_rank.size, np.int64)]  # fmt: skip
     # g[j]: [groups at level j, E] weight of the copies in each rank, node, DC
     g = [
-        np.bincount(group[j][c_rank] * num_experts + c_exp, weights=c_w,
+        np.bincount(qg[j] * num_experts + c_exp, weights=c_w,
                     minlength=sizes[j] * num_experts).reshape(sizes[j], num_experts)
         for j in range(3)
     ]  # fmt: skip
     g_all = np.bincount(c_exp, weights=c_w, minlength=num_experts)  # [E]
-    reach = [np.einsum("re,re->r", left, g[j][group[j]]) for j in range(3)]
+    # g[0] is already by rank (a gather by every rank in order would copy it)
+    reach = [np.einsum("re,re->r", left, g[j] if j == 0 else g[j][group[j]]) for j in range(3)]
     reach.append(left @ g_all)
     rank_out = np.stack([reach[j] - reach[j - 1] for j in (1, 2, 3)], axis=1)
     lsum = level_sums(left, topology)
-    qg = [group[j][c_rank] for j in range(3)] + [np.zeros(c_rank.size, np.int64)]
-    in_shell = np.stack(
-        [lsum[j][qg[j], c_exp] - (lsum[j - 1][qg[j - 1], c_exp] if j else 0.0) for j in range(4)],
-        axis=1,
-    ) * c_w[:, None]  # fmt: skip
+    at = [lsum[j][qg[j], c_exp] for j in range(4)]  # [C] each: what reaches each level
+    in_shell = np.stack([at[j] - (at[j - 1] if j else 0.0) for j in range(4)], axis=1)
+    in_shell *= c_w[:, None]
     in_shell[:, 0] += c_own
     rank_tokens = np.bincount(c_rank, weights=in_shell.sum(axis=1), minlength=num_ranks)
     rank_in = _shell_sums(c_rank, in_shell, num_ranks)
