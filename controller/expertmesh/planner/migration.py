@@ -520,11 +520,8 @@ class _SmallRounds:
     def __init__(self, sched: _Scheduler, hold_e: np.ndarray, hold_r: np.ndarray) -> None:
         self.n, self.num_dcs = int(sched.e.size), sched.num_dcs
         self.e, self.dst, self.fixed = sched.e.tolist(), sched.dst.tolist(), sched.fixed.tolist()
-        self.nkey, self.dkey, self.prio = (
-            sched.nkey.tolist(),
-            sched.dkey.tolist(),
-            sched.prio.tolist(),
-        )
+        self.nkey, self.dkey = sched.nkey.tolist(), sched.dkey.tolist()
+        self.prio = sched.prio.tolist()
         self.node, self.dc = sched.node.tolist(), sched.dc.tolist()
         self.dnode, self.ddc = sched.dnode.tolist(), sched.ddc.tolist()
         self.fixed_level = sched.fixed_level.tolist()
@@ -691,8 +688,7 @@ def _jobs_and_local_copies(
     num_experts = new.master.shape[0]
     old_p2l, new_p2l = old.phy2log, new.phy2log.astype(np.int64)
 
-    def had(rank: np.ndarray, expert: np.ndarray) -> np.ndarray:
-        """[N] bool: ``old`` has a copy of ``expert[i]`` on ``rank[i]``."""
+    def had(rank: np.ndarray, expert: np.ndarray) -> np.ndarray:  # old has it there
         out: np.ndarray = (old_p2l[rank] == expert[:, None]).any(axis=1)
         return out
 
@@ -703,10 +699,7 @@ def _jobs_and_local_copies(
     m_bytes = np.where(m_had, model.master_bytes - model.expert_bytes, model.master_bytes)
 
     need = (new_p2l >= 0) & (new_p2l != old_p2l)
-    if mexp.size:  # the master move writes its slot
-        moving = np.zeros(num_experts, dtype=bool)
-        moving[mexp] = True
-        need &= ~(_master_mask(new) & moving[np.maximum(new_p2l, 0)])
+    need.flat[new.master[mexp]] = False  # a moved master's slot: the master move writes it
     dr, ds = np.nonzero(need)  # by rank, then slot
     de = new_p2l[dr, ds]
     local0 = had(dr, de)  # the rank already holds the expert
@@ -727,25 +720,12 @@ def _jobs_and_local_copies(
     return jobs, np.stack([de[loc], dr[loc], ds[loc]], axis=1), ~local0[loc]
 
 
-@dataclass(frozen=True, eq=False)
-class _Transfers:
-    """:func:`plan_migration`'s transfers as arrays [M], in its order (round, destination
-    rank, slot): expert, source and destination rank, slot, bytes, round, master move."""
-
-    expert: np.ndarray
-    src: np.ndarray
-    dst: np.ndarray
-    slot: np.ndarray
-    nbytes: np.ndarray
-    round: np.ndarray
-    master: np.ndarray
-
-
 def _scheduled(
     old: Placement, new: Placement, topology: Topology, model: ModelSpec, num_experts: int
-) -> tuple[_Transfers, _Jobs, np.ndarray, np.ndarray]:
-    """The transfers of :func:`plan_migration` (checked placements), its link jobs and
-    their ``(src, round)`` [J] from the scheduler."""
+) -> tuple[list[np.ndarray], _Jobs, np.ndarray, np.ndarray]:
+    """The transfers of :func:`plan_migration` as arrays [M] in its order (round, destination
+    rank, slot): expert, source, destination, slot, bytes, round, master move; its link
+    jobs and their ``(src, round)`` [J] from the scheduler. Placements already checked."""
     jobs, local, after = _jobs_and_local_copies(old, new, model)
     r, s = np.nonzero(old.phy2log >= 0)
     src, rnd = _Scheduler(jobs, topology, num_experts).run(old.phy2log[r, s], r)
@@ -756,20 +736,17 @@ def _scheduled(
         o = np.argsort(arrival)
         at = np.searchsorted(arrival[o], local[after, 1] * num_experts + local[after, 0])
         local_round[after] = rnd[o[at]] + 1
-    t_dst = np.concatenate([jobs.dst, local[:, 1]])
-    t_slot = np.concatenate([jobs.slot, local[:, 2]])
-    t_round = np.concatenate([rnd, local_round])
-    order = np.lexsort((t_slot, t_dst, t_round))
-    t = _Transfers(
-        expert=np.concatenate([jobs.expert, local[:, 0]])[order],
-        src=np.concatenate([src, local[:, 1]])[order],
-        dst=t_dst[order],
-        slot=t_slot[order],
-        nbytes=np.concatenate([jobs.nbytes, np.zeros(len(local), dtype=np.int64)])[order],
-        round=t_round[order],
-        master=np.concatenate([jobs.master, np.zeros(len(local), dtype=bool)])[order],
-    )
-    return t, jobs, src, rnd
+    cols = [
+        np.concatenate([jobs.expert, local[:, 0]]),
+        np.concatenate([src, local[:, 1]]),
+        np.concatenate([jobs.dst, local[:, 1]]),
+        np.concatenate([jobs.slot, local[:, 2]]),
+        np.concatenate([jobs.nbytes, np.zeros(len(local), dtype=np.int64)]),
+        np.concatenate([rnd, local_round]),
+        np.concatenate([jobs.master, np.zeros(len(local), dtype=bool)]),
+    ]
+    order = np.lexsort((cols[3], cols[2], cols[5]))
+    return [c[order] for c in cols], jobs, src, rnd
 
 
 def migration_moves(
@@ -779,8 +756,8 @@ def migration_moves(
     topology, model)``, in its order, without building them or their rounds' seconds
     (the simulator costs a migration from these). ``old`` and ``new`` are not checked:
     pass placements :func:`align_placement` has checked (its ``old`` and its result)."""
-    t = _scheduled(old, new, topology, model, int(new.master.shape[0]))[0]
-    return t.src, t.dst, t.expert, t.master
+    e, src, dst, _, _, _, master = _scheduled(old, new, topology, model, new.master.shape[0])[0]
+    return src, dst, e, master
 
 
 def plan_migration(
@@ -809,18 +786,13 @@ def plan_migration(
     ``kept`` counts slots whose copy stays.
     """
     _, _, num_experts = _check_pair(old, new, topology)
-    t, jobs, src, rnd = _scheduled(old, new, topology, model, num_experts)
-    seconds = np.zeros(int(t.round.max()) + 1 if t.round.size else 0)
+    cols, jobs, src, rnd = _scheduled(old, new, topology, model, num_experts)
+    seconds = np.zeros(int(cols[5].max()) + 1 if cols[5].size else 0)
     if src.size:
         lat, bw = topology.links(src, jobs.dst)
         np.maximum.at(seconds, rnd, lat + jobs.nbytes / bw)
     kinds = (TransferKind.REPLICA, TransferKind.MASTER)
-    transfers = tuple(
-        Transfer(e, a, b, c, nb, k, kinds[m])
-        for e, a, b, c, nb, k, m in zip(
-            t.expert.tolist(), t.src.tolist(), t.dst.tolist(), t.slot.tolist(),
-            t.nbytes.tolist(), t.round.tolist(), t.master.tolist(), strict=True,
-        )
-    )  # fmt: skip
+    rows = zip(*(col.tolist() for col in cols), strict=True)
+    transfers = tuple(Transfer(e, a, b, c, nb, k, kinds[m]) for e, a, b, c, nb, k, m in rows)
     kept = int(((new.phy2log == old.phy2log) & (new.phy2log >= 0)).sum())
     return Migration(transfers=transfers, round_seconds=tuple(seconds.tolist()), kept=kept)
