@@ -74,6 +74,7 @@ class DomainSolution:
     - ``replicas``: ``(v, rank, tokens)`` each [N], in quota's line order.
     - ``to_v``: [R, E] the virtual expert source rank ``r``'s tokens for ``e`` go to: its
       own DC's copy, else :func:`remote_holder`'s (-1 where nobody holds ``e``).
+    - ``local``: [D, E] int each DC's own tokens for each expert (the load summed by DC).
     """
 
     placement: Placement
@@ -87,6 +88,7 @@ class DomainSolution:
     lower_bound: np.ndarray
     replicas: tuple[np.ndarray, np.ndarray, np.ndarray]
     to_v: np.ndarray
+    local: np.ndarray
 
 
 def dc_holds(placement: Placement, topology: Topology) -> np.ndarray:
@@ -192,15 +194,23 @@ def remote_inflow(
     return _sent_in(load, ~holds[rank_dc], target, num_v)
 
 
-def _inflow(load: np.ndarray, routing: HolderRouting) -> np.ndarray:
-    """:func:`remote_inflow` from a :class:`HolderRouting`: one ``bincount`` over every cell
-    (a cell that sends nowhere into a last bin, dropped; a zero adds nothing, so each
-    bin sums the same integers as :func:`_sent_in`)."""
+def _inflow(load: np.ndarray, routing: HolderRouting, local: np.ndarray) -> np.ndarray:
+    """:func:`remote_inflow` from a :class:`HolderRouting` and ``local`` [D, E] (``load``
+    summed by DC, int): the one holder of an expert gets every other DC's tokens (from
+    ``local``, no [R, E] pass); only the source cells of experts held more than once go
+    one by one. Sums of integers: the same as :func:`_sent_in`'s."""
     num_v = routing.v_dc.size
     if routing.orphan.size:
         return _sent_in(load, routing.away, routing.remote, num_v)  # raises if they have load
-    sums = np.bincount(routing.sent_bin, weights=load.ravel(), minlength=num_v + 1)
-    return sums[:num_v].astype(np.int64)
+    one_v, one_e = routing.one_v, routing.one_e
+    inflow = np.zeros(num_v, np.int64)
+    inflow[one_v] = local.sum(axis=0)[one_e] - local[routing.v_dc[one_v], one_e]
+    if routing.many_cells.size:
+        sums = np.bincount(
+            routing.many_bins, weights=load.ravel()[routing.many_cells], minlength=num_v
+        )
+        inflow += sums.astype(np.int64)
+    return inflow
 
 
 def _sent_in(load: np.ndarray, away: np.ndarray, target: np.ndarray, num_v: int) -> np.ndarray:
@@ -218,8 +228,12 @@ class HolderRouting(NamedTuple):
     (:func:`_virtual`), ``here`` [R, E] (the source's DC holds ``e``) and ``away``
     (``~here``), ``remote`` (:func:`remote_holder`), ``to_v`` [R, E] (the own DC's copy,
     else ``remote``), ``pair_key`` [R * E] (source DC * D + the DC of ``to_v``),
-    ``sent_bin`` [R * E] (``remote``, ``V`` where it is -1) and ``orphan`` (the experts
-    nobody holds)."""
+    ``sent_bin`` [R * E] (``remote``, ``V`` where it is -1), ``orphan`` (the experts
+    nobody holds); ``one_v`` and ``one_e`` [V1]: the virtual experts of the experts held
+    in one DC, and those experts; ``one_cells`` and ``one_keys``: every [D, E] cell (flat)
+    of a DC lacking such an expert and its ``pair_key`` (the DC * D + the holder's DC);
+    ``many_cells`` [R * E] (flat) of a source lacking an expert held in more than one DC,
+    with its ``remote`` (``many_bins``) and its ``pair_key`` (``many_keys``)."""
 
     v_dc: np.ndarray
     v_expert: np.ndarray
@@ -231,6 +245,13 @@ class HolderRouting(NamedTuple):
     pair_key: np.ndarray
     sent_bin: np.ndarray
     orphan: np.ndarray
+    one_v: np.ndarray
+    one_e: np.ndarray
+    one_cells: np.ndarray
+    one_keys: np.ndarray
+    many_cells: np.ndarray
+    many_bins: np.ndarray
+    many_keys: np.ndarray
 
 
 def holder_routing(holds: np.ndarray, rank_dc: np.ndarray) -> HolderRouting:
@@ -242,7 +263,7 @@ def holder_routing(holds: np.ndarray, rank_dc: np.ndarray) -> HolderRouting:
     hit = _ROUTINGS.get(key)
     if hit is not None:
         return hit
-    v_dc, v_expert, vid, _ = _virtual(holds)
+    v_dc, v_expert, vid, first = _virtual(holds)
     here = holds[rank_dc]  # [R, E]
     remote = remote_holder(holds, rank_dc)
     own = vid[rank_dc]  # [R, E] the source's own DC's copy
@@ -251,7 +272,22 @@ def holder_routing(holds: np.ndarray, rank_dc: np.ndarray) -> HolderRouting:
     pair_key = (rank_dc[:, None] * num_dcs + v_dc[to_v]).ravel()  # where nobody holds e: any
     sent_bin = np.where(remote >= 0, remote, v_dc.size).ravel()
     orphan = np.flatnonzero(~holds.any(axis=0))
-    out = HolderRouting(v_dc, v_expert, vid, here, ~here, remote, to_v, pair_key, sent_bin, orphan)
+    num_experts = holds.shape[1]
+    h = np.diff(first)
+    one_e = np.flatnonzero(h == 1)
+    one_v = first[one_e]
+    a, c = np.nonzero(~holds[:, one_e])  # [D, E1] the DCs without each
+    one_cells = a * num_experts + one_e[c]
+    one_keys = a * num_dcs + v_dc[one_v[c]]
+    many = np.flatnonzero(h > 1)
+    r, c = np.nonzero(~here[:, many])  # [R, M] the sources without each
+    many_cells = r * num_experts + many[c]
+    many_bins = remote.ravel()[many_cells]
+    many_keys = rank_dc[r] * num_dcs + v_dc[many_bins]
+    out = HolderRouting(
+        v_dc, v_expert, vid, here, ~here, remote, to_v, pair_key, sent_bin, orphan,
+        one_v, one_e, one_cells, one_keys, many_cells, many_bins, many_keys,
+    )  # fmt: skip
     for a in out:
         a.setflags(write=False)
     if _ROUTINGS_KEPT > 0:
@@ -285,7 +321,7 @@ def domain_quota(
     holds, routing, home, vmasters, v_expert_or_empty = _base_parts(base, topology)
     v_dc, v_expert = routing.v_dc, routing.v_expert
     local = sum_rows(load, rank_dc, topology.num_dcs).astype(np.int64)  # [D, E] d's tokens
-    inflow = _inflow(load, routing)
+    inflow = _inflow(load, routing, local)
     to_v = routing.to_v  # [R, E] the own DC's copy, else the remote holder's
     demand = local[v_dc, v_expert] + inflow
     if replicate:
@@ -310,6 +346,7 @@ def domain_quota(
         lower_bound=lower,
         replicas=rep,
         to_v=to_v,
+        local=local,
     )
 
 
@@ -471,7 +508,8 @@ def domain_traffic(
     lf = load.astype(np.float64)
     routing = holder_routing(holds, rank_dc)
     left = np.where(routing.here, lf, 0.0)  # [R, E] tokens for a copy in the source's DC
-    away = lf - left
+    # tokens each rank sends out of its DC (sums of integers: exact, in any order)
+    sent = lf.sum(axis=1) - left.sum(axis=1)
     # copies: homes (they compute what the replicas leave) and replicas
     rep_v, rep_rank, rep_tokens = sol.replicas
     given = np.bincount(rep_v, weights=rep_tokens, minlength=sol.v_dc.size)
@@ -510,23 +548,36 @@ def domain_traffic(
     else:
         g_dc = _scatter(c_dc, c_exp, w, (num_dcs, num_experts))
         reach_dc = np.einsum("re,re->r", left, g_dc[rank_dc])
-    rank_out = np.stack([reach_node - reach_rank, reach_dc - reach_node, away.sum(axis=1)], axis=1)
-    # DC pairs, flat: every (r, e) in row-major order, the zeros of ``away`` included (adding
-    # 0.0 changes no sum: the same floats as over its nonzeros alone, one pass fewer)
-    if routing.to_v is sol.to_v:  # the solution's route is this routing's
-        key = routing.pair_key
-    else:
-        to_dc = sol.v_dc[sol.to_v]  # [R, E] (where nobody holds e, away is 0)
-        key = (rank_dc[:, None] * num_dcs + to_dc).ravel()
-    pair = np.bincount(key, weights=away.ravel())
+    rank_out = np.stack([reach_node - reach_rank, reach_dc - reach_node, sent], axis=1)
+    pair = _pairs(lf, sol, routing, rank_dc)
     flat = np.flatnonzero(pair)
     ps, pd = np.divmod(flat, num_dcs)
-    per_rank = lf.sum(axis=1)
-    dc_tokens = np.bincount(rank_dc, weights=per_rank, minlength=num_dcs) / top_k
+    dc_tokens = sol.local.sum(axis=1) / top_k  # sums of integers: exact, in any order
     return TokenTraffic(
         rank_tokens, rank_out, rank_in, ps.astype(np.int64), pd.astype(np.int64),
         pair[flat], dc_tokens,
     )  # fmt: skip
+
+
+def _pairs(
+    lf: np.ndarray, sol: DomainSolution, routing: HolderRouting, rank_dc: np.ndarray
+) -> np.ndarray:
+    """[D * D] tokens from DC ``a`` to DC ``b`` (``a * D + b``) of the route of ``sol`` on
+    ``lf`` [R, E] (floats of its integer load): an expert held in one DC gets every other
+    DC's tokens (``sol.local``, no [R, E] pass), one held in more goes source by source.
+    Sums of integers: exact in any order (the same floats as summing every cell)."""
+    num_dcs = sol.holds.shape[0]
+    dd = num_dcs * num_dcs
+    if routing.to_v is not sol.to_v:  # another route than this routing's: every cell
+        to_dc = sol.v_dc[sol.to_v]  # [R, E] (where nobody holds e, nothing is sent)
+        key = (rank_dc[:, None] * num_dcs + to_dc).ravel()
+        away = np.where(routing.here, 0.0, lf)
+        return np.bincount(key, weights=away.ravel(), minlength=dd)
+    pair = np.bincount(routing.one_keys, weights=sol.local.ravel()[routing.one_cells], minlength=dd)
+    if routing.many_cells.size:
+        more = np.bincount(routing.many_keys, weights=lf.ravel()[routing.many_cells], minlength=dd)
+        pair = pair + more
+    return pair.astype(np.float64, copy=False)  # empty weights count in int64
 
 
 def rehome(

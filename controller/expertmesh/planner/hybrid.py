@@ -469,10 +469,10 @@ def compose(
     balanced = option(domain_quota(load, base, dom))
     if balanced[0].replicas[0].size == 0 or not plain:
         return balanced  # no replica needed (or the caller knows it cannot do without)
-    at = at_home(balanced[0], base, dom)
-    if dom is topology and plain_floor(at, balanced[1], topology, model, cfg.cost) > balanced[2]:
+    # the floor takes the homes and demands alone: those of at_home's solution, the same
+    if dom is topology and plain_floor(*balanced[:2], topology, model, cfg.cost) > balanced[2]:
         return balanced  # without replicas it cannot be as fast: not scored
-    bare = option(at)
+    bare = option(at_home(balanced[0], base, dom))
     return bare if bare[2] <= balanced[2] else balanced  # ties: no replicas
 
 

@@ -376,7 +376,9 @@ def plain_floor(
     solution without replicas, :func:`~expertmesh.planner.domainquota.at_home`) at, from
     ``traffic``: the traffic of the solution with replicas on the same holder sets inside
     each DC (its DC pairs are plain's: the holder sets fix them). :func:`chain_floor` with
-    compute at plain's busiest rank (every virtual expert at its home)."""
+    compute at plain's busiest rank (every virtual expert at its home). Only ``plain``'s
+    homes and demands are read: the solution with replicas that ``at_home`` would turn
+    into ``plain`` serves as well."""
     x = crossings(traffic, model.top_k, cost.hierarchical) * float(model.token_bytes)
     busiest = np.bincount(plain.home, weights=plain.demand.astype(np.float64))
     return chain_floor(
