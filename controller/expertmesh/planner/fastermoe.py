@@ -88,7 +88,8 @@ def master_traffic(
         raise ValueError("master_traffic needs a placement of masters only")
     load = load.astype(np.int64, copy=False)
     tok = _by_master_rank(load, masters.master_rank())  # [R src, R master]
-    if int(tok.sum()) >= _EXACT:  # the total of load, wrapped alike
+    row = tok.sum(axis=1)  # [R] each source's tokens
+    if int(row.sum()) >= _EXACT:  # the total of load, wrapped alike
         return even_traffic(load, masters, topology, top_k, domain="rank")
     rows = np.arange(num_ranks)
     (node_at, node_of), (dc_at, dc_of) = _runs(topology)
@@ -102,7 +103,7 @@ def master_traffic(
     else:
         sent_node = np.add.reduceat(tok, node_at, axis=1)[rows, node_of]
         came_node = np.add.reduceat(tok, node_at, axis=0)[node_of, rows]
-    sent = [tok.diagonal(), sent_node, sent_dc, tok.sum(axis=1)]
+    sent = [tok.diagonal(), sent_node, sent_dc, row]
     came = [sent[0], came_node, came_dc, tok.sum(axis=0)]
     rank_out = np.empty((num_ranks, 3))
     rank_in = np.empty((num_ranks, 3))
@@ -331,7 +332,8 @@ class FasterMoEPolicy(Policy):
     def _base(self, ctx: PolicyContext) -> tuple[Placement, int]:
         """:meth:`masters` and the most shadows it has room for (``max_shadows`` too), made
         again only when the previous plan's masters (or shape) changed: a fresh copy each
-        step cost more than the rest of a step that shadows nothing."""
+        step cost more than the rest of a step that shadows nothing. A previous plan of the
+        masters alone is returned itself (equal arrays), so the engine needs no alignment."""
         t, prev = ctx.topology, None if ctx.previous is None else ctx.previous.placement
         key: tuple[object, ...] = (
             (t.num_ranks, t.slots_per_rank, ctx.model.num_experts, t.masters_per_rank)
@@ -345,7 +347,11 @@ class FasterMoEPolicy(Policy):
             if self.cfg.max_shadows is not None:
                 limit = min(limit, self.cfg.max_shadows)
             self._masters = (key, base, limit)
-        return self._masters[1], self._masters[2]
+        key, base, limit = self._masters
+        if prev is not None and prev is not base and np.array_equal(prev.phy2log, base.phy2log):
+            self._masters = (key, prev, limit)
+            return prev, limit
+        return base, limit
 
     def place(self, ctx: PolicyContext) -> Placement:
         base, limit = self._base(ctx)

@@ -107,16 +107,17 @@ def segments(pieces: Pieces, walked: Walked) -> list[tuple[int, int, int]]:
     piece's overlap with each receiver's stretch of the line, in line order
     (``quota._replicas``)."""
     out: list[tuple[int, int, int]] = []
+    num = len(walked)
     j, end = 0, 0
     for neg, e in pieces:
         start, end = end, end - neg
         while walked[j][2] <= start:
             j += 1
-        i = j
-        while i < len(walked) and walked[i][1] < end:
+        for i in range(j, num):
             r, a, b = walked[i]
+            if a >= end:
+                break
             out.append((e, r, (end if end < b else b) - (start if start > a else a)))
-            i += 1
     return out
 
 
