@@ -260,6 +260,29 @@ def test_even_traffic_steps_is_even_traffic_of_each_step_to_the_bit(seed):
                     assert a.shape == b.shape and np.array_equal(a, b), (domain, remote, t, f)
 
 
+@pytest.mark.parametrize("dcs, ranks, nodes", [(3, 4, 2), (9, 2, 1)])
+def test_even_traffic_steps_on_equal_nodes_is_even_traffic_to_the_bit(dcs, ranks, nodes):
+    # equal nodes and DCs: the level sums of every step from a [T, G, p, E] view
+    topo = Topology.generate(dcs, ranks, nodes_per_dc=nodes, masters=2, spare=2)
+    rng = np.random.default_rng(dcs)
+    num_experts, slots = 2 * topo.num_ranks, topo.slots_per_rank
+    phy = np.full((topo.num_ranks, slots), -1, np.int32)
+    phy[:, :2] = np.arange(num_experts).reshape(topo.num_ranks, 2)
+    phy[:, 2:] = rng.integers(0, num_experts, (topo.num_ranks, slots - 2))
+    master = np.arange(num_experts) // 2 * slots + np.arange(num_experts) % 2
+    pl = Placement(phy, master)
+    loads = rng.integers(0, 50, size=(6, topo.num_ranks, num_experts))
+    for domain in ("rank", "node", "dc", "global"):
+        for remote in ("spread", "master"):
+            got = even_traffic_steps(loads, pl, topo, 2, domain=domain, remote=remote)
+            for t, g in enumerate(got):
+                want = even_traffic(loads[t], pl, topo, 2, domain=domain, remote=remote)
+                for f in ("rank_tokens", "rank_out", "rank_in", "pair_src", "pair_dst",
+                          "pair_tokens", "dc_tokens"):  # fmt: skip
+                    a, b = getattr(g, f), getattr(want, f)
+                    assert a.shape == b.shape and np.array_equal(a, b), (domain, remote, t, f)
+
+
 @pytest.mark.parametrize("seed", [0, 3])
 def test_even_traffic_steps_of_one_copy_placements_is_even_traffic_to_the_bit(seed):
     # at most one copy per expert (static EP): summed in int64 (_one_copy_split)

@@ -579,10 +579,36 @@ def _even_split(
 
 
 def _level_sums_steps(x: np.ndarray, topology: Topology) -> list[np.ndarray]:
-    """:func:`level_sums` of each ``x[t]`` ([T, R, E]), in one call over [R, T * E]."""
+    """:func:`level_sums` of each ``x[t]`` ([T, R, E]): with equal nodes of at most 8 ranks
+    and equal DCs of at most 8 nodes (or one node each), the same sums over a [T, G, p, E]
+    view (each a first row plus the plain loop over the rest, as :func:`_run_sums`), else
+    one :func:`level_sums` call over [R, T * E]."""
     num_steps, num_ranks, num_experts = x.shape
+    (r_starts, r_at, r_len), (n_starts, n_at, n_len) = _level_index(topology)
+    one_node = n_starts.size == topology.num_dcs == topology.num_nodes
+    if num_ranks and 0 < r_len <= _SHORT_RUN and (one_node or 0 < n_len <= _SHORT_RUN):
+        node = np.zeros((num_steps, topology.num_nodes, num_experts))
+        node[:, r_at] += _run_sums_steps(x, r_starts.size, r_len)
+        if one_node:
+            dc = node.copy()  # 0.0 + (0.0 + s) is 0.0 + s, as level_sums
+        else:
+            dc = np.zeros((num_steps, topology.num_dcs, num_experts))
+            dc[:, n_at] += _run_sums_steps(node, n_starts.size, n_len)
+        # everything: level_sums' sum over the DCs of a C-ordered [D, T * E] (its floats)
+        by_dc = np.ascontiguousarray(dc.transpose(1, 0, 2)).reshape(topology.num_dcs, -1)
+        every = by_dc.sum(axis=0)
+        return [x, node, dc, every.reshape(num_steps, 1, num_experts)]
     flat = level_sums(x.transpose(1, 0, 2).reshape(num_ranks, -1), topology)
     return [a.reshape(a.shape[0], num_steps, num_experts).transpose(1, 0, 2) for a in flat]
+
+
+def _run_sums_steps(x: np.ndarray, groups: int, length: int) -> np.ndarray:
+    """:func:`_run_sums` of each ``x[t]`` ([T, groups * length, E]), runs of ``length``."""
+    v = x.reshape(x.shape[0], groups, length, x.shape[2])
+    if length == 1:
+        return v[:, :, 0].copy()
+    out: np.ndarray = v[:, :, 0] + v[:, :, 1:].sum(axis=2)
+    return out
 
 
 def _shell_sums(rank: np.ndarray, in_shell: np.ndarray, num_ranks: int) -> np.ndarray:
