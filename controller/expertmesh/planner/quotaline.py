@@ -238,7 +238,7 @@ def solve_domains(
 
 def place_replicas(lay: Layout, rep_expert: np.ndarray, rep_rank: np.ndarray) -> np.ndarray:
     """[R * S] int32 phy2log: the masters, plus each replica (expert, rank) [N] in the next
-    free slot of its rank in their order (``quota._place``)."""
+    free slot of its rank, in their order (the k-th replica of a rank in its k-th free slot)."""
     flat = lay.masters_only.copy()
     used = [0] * len(lay.free_slots)
     at = []
