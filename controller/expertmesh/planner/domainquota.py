@@ -30,6 +30,7 @@ heaviest first onto the least-loaded of its holders. ``refs.domain_quota_ref`` i
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -520,7 +521,7 @@ def domain_traffic(
     c_inflow = sol.inflow[c_v].astype(np.float64)  # tokens sent in to its DC from DCs without e
     own = np.minimum(c_amount, left[c_rank, c_exp])  # own rank's tokens first
     left[c_rank, c_exp] -= own  # a rank holds one copy of e at most
-    lsum = level_sums(left, topology)  # rank, node, DC, all: what local sources have left
+    lsum = _level_sums(left, topology, exact=load.dtype.kind in "iub")  # what sources have left
     node = topology.rank_node[c_rank]
     total = lsum[2][c_dc, c_exp] + c_inflow
     w = np.where(total > 0, (c_amount - own) / np.where(total > 0, total, 1.0), 0.0)  # [C]
@@ -557,6 +558,37 @@ def domain_traffic(
         rank_tokens, rank_out, rank_in, ps.astype(np.int64), pd.astype(np.int64),
         pair[flat], dc_tokens,
     )  # fmt: skip
+
+
+def _level_sums(left: np.ndarray, topology: Topology, *, exact: bool) -> list[np.ndarray]:
+    """:func:`~expertmesh.planner.traffic.level_sums` of ``left`` [R, E] (its [R, E], node
+    and DC entries). ``exact``: ``left`` holds integers, so its sums are exact in any order
+    (the same floats): with every node of the same ranks and every DC of the same nodes,
+    consecutive (:func:`_runs`), one reshaped sum per level."""
+    runs = _runs(topology) if exact else None
+    if runs is None:
+        return level_sums(left, topology)[:3]
+    per_node, per_dc = runs
+    node = left.reshape(-1, per_node, left.shape[1]).sum(axis=1)
+    dc = node if per_dc == 1 else node.reshape(-1, per_dc, node.shape[1]).sum(axis=1)
+    return [left, node, dc]
+
+
+def _runs(topology: Topology) -> tuple[int, int] | None:
+    """``(ranks per node, nodes per DC)`` when every node has as many ranks and every DC as
+    many nodes, numbered DC by DC and node by node; else ``None`` (once per topology)."""
+    if topology not in _RUNS:
+        nodes = {d.nodes for d in topology.dcs}
+        per_node = {d.ranks_per_node for d in topology.dcs}
+        rank_node, rank_dc = topology.rank_node, topology.rank_dc
+        ordered = bool(np.all(np.diff(rank_node) >= 0) and np.all(np.diff(rank_dc) >= 0))
+        same = len(nodes) == 1 and len(per_node) == 1 and rank_node.size > 0
+        _RUNS[topology] = (per_node.pop(), nodes.pop()) if same and ordered else None
+    return _RUNS[topology]
+
+
+#: :func:`_runs` of every topology alive
+_RUNS: weakref.WeakKeyDictionary[Topology, tuple[int, int] | None] = weakref.WeakKeyDictionary()
 
 
 def _pairs(

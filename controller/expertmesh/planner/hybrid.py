@@ -209,6 +209,22 @@ def plan_hybrid(
     ignored); ``previous``: the placement running now (its copies stay where they are
     when chosen again, and it is a candidate of the guard).
     """
+    return _plan_hybrid(estimate, masters, topology, model, cfg, previous=previous)[0]
+
+
+def _plan_hybrid(
+    estimate: np.ndarray,
+    masters: Placement,
+    topology: Topology,
+    model: ModelSpec,
+    cfg: HybridSettings,
+    *,
+    previous: Placement | None = None,
+) -> tuple[Placement, float | None]:
+    """:func:`plan_hybrid`, and when it keeps the running plan (the candidate nothing is
+    copied into), that plan's :func:`compose` cost on ``rint(estimate)`` as the guard
+    scored it: with ``before`` its holdings and no other stream, the cost
+    :func:`choose_domain` gives it in a DC's domain (else ``None``)."""
     num_experts = estimate.shape[1]
     num_dcs, slots = topology.num_dcs, topology.slots_per_rank
     rank_dc = topology.rank_dc
@@ -259,7 +275,9 @@ def plan_hybrid(
     if guard.above([*pair_holds, plain], bar) and guard.above(
         (h for reps in pair_sets for h in _fills(inp, mdc, reps, cfg.fill)), bar
     ):
-        return _evened(inp, keep, keep_cost, guard) if cfg.even_dcs else keep
+        return _kept(
+            _evened(inp, keep, keep_cost, guard) if cfg.even_dcs else keep, keep, keep_cost
+        )
     pair_costs = guard.scores(pair_holds)  # the fastest of them exactly: fills build on it
     best = pair_sets[int(np.argmin(pair_costs))]
     fills = list(_fills(inp, mdc, best, cfg.fill))
@@ -272,7 +290,13 @@ def plan_hybrid(
         chosen, cost = keep, keep_cost
     else:
         chosen, cost = guard.placement(candidates[i]), costs[i]
-    return _evened(inp, chosen, cost, guard) if cfg.even_dcs else chosen
+    return _kept(_evened(inp, chosen, cost, guard) if cfg.even_dcs else chosen, keep, keep_cost)
+
+
+def _kept(plan: Placement, keep: Placement, keep_cost: float) -> tuple[Placement, float | None]:
+    """``(plan, keep_cost)`` when ``plan`` is the running plan ``keep`` (rehomed: it holds
+    nothing ``previous`` lacks, so the guard charged it no copy), else ``(plan, None)``."""
+    return plan, keep_cost if plan is keep else None
 
 
 def _evened(inp: _Inputs, chosen: Placement, cost: float, guard: GuardCosts) -> Placement:
@@ -484,10 +508,12 @@ def choose_domain(
     cfg: HybridSettings,
     *,
     before: np.ndarray | None = None,
+    known: float | None = None,
 ) -> int:
     """Domain size in DCs (:func:`~expertmesh.planner.domainquota.domain_sizes`) whose
     :func:`compose` on ``load`` [R, E] over ``base`` is fastest; ties: the smaller domain.
-    ``cfg.domain`` fixes it unless ``"auto"``."""
+    ``cfg.domain`` fixes it unless ``"auto"``. ``known``: the cost of a DC's domain (the
+    compose of ``base`` itself) when the caller has scored it (the guard: the same call)."""
     if cfg.domain != "auto":
         if merge_dcs(topology, cfg.domain) is None:
             raise ValueError(f"domain {cfg.domain}: does not divide the DCs into equal domains")
@@ -507,7 +533,12 @@ def choose_domain(
             continue
         kbase = base if k == 1 else rehome(base, load, dom)
         plain = k == 1 or not single
-        cost = compose(load, kbase, topology, model, cfg, before=before, domain=dom, plain=plain)[2]
+        if k == 1 and known is not None:
+            cost = known
+        else:
+            cost = compose(
+                load, kbase, topology, model, cfg, before=before, domain=dom, plain=plain
+            )[2]
         if cost < best_cost * (1 - 1e-9):
             best, best_cost = k, cost
     return best
@@ -608,10 +639,10 @@ class HybridPolicy(Policy):
         # between re-plans the base is last microbatch's holder sets, nothing moved
         base = None
         if replan:
-            base, estimate = self._plan(ctx, prev)
+            base, estimate, known = self._plan(ctx, prev)
             if self.cfg.inside == "split":
                 return base
-            self._size = self._domain(ctx, estimate, base, before)
+            self._size = self._domain(ctx, (estimate, known), base, before)
         t0 = time.process_time()
         dom = self._domains(t)
         if base is None or dom is not None:
@@ -623,16 +654,22 @@ class HybridPolicy(Policy):
         return sol.placement
 
     def _domain(
-        self, ctx: PolicyContext, estimate: np.ndarray, base: Placement, before: np.ndarray | None
+        self,
+        ctx: PolicyContext,
+        scored: tuple[np.ndarray, float | None],
+        base: Placement,
+        before: np.ndarray | None,
     ) -> int:
-        """The domain size of this re-plan (:func:`choose_domain`), scored again only when
-        needed: a fixed ``domain`` always (it only checks it); ``"auto"`` when this layer's
-        plan ``base`` holds other experts in some DC than the plan the sizes were last scored
-        on, or its estimate [R, E] has moved by ``domain_tolerance`` (L1 share) or more since
-        (0: always); else the size chosen then. The scores of the sizes move with the
+        """The domain size of this re-plan (:func:`choose_domain`; ``scored``: the estimate
+        [R, E] and the cost of ``base`` in a DC's domain if the guard scored it), scored
+        again only when needed: a fixed ``domain`` always (it only checks it); ``"auto"``
+        when this layer's plan ``base`` holds other experts in some DC than the plan the
+        sizes were last scored on, or its estimate has moved by ``domain_tolerance`` (L1
+        share) or more since (0: always); else the size chosen then. The scores of the sizes move with the
         estimate and the holder sets; between windows of the same traffic they move by the
         sampling noise (about 2% L1 at 8,192 tokens per rank)."""
         t = ctx.topology
+        estimate, known = scored
         holds = dc_holds(base, t) if self.cfg.domain == "auto" else None
         seen = self._scored.get(ctx.layer)
         same = seen is not None and seen[0].shape == estimate.shape
@@ -640,7 +677,7 @@ class HybridPolicy(Policy):
             moved = float(np.abs(estimate - seen[0]).sum())
             if moved < self.cfg.domain_tolerance * max(float(np.abs(seen[0]).sum()), 1.0):
                 return seen[2]
-        size = choose_domain(estimate, base, t, ctx.model, self.cfg, before=before)
+        size = choose_domain(estimate, base, t, ctx.model, self.cfg, before=before, known=known)
         if holds is not None:
             self._scored[ctx.layer] = (estimate.copy(), holds, size)
         return size
@@ -654,8 +691,11 @@ class HybridPolicy(Policy):
             self._merged = m = (topology, self._size, dom)
         return m[2]
 
-    def _plan(self, ctx: PolicyContext, prev: Placement | None) -> tuple[Placement, np.ndarray]:
-        """The slow loop: :func:`plan_hybrid` on the history window (never this load)."""
+    def _plan(
+        self, ctx: PolicyContext, prev: Placement | None
+    ) -> tuple[Placement, np.ndarray, float | None]:
+        """The slow loop: :func:`plan_hybrid` on the history window (never this load); the
+        plan, the estimate rounded to tokens and the plan's cost if the guard kept it."""
         t = ctx.topology
         masters = (
             prev
@@ -673,8 +713,8 @@ class HybridPolicy(Policy):
             )
         else:
             estimate = ctx.history.mean(axis=0)  # [R, E]
-        plan = plan_hybrid(estimate, masters, t, ctx.model, self.cfg, previous=prev)
-        return plan, np.rint(estimate).astype(np.int64)
+        plan, known = _plan_hybrid(estimate, masters, t, ctx.model, self.cfg, previous=prev)
+        return plan, np.rint(estimate).astype(np.int64), known
 
     def _solved(
         self, ctx: PolicyContext, placement: Placement

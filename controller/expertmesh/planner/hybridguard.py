@@ -305,13 +305,11 @@ def _dc_pairs_all(
             ).reshape(num_dcs, num_dcs)
             np.fill_diagonal(each[c], 0.0)
         return each, valid
-    oc, oe = np.nonzero(h == 1)  # [n] (candidate, expert) of the one-holder columns
-    col = holds[oc, :, oe]  # [n, D]
-    holder = np.argmax(col, axis=1)
-    i, d = np.nonzero(~col)  # every DC lacking the column's expert
-    key = oc[i] * dd + d * num_dcs + holder[i]
-    pair = np.bincount(key, weights=fixed.local[d, oe[i]], minlength=num_cands * dd)
-    pair = pair.astype(np.float64, copy=False)  # empty weights count in int64
+    # an expert with one holder b: every other DC a sends it its tokens, local[a, e]
+    one = (holds & (h == 1)[:, None, :]).transpose(0, 2, 1).astype(np.float64)  # [C, E, D]
+    pair = np.matmul(fixed.local, one)  # [C, D, D]: a -> b over b's one-holder experts
+    pair[:, np.arange(num_dcs), np.arange(num_dcs)] = 0.0  # b's own tokens stay
+    pair = pair.reshape(-1)
     mc, me = np.nonzero(h > 1)  # [M] the columns held more than once
     if mc.size:  # remote_holder's rotation, on these columns only
         held = holds[mc, :, me].T  # [D, M]
