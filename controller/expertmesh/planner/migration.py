@@ -150,6 +150,8 @@ def _choose_masters(
     experts = np.arange(num_experts)
     old_rank = old.master // num_slots
     cur = policy_master // num_slots
+    if np.array_equal(cur, old_rank) and np.array_equal(aligned.ravel()[old.master], experts):
+        return old.master.astype(np.int64)  # every master stays on its rank, in its old slot
     wants = (aligned[old_rank] == experts[:, None]).any(axis=1) & (cur != old_rank)
     cap = np.maximum(masters_per_rank, np.bincount(cur, minlength=num_ranks))
     count = np.bincount(cur, minlength=num_ranks)
