@@ -33,7 +33,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from expertmesh.planner.model import ModelSpec
 from expertmesh.planner.plan import Placement
 from expertmesh.planner.topology import Topology
-from expertmesh.planner.traffic import Domain, TokenTraffic, even_traffic
+from expertmesh.planner.traffic import Domain, TokenTraffic, _sorted_unique, even_traffic
+from expertmesh.planner.traffic import _rank_shell as _shell
 
 __all__ = [
     "PHASES",
@@ -192,16 +193,6 @@ class StepCost:
     bottleneck: str = ""
 
 
-def _shell(topology: Topology, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """[N] 0 same rank, 1 same node, 2 same DC, 3 other DC: ``topology.link_class`` as the
-    count of differences (a node lies in one DC), three comparisons and no masked writes."""
-    dc, node = topology.rank_dc, topology.rank_node
-    out = (dc[a] != dc[b]).astype(np.int64)
-    out += node[a] != node[b]
-    out += a != b
-    return out
-
-
 def _port_add(
     port: np.ndarray, ranks: np.ndarray, shell: np.ndarray, col: int, nbytes: float | np.ndarray
 ) -> None:
@@ -260,8 +251,9 @@ def replica_streams(
     _port_add(grad_port, cr, shell, _NODE_OUT, g)
     # master side: once per expert and fabric it uses (node, else NIC: one column each, what
     # _port_add of that one shell adds)
-    node_use = np.unique(ce[shell == 1])
-    nic_use = np.unique(ce[shell >= 2])
+    num_experts = placement.master.size
+    node_use = _sorted_unique(ce[shell == 1], num_experts)
+    nic_use = _sorted_unique(ce[shell >= 2], num_experts)
     for experts, out, into in ((node_use, _NODE_OUT, _NODE_IN), (nic_use, _NIC_OUT, _NIC_IN)):
         ranks = mrank[experts]
         back[:, out] += np.bincount(ranks, np.full(ranks.shape, w), minlength=num_ranks)
@@ -269,7 +261,7 @@ def replica_streams(
     # WAN: one crossing per (expert, remote DC)
     remote = shell == 3
     num_dcs = topology.num_dcs
-    key = np.unique(ce[remote] * num_dcs + topology.rank_dc[cr[remote]])
+    key = _sorted_unique(ce[remote] * num_dcs + topology.rank_dc[cr[remote]], num_experts * num_dcs)
     e, x = key // num_dcs, key % num_dcs
     mdc = topology.rank_dc[mrank[e]]
     src, dst = np.concatenate([mdc, x]), np.concatenate([x, mdc])  # weights out, grads back
