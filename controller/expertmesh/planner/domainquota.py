@@ -433,8 +433,8 @@ def _virtual_load(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every nonzero ``(source rank, virtual expert, tokens)`` of step 1, each [M]: one row
     per nonzero ``load[r, e]``."""
-    r, e = np.nonzero(load)
-    return r, sol.to_v[r, e], load[r, e]
+    flat = np.flatnonzero(load)  # row-major: the order of np.nonzero
+    return flat // load.shape[1], sol.to_v.ravel()[flat], load.ravel()[flat]
 
 
 #: cells of one ``route_locality`` block in :func:`domain_route` (sources x hot copies)
@@ -452,8 +452,9 @@ def domain_route(load: np.ndarray, sol: DomainSolution, topology: Topology) -> n
     is_hot = np.zeros(sol.v_dc.size, bool)
     is_hot[rep_v] = True
     cold = ~is_hot[v]
-    out = [np.stack([src[cold], sol.v_expert[v[cold]], sol.home[v[cold]], tok[cold]], axis=1)]
+    src_c, v_c, tok_c = src[cold], v[cold], tok[cold]
     src, v, tok = src[~cold], v[~cold], tok[~cold]
+    blocks = []
     hot = np.unique(rep_v)  # [K] by expert, then DC: sorted by DC for the blocks
     hot = hot[np.argsort(sol.v_dc[hot], kind="stable")]
     per_block = max(1, _ROUTE_CELLS // max(1, load.shape[0]))
@@ -463,9 +464,18 @@ def domain_route(load: np.ndarray, sol: DomainSolution, topology: Topology) -> n
         ends = bounds[bounds > start]
         fit = ends[ends - start <= per_block]
         stop = int(fit[-1]) if fit.size else int(ends[0])
-        out.append(_route_block(hot[start:stop], (src, v, tok), sol))
+        blocks.append(_route_block(hot[start:stop], (src, v, tok), sol))
         start = stop
-    return np.concatenate(out).astype(np.int64)
+    out = np.empty((v_c.size + sum(b.shape[0] for b in blocks), 4), np.int64)
+    out[: v_c.size, 0] = src_c  # the cold rows first, then the blocks'
+    out[: v_c.size, 1] = sol.v_expert[v_c]
+    out[: v_c.size, 2] = sol.home[v_c]
+    out[: v_c.size, 3] = tok_c
+    at = v_c.size
+    for b in blocks:
+        out[at : at + b.shape[0]] = b
+        at += b.shape[0]
+    return out
 
 
 def _route_block(

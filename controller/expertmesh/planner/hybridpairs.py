@@ -114,6 +114,9 @@ class DcPairs:
             "expert": o_exp[self.order],
             "dc": self.g_dc[o_group[self.order]],
             "group_dc": self.g_dc.copy(),
+            "starts": np.flatnonzero(
+                np.r_[True, o_group[self.order][1:] != o_group[self.order][:-1]]
+            ),
         }
         for a in self.rows.values():
             a.setflags(write=False)  # every options() call returns them
@@ -199,13 +202,13 @@ def choose_copies(opts: dict[str, np.ndarray], free: np.ndarray) -> np.ndarray:
     num_groups = group_dc.size
     if num_groups == 0:
         return np.zeros(0, np.int64)
-    starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
+    starts = opts.get("starts")  # each pair's first row (every pair has its j = 0 row)
+    if starts is None:
+        starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
     # fastest prefix per pair (ties: fewer copies; options are sorted by j)
-    best = np.full(num_groups, np.inf)
-    np.minimum.at(best, group, cost)
+    best = np.minimum.reduceat(cost, starts)
     is_best = cost <= best[group] * (1 + 1e-12)
-    pick = np.full(num_groups, np.iinfo(np.int64).max)
-    np.minimum.at(pick, group[is_best], j[is_best])
+    pick = np.minimum.reduceat(np.where(is_best, j, np.iinfo(np.int64).max), starts)
     num_dcs = free.size
     need = np.bincount(group_dc, weights=pick, minlength=num_dcs)
     tight = need > free
