@@ -122,20 +122,24 @@ def _migration_bytes(
 ) -> np.ndarray:
     """[M] bytes of each transfer of ``moves`` under the policy's encoding: a replica sends
     only what changed since its receiver's last copy (``changed_fraction`` per step since),
-    a master moves with its optimizer state. ``at``: (layer, step)."""
+    a master moves with its optimizer state. ``at``: (layer, step). With ``changed_fraction``
+    1 every replica sends all its weights (``1 - 0 ** n`` is 1): no last copies are kept."""
     layer, t = at
-    model = world.model
+    model, enc = world.model, st.encoding
+    wb = model.weight_bytes if enc.weight_bytes is None else enc.weight_bytes
+    if enc.changed_fraction >= 1.0:  # every replica sends all its weights, whatever it held
+        replica = model.expert_params * np.full(moves.dst.shape, wb, np.float64)
+        nbytes = np.where(moves.master, enc.copy_bytes(model, master=True), replica)
+        return nbytes.astype(np.float64)
     last = st.last_held[layer]
     if last is None:
         last = np.full((old.num_ranks, old.master.size), -1, np.int64)
         st.last_held[layer] = last
     r, s = np.nonzero(old.phy2log >= 0)
     last[r, old.phy2log[r, s]] = t - 1  # everything held until now was current one step ago
-    enc = st.encoding
     seen = last[moves.dst, moves.expert]
     f = enc.changed_fraction
     changed = np.where(seen >= 0, 1.0 - (1.0 - f) ** np.maximum(t - seen, 1), 1.0)
-    wb = model.weight_bytes if enc.weight_bytes is None else enc.weight_bytes
     replica = model.expert_params * np.where(changed >= 1.0, wb, changed * wb + 1.0 / 8.0)
     nbytes = np.where(moves.master, enc.copy_bytes(model, master=True), replica)
     return nbytes.astype(np.float64)
