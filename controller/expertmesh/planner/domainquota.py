@@ -535,19 +535,14 @@ def domain_traffic(
     node = topology.rank_node[c_rank]
     total = lsum[2][c_dc, c_exp] + c_inflow
     w = np.where(total > 0, (c_amount - own) / np.where(total > 0, total, 1.0), 0.0)  # [C]
-    in_shell = np.stack(
-        [
-            own,
-            w * (lsum[1][node, c_exp] - left[c_rank, c_exp]),
-            w * (lsum[2][c_dc, c_exp] - lsum[1][node, c_exp]),
-            w * c_inflow,
-        ],
-        axis=1,
-    )  # [C, 4]
+    shells = (  # [C] tokens each copy takes from its node, its DC, DCs without e
+        w * (lsum[1][node, c_exp] - left[c_rank, c_exp]),
+        w * (lsum[2][c_dc, c_exp] - lsum[1][node, c_exp]),
+        w * c_inflow,
+    )
     rank_tokens = np.bincount(c_rank, weights=c_amount, minlength=num_ranks)
     rank_in = np.stack(
-        [np.bincount(c_rank, weights=in_shell[:, j], minlength=num_ranks) for j in (1, 2, 3)],
-        axis=1,
+        [np.bincount(c_rank, weights=x, minlength=num_ranks) for x in shells], axis=1
     )
     # what each local source sends: the weights of its DC's copies by shell
     g_rank = _scatter(c_rank, c_exp, w, (num_ranks, num_experts))

@@ -544,6 +544,16 @@ def choose_domain(
     return best
 
 
+def _same_holds(a: Placement, b: Placement) -> bool:
+    """Whether ``a.holds()`` equals ``b.holds()``: at once where every rank's slots, sorted,
+    are the same (the simulator's alignment permutes slots within ranks), else by
+    ``holds()``."""
+    same_shape = a.phy2log.shape == b.phy2log.shape and a.master.shape == b.master.shape
+    if same_shape and np.array_equal(np.sort(a.phy2log, axis=1), np.sort(b.phy2log, axis=1)):
+        return True
+    return bool(np.array_equal(a.holds(), b.holds()))
+
+
 def _replica_copies(
     sol: DomainSolution,
     before: np.ndarray | None,
@@ -722,7 +732,7 @@ class HybridPolicy(Policy):
         if self._last is None or self._last[0] is not ctx:
             return None
         sol = self._last[1]
-        if placement is sol.placement or np.array_equal(sol.placement.holds(), placement.holds()):
+        if placement is sol.placement or _same_holds(sol.placement, placement):
             return sol, self._last[2], self._last[3]
         return None
 
