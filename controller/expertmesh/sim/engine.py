@@ -40,6 +40,7 @@ No file I/O, no printing: the caller passes a ``progress`` callback.
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -520,7 +521,7 @@ def _split_traffic(
     out: list[TokenTraffic | _EvenSplit] = []
     try:
         for first in range(0, len(split), per):
-            loads = np.stack([s.load for s in split[first : first + per]])  # [T, R, E]
+            loads = _stacked([s.load for s in split[first : first + per]])  # [T, R, E]
             out += even_traffic_steps(loads, placement, topo, k, domain=domain, remote=remote)
         return out
     except ValueError:
@@ -535,6 +536,27 @@ def _split_traffic(
                 stopped[st.name] = t
                 _stop(st, t, err)
     return out
+
+
+def _stacked(loads: list[np.ndarray]) -> np.ndarray:
+    """``np.stack(loads)``: a read-only view when the loads are evenly spaced views of one
+    array with one shape and layout (a dense source's steps of one layer), else a copy."""
+    first = loads[0]
+    same = all(
+        x.base is first.base and x.shape == first.shape and x.strides == first.strides
+        and x.dtype == first.dtype
+        for x in loads
+    )  # fmt: skip
+    if first.base is not None and len(loads) > 1 and same:
+        at = [x.__array_interface__["data"][0] for x in loads]
+        step = at[1] - at[0]
+        if step > 0 and all(b - a == step for a, b in itertools.pairwise(at)):
+            shape, strides = (len(loads), *first.shape), (step, *first.strides)
+            view: np.ndarray = np.lib.stride_tricks.as_strided(
+                first, shape, strides, writeable=False
+            )
+            return view
+    return np.stack(loads)
 
 
 def _plan(st: _PolicyState, world: _World, t: int, layer: int, load: np.ndarray) -> _Planned:
