@@ -70,9 +70,9 @@ def cpu_breakdown(result: SimResult, trace_seconds: float) -> dict[str, Any]:
     these is start-up, combining groups and writing."""
     runs = {
         r.name: {
-            "solve": round(r.total("solve_seconds"), 3),
-            "cost": round(r.cpu_seconds - r.total("solve_seconds"), 3),
-            "cost_parts": {k: round(v, 3) for k, v in r.cost_parts.items()},
+            "solve": round(r.total("solve_seconds"), 6),
+            "cost": round(r.cpu_seconds - r.total("solve_seconds"), 6),
+            "cost_parts": {k: round(v, 6) for k, v in r.cost_parts.items()},
         }
         for r in result.runs
         if r.skipped is None
