@@ -3,11 +3,12 @@
 The rule of :mod:`expertmesh.planner.quota` (its module docstring) for one domain and one
 ``T`` is a walk over a few pieces and receivers (a few dozen), cheaper as a plain loop
 than as vector code (:func:`try_quota`); :func:`search_one` finds a domain's smallest
-feasible ``T`` with the secant probes of ``quota._search``, and :func:`segments` cuts
-its replicas from the line. :func:`solve_domains` runs the whole uncapped solve of
-``quota.balance_demand`` this way: what depends only on the masters and the domains
-(:class:`Layout`, made once for each such layout and kept), then a few numpy calls per
-solve for the sums and bounds, and the rest over lists. The same ``T``, bounds,
+feasible ``T`` (the one of ``quota._search``), probing where :func:`next_failure_end`
+says the walk changes, and :func:`segments` cuts its replicas from the line.
+:func:`solve_domains` runs the whole uncapped solve of ``quota.balance_demand`` this
+way: what depends only on the masters and the domains (:class:`Layout`, made once for
+each such layout and kept), then a few numpy calls per solve for the sums and bounds,
+and the rest over lists. The same ``T``, bounds,
 replicas (in the same order) and slots as ``quota``'s vector rule
 (``tests/unit/test_quota_speed.py``).
 """
@@ -23,6 +24,7 @@ import numpy as np
 __all__ = [
     "Layout",
     "layout",
+    "next_failure_end",
     "place_replicas",
     "search_one",
     "secant_step",
@@ -73,32 +75,117 @@ def try_quota(items: Items, recv: Receivers, quota: int) -> tuple[int, Pieces, W
     return total - u, pieces, walked
 
 
+_NEVER = 1 << 62  # no change ahead
+
+
+def next_failure_end(items: Items, recv: Receivers, quota: int) -> int:
+    """A ``T > quota`` such that, if the rule fails at ``quota``, it fails at every ``T``
+    in between (a hint for :func:`search_one`, which checks where it leads).
+
+    While no comparison the rule makes changes its outcome (which items shed, whole or in
+    part, the pieces' order, the receivers taken, which piece end or capacity closes
+    each), every quantity of the walk is linear in ``T``: a piece a rank sheds in part
+    shrinks by 1 a unit of ``T``, a capacity grows by 1. This is the first ``T`` where a
+    comparison flips, or where the shortfall, linear until then, reaches 0. (Each
+    comparison as ``d + slope * t >= 0`` after ``t`` more units: with ``d >= 0`` and
+    ``slope < 0`` it flips at ``t = d // -slope + 1``.)"""
+    ahead = _NEVER
+    raw = []  # (-amount, expert, slope of the amount)
+    for a, m, e in items:
+        if a > quota:
+            ahead = min(ahead, a - quota)  # the rank stops shedding the expert at T = a
+            if a - quota < m:
+                raw.append((quota - a, e, -1))
+            else:  # whole until T passes a - m
+                raw.append((-m, e, 0))
+                ahead = min(ahead, a - m - quota + 1)
+    raw.sort()
+    ends: list[int] = []
+    slopes: list[int] = []
+    total = slope = 0
+    prev_neg, prev_e, prev_s = 0, 0, 0
+    for neg, e, s in raw:
+        if prev_s < s:  # a shrinking piece before a whole one: they swap
+            t = neg - prev_neg + 1 if prev_e < e else max(neg - prev_neg, 1)
+            ahead = min(ahead, t)
+        prev_neg, prev_e, prev_s = neg, e, s
+        total -= neg
+        slope += s
+        ends.append(total)
+        slopes.append(slope)
+    num = len(ends)
+    u = k = su = 0  # su: the slope of u
+    for _, m, f in recv:
+        if m >= quota:  # full already, and so are the rest: until T passes m
+            ahead = min(ahead, m - quota + 1)
+            break
+        if u >= total:
+            if su < slope and (u - total) // (slope - su) + 1 < ahead:
+                ahead = (u - total) // (slope - su) + 1
+            break
+        if slope < su and (total - u - 1) // (su - slope) + 1 < ahead:
+            ahead = (total - u - 1) // (su - slope) + 1
+        while ends[k] <= u:
+            sk = slopes[k]
+            if su < sk and (u - ends[k]) // (sk - su) + 1 < ahead:
+                ahead = (u - ends[k]) // (sk - su) + 1
+            k += 1
+        sk = slopes[k]
+        if sk < su and (ends[k] - u - 1) // (su - sk) + 1 < ahead:
+            ahead = (ends[k] - u - 1) // (su - sk) + 1
+        close, sc = u + quota - m, su + 1
+        kf = k + f - 1
+        if kf < num:
+            ef, sf = ends[kf], slopes[kf]
+            if ef < close:
+                if sc < sf and (close - ef - 1) // (sf - sc) + 1 < ahead:
+                    ahead = (close - ef - 1) // (sf - sc) + 1
+                close, sc = ef, sf
+            elif sf < sc and (ef - close) // (sc - sf) + 1 < ahead:
+                ahead = (ef - close) // (sc - sf) + 1
+        if close > total:
+            if sc < slope and (close - total - 1) // (slope - sc) + 1 < ahead:
+                ahead = (close - total - 1) // (slope - sc) + 1
+            close, sc = total, slope
+        elif slope < sc and (total - close) // (sc - slope) + 1 < ahead:
+            ahead = (total - close) // (sc - slope) + 1
+        u, su = close, sc
+    if total > u and su > slope:  # where the shortfall reaches 0
+        ahead = min(ahead, -(-(total - u) // (su - slope)))
+    return quota + ahead
+
+
 def search_one(
     items: Items, recv: Receivers, lower: int, upper: int, width: int
 ) -> tuple[int, Pieces, Walked]:
-    """``quota._search``'s probes for one domain (``width``: its ranks): the smallest ``T``
-    in ``[lower, upper]`` where the rule places every piece, with its pieces and
-    receivers (none at ``upper``: no rank is above it)."""
-    lo, hi = lower - 1, upper
-    galloping, last = True, None  # last: the last failure's (T, shortfall)
-    probe = min(lo + 1, hi)
+    """The smallest ``T`` in ``[lower, upper]`` where the rule places every piece, with
+    its pieces and receivers (none at ``upper``: no rank is above it). ``width`` (the
+    domain's ranks) is unused (``quota._search``'s secant steps took it).
+
+    Probes: ``lower``, where most domains settle; after a failure at ``T``,
+    :func:`next_failure_end` of ``T``, until one succeeds; then ``T - 1``, which fails
+    unless the hint was wrong; bisection after that. The rule is monotone in ``T`` (no
+    cap: module doc of ``quota``), so any probes end at the smallest feasible ``T``, the
+    one of ``quota._search``."""
+    del width
+    lo, hi = lower - 1, upper  # lo fails, hi succeeds
     best: tuple[Pieces, Walked] = ([], [])
+    probe = lower
     while hi - lo > 1:
         short, pieces, walked = try_quota(items, recv, probe)
         if short == 0:
             hi, best = probe, (pieces, walked)
+            break
+        lo = probe
+        probe = min(max(next_failure_end(items, recv, lo), lo + 1), hi - 1)
+    check = True  # hi - 1 first, then bisection
+    while hi - lo > 1:
+        probe = hi - 1 if check else (lo + hi) // 2
+        short, pieces, walked = try_quota(items, recv, probe)
+        if short == 0:
+            hi, best, check = probe, (pieces, walked), False
         else:
             lo = probe
-        if hi - lo <= 1:
-            break
-        if not galloping:
-            probe = (lo + hi) // 2
-        elif short == 0:  # the first success, reached from below: T - 1, then bisection
-            galloping = False
-            probe = hi - 1
-        else:
-            probe = secant_step(lo, hi, short, last, width)
-            last = (lo, short)
     return hi, best[0], best[1]
 
 
@@ -240,10 +327,6 @@ def place_replicas(lay: Layout, rep_expert: np.ndarray, rep_rank: np.ndarray) ->
     """[R * S] int32 phy2log: the masters, plus each replica (expert, rank) [N] in the next
     free slot of its rank, in their order (the k-th replica of a rank in its k-th free slot)."""
     flat = lay.masters_only.copy()
-    used = [0] * len(lay.free_slots)
-    at = []
-    for r in rep_rank.tolist():
-        at.append(lay.free_slots[r][used[r]])
-        used[r] += 1
-    flat[at] = rep_expert
+    slots = [iter(x) for x in lay.free_slots]  # each rank's free slots, the next one first
+    flat[[next(slots[r]) for r in rep_rank.tolist()]] = rep_expert
     return flat
