@@ -552,8 +552,6 @@ def balance_demand(
         master.min(initial=0) < 0 or master.max(initial=0) >= num_ranks * num_slots
     ):
         raise ValueError("master slot index out of range")  # (a layout's masters passed)
-    if not np.array_equal(masters.phy2log.ravel()[master], np.arange(num_experts)):
-        raise ValueError("a master slot does not hold its expert")
     if max_replicas_per_expert is not None and max_replicas_per_expert < 1:
         raise ValueError("max_replicas_per_expert must be >= 1 or None")
     if not (0.0 <= tolerance <= 1.0 and 0.0 <= min_replica_share <= 1.0):
@@ -562,6 +560,8 @@ def balance_demand(
         raise ValueError(f"rank_domain must be [{num_ranks}], got {np.shape(rank_domain)}")
     if lay is None:
         lay = _layout(master, num_ranks, num_slots, rank_domain)
+    if not (masters.phy2log.ravel()[master] == lay.experts).all():
+        raise ValueError("a master slot does not hold its expert")
     dom, num_domains = lay.dom, len(lay.sizes)
     if max_replicas_per_expert is None and tolerance == 0:
         quota, lower, (rep_expert, rep_rank, rep_tokens) = solve_domains(
@@ -569,14 +569,14 @@ def balance_demand(
         )
     else:
         pb = _problem(demand.astype(np.int64), lay.mrank, num_slots, dom, max_replicas_per_expert)
-        quota, fit = _search(pb, np.array(lay.sizes))
+        quota, fit = _search(pb, lay.size_arr)
         if tolerance > 0:
             quota, fit = _loosen(pb, quota, fit, dom, tolerance)
         rep_expert, rep_rank, rep_tokens = _replicas(fit)
         lower = pb.lower
     if min_replica_share > 0:  # per domain: at least ceil(share * mean tokens per rank)
         total = np.bincount(dom[lay.mrank], weights=demand, minlength=num_domains)
-        least = np.ceil(min_replica_share * (total / np.array(lay.sizes)))
+        least = np.ceil(min_replica_share * (total / lay.size_arr))
         keep = rep_tokens >= least[dom[rep_rank]]
         rep_expert, rep_rank, rep_tokens = rep_expert[keep], rep_rank[keep], rep_tokens[keep]
     phy2log = place_replicas(lay, rep_expert, rep_rank).reshape(num_ranks, num_slots)

@@ -220,7 +220,9 @@ class Layout(NamedTuple):
     expert_order: np.ndarray  # [E] experts by domain (stable); where each domain that has
     expert_starts: np.ndarray  # experts starts in it, and which domains those are
     expert_doms: np.ndarray
-    sizes: list[int]  # [D] ranks of each domain
+    sizes: list[int]  # [D] ranks of each domain (and as an array)
+    size_arr: np.ndarray
+    experts: np.ndarray  # [E] 0 .. E-1 (read-only)
     ranks_of: list[list[int]]  # per domain, its ranks ascending
     recv_of: list[list[int]]  # per domain, its ranks with a free slot ascending
     experts_of: list[list[int]]  # per rank, the experts it is master of, ascending
@@ -248,6 +250,9 @@ def layout(master: np.ndarray, num_ranks: int, num_slots: int, dom: np.ndarray) 
     masters_only = np.full(num_ranks * num_slots, -1, np.int32)
     masters_only[master] = np.arange(num_experts)
     masters_only.flags.writeable = False
+    experts = np.arange(num_experts)
+    size_arr = np.bincount(dom, minlength=num_domains)
+    experts.flags.writeable = size_arr.flags.writeable = False
     ranks_of: list[list[int]] = [[] for _ in range(num_domains)]
     recv_of: list[list[int]] = [[] for _ in range(num_domains)]
     for r, (d, f) in enumerate(zip(dom.tolist(), free.tolist(), strict=True)):
@@ -270,6 +275,8 @@ def layout(master: np.ndarray, num_ranks: int, num_slots: int, dom: np.ndarray) 
         expert_starts=expert_starts,
         expert_doms=by_dom[expert_starts],
         sizes=[len(x) for x in ranks_of],
+        size_arr=size_arr,
+        experts=experts,
         ranks_of=ranks_of,
         recv_of=recv_of,
         experts_of=experts_of,
@@ -288,7 +295,7 @@ def solve_domains(
     num_ranks, num_domains = lay.dom.size, len(lay.sizes)
     base = np.bincount(lay.mrank, weights=demand, minlength=num_ranks).astype(np.int64)  # M
     work = np.bincount(lay.dom, weights=base, minlength=num_domains).astype(np.int64)
-    lower = -(-work // np.array(lay.sizes))  # ceil of the domain mean
+    lower = -(-work // lay.size_arr)  # ceil of the domain mean
     upper = np.maximum.reduceat(base[lay.rank_order], lay.rank_starts)  # static max
     if demand.size:  # an expert split over every copy it can have
         split = -(-demand // lay.copies)
