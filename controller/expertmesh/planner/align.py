@@ -32,13 +32,14 @@ def _check_pair(old: Placement, new: Placement, topology: Topology) -> tuple[int
         raise ValueError(f"old and new master must both be [E], got {old.master.shape} and "
                          f"{new.master.shape}")  # fmt: skip
     num_experts = int(new.master.shape[0])
+    experts = np.arange(num_experts)
     for name, p in (("old", old), ("new", new)):
         if p.phy2log.size and (p.phy2log.min() < -1 or p.phy2log.max() >= num_experts):
             raise ValueError(f"{name} phy2log holds an expert id outside [-1, {num_experts})")
         m = p.master
         if m.size and (m.min() < 0 or m.max() >= num_ranks * num_slots):
             raise ValueError(f"{name} master slot index out of range")
-        if not np.array_equal(p.phy2log.ravel()[m], np.arange(num_experts)):
+        if not (p.phy2log.ravel()[m] == experts).all():  # [E] both (shapes checked above)
             raise ValueError(f"{name}: a master slot does not hold its expert")
     return num_ranks, num_slots, num_experts
 
@@ -62,41 +63,55 @@ def _occurrence(phy2log: np.ndarray, first: np.ndarray | None = None) -> np.ndar
     return (same & order).sum(axis=1, dtype=np.int64)
 
 
-def _master_mask(p: Placement) -> np.ndarray:
-    """[R, S] bool: the slot is its expert's master."""
-    mask = np.zeros(p.phy2log.size, dtype=bool)
-    mask[p.master] = True
-    return mask.reshape(p.phy2log.shape)
-
-
 def _align_slots(
-    old_p2l: np.ndarray, old_first: np.ndarray, new_p2l: np.ndarray, num_experts: int
+    old_p2l: np.ndarray, old_master: np.ndarray, new_p2l: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """Permute the slots of each rank of ``new_p2l`` [R, S] so every copy also in
     ``old_p2l`` [R, S] (same rank, counted with multiplicity) stays in its old slot.
 
     Returns ``aligned`` [R, S] and ``dest`` [R, S]: new slot ``(r, s)`` moved to
     ``(r, dest[r, s])``. Copies that stay: for each rank and expert,
-    ``min(old count, new count)``, which is the most any slot permutation keeps.
+    ``min(old count, new count)``, which is the most any slot permutation keeps: the
+    ``k``-th new copy of an expert on a rank (slot order) stays in the slot of its ``k``-th
+    old copy (``old_master`` [E] flat master slots first, then slot order; see
+    :func:`_occurrence`). The rest fill the free slots of their rank in slot order.
+
+    Matched rank by rank ([R, S, S] pairs of slots: a rank has a handful). Where no
+    expert has more than one copy on a rank in both placements, every pair of slots
+    holding one expert is a match and the occurrences are not counted.
     """
-    num_ranks, num_slots = new_p2l.shape
-    rows = np.arange(num_ranks)[:, None]
-    occ_old = _occurrence(old_p2l, old_first)
-    occ_new = _occurrence(new_p2l)
-    kold = np.where(old_p2l >= 0, ((rows * num_experts + old_p2l) * num_slots + occ_old), -1)
-    knew = np.where(new_p2l >= 0, ((rows * num_experts + new_p2l) * num_slots + occ_new), -2)
-    flat_old, flat_new = kold.ravel(), knew.ravel()
-    order = np.argsort(flat_old, kind="stable")
-    pos = np.minimum(np.searchsorted(flat_old[order], flat_new), flat_old.size - 1)
-    hit = flat_old[order][pos] == flat_new  # [R*S] new copy already in old, same rank
-    dest_flat = np.empty(flat_new.size, dtype=np.int64)
-    dest_flat[hit] = order[pos[hit]]
-    taken = np.zeros(flat_old.size, dtype=bool)
-    taken[dest_flat[hit]] = True
+    num_slots = new_p2l.shape[1]
+    size = new_p2l.size
+    new_flat = new_p2l.ravel()
+    # pairs of one rank's slots holding one expert: new slot (r, i), old slot (r, j)
+    pair = np.flatnonzero(new_p2l[:, :, None] == old_p2l[:, None, :])  # (r * S + i) * S + j
+    at_new = pair // num_slots
+    at_old = at_new - at_new % num_slots + pair % num_slots
+    held = new_flat[at_new] >= 0
+    at_new, at_old = at_new[held], at_old[held]
+    hit = np.zeros(size, dtype=bool)  # the new copy stays
+    hit[at_new] = True
+    taken = np.zeros(size, dtype=bool)  # the old slot keeps its copy
+    taken[at_old] = True
+    if at_new.size != np.count_nonzero(hit) or at_new.size != np.count_nonzero(taken):
+        # a rank holds an expert several times in one placement and at least once in
+        # the other: pair the copies by occurrence
+        first = np.zeros(size, dtype=bool)
+        first[old_master] = True
+        occ_old = _occurrence(old_p2l, first.reshape(old_p2l.shape)).ravel()
+        occ_new = _occurrence(new_p2l).ravel()
+        same = occ_new[at_new] == occ_old[at_old]
+        at_new, at_old = at_new[same], at_old[same]
+        hit[:] = False
+        hit[at_new] = True
+        taken[:] = False
+        taken[at_old] = True
+    dest_flat = np.empty(size, dtype=np.int64)
+    dest_flat[at_new] = at_old
     # the rest fill the free slots of their rank in slot order (same count per rank)
     dest_flat[~hit] = np.flatnonzero(~taken)
-    aligned = np.empty(flat_new.size, dtype=new_p2l.dtype)
-    aligned[dest_flat] = new_p2l.ravel()
+    aligned = np.empty(size, dtype=new_p2l.dtype)
+    aligned[dest_flat] = new_flat
     return aligned.reshape(new_p2l.shape), (dest_flat % num_slots).reshape(new_p2l.shape)
 
 
@@ -116,7 +131,7 @@ def _choose_masters(
     experts = np.arange(num_experts)
     old_rank = old.master // num_slots
     cur = policy_master // num_slots
-    if np.array_equal(cur, old_rank) and np.array_equal(aligned.ravel()[old.master], experts):
+    if (cur == old_rank).all() and (aligned.ravel()[old.master] == experts).all():
         return old.master.astype(np.int64)  # every master stays on its rank, in its old slot
     wants = (aligned[old_rank] == experts[:, None]).any(axis=1) & (cur != old_rank)
     cap = np.maximum(masters_per_rank, np.bincount(cur, minlength=num_ranks))
@@ -168,8 +183,7 @@ def align_placement(
     chosen by :func:`_choose_masters` (old rank when it still holds the expert and has
     room in its ``masters_per_rank`` budget, else the policy's rank).
     """
-    _, num_slots, num_experts = _check_pair(old, new, topology)
-    old_first = _master_mask(old)
+    _, num_slots, _ = _check_pair(old, new, topology)
     new_p2l, master = new.phy2log, new.master.astype(np.int64)
     if relabel_ranks:
         num_ranks = new_p2l.shape[0]
@@ -181,7 +195,7 @@ def align_placement(
         moved[perm] = new_p2l
         new_p2l = moved
         master = perm[master // num_slots] * num_slots + master % num_slots
-    aligned, dest = _align_slots(old.phy2log, old_first, new_p2l, num_experts)
+    aligned, dest = _align_slots(old.phy2log, old.master, new_p2l)
     policy_master = (master // num_slots) * num_slots + dest.ravel()[master]
     master = _choose_masters(aligned, old, policy_master, topology.masters_per_rank)
     return Placement(phy2log=aligned, master=master)
