@@ -23,6 +23,7 @@ Public entry: :func:`step_cost`; inputs :class:`~expertmesh.planner.traffic.Toke
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -395,128 +396,194 @@ def _busiest_port(out: np.ndarray, inp: np.ndarray, bw: float, lat: float) -> fl
     return lat + busy / bw if busy > 0 else 0.0
 
 
+def _dense_links(topology: Topology) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per topology: ``(src, dst, bytes/s, latency s)`` of every ordered DC pair, flat over
+    the key ``src * D + dst`` (the values :func:`step_cost` reads per key, the same floats)."""
+    got = _LINKS.get(topology)
+    if got is None:
+        d = topology.num_dcs
+        key = np.arange(d * d)
+        got = (key // d, key % d, topology.dc_gbps.reshape(-1) * 1e9 / 8.0,
+               topology.dc_latency_ms.reshape(-1) / 1e3)  # fmt: skip
+        for a in got:
+            a.flags.writeable = False
+        _LINKS[topology] = got
+    return got
+
+
+#: per topology: :func:`_dense_links`
+_LINKS: weakref.WeakKeyDictionary[
+    Topology, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+] = weakref.WeakKeyDictionary()
+#: DC pairs at most for the dense per-pair arrays of :func:`step_cost` (64 DCs), else a sort
+_DENSE_PAIRS = 4096
+#: port columns swapped: out <-> in of each fabric
+_SWAP = np.array([_NODE_IN, _NODE_OUT, _NIC_IN, _NIC_OUT])
+
+
+def _empty_streams(num_ranks: int) -> ExpertStreams:
+    """A shared read-only :meth:`ExpertStreams.empty` (what ``step_cost`` uses for ``None``)."""
+    got = _EMPTY.get(num_ranks)
+    if got is None:
+        got = ExpertStreams.empty(num_ranks)
+        for a in (got.pair_src, got.pair_tail, got.port_tail, got.port_background):
+            a.flags.writeable = False
+        _EMPTY[num_ranks] = got
+    return got
+
+
+_EMPTY: dict[int, ExpertStreams] = {}
+
+
 def step_cost(
     topology: Topology,
     model: ModelSpec,
     traffic: TokenTraffic,
     streams: ExpertStreams | None = None,
     settings: CostSettings | None = None,
+    *,
+    cross: np.ndarray | None = None,
 ) -> StepCost:
     """Modeled seconds of one step of one layer (docs/cost-model.md has the equations).
 
     ``traffic``: token streams; ``streams``: expert streams (replica sync, migrations) or
-    ``None`` for none. Training or forward-only follows ``model.training``.
+    ``None`` for none. Training or forward-only follows ``model.training``. ``cross``:
+    ``crossings(traffic, model.top_k, settings.hierarchical)`` when the caller has it.
     """
     settings = settings or CostSettings()
     num_ranks, num_dcs = topology.num_ranks, topology.num_dcs
     if traffic.num_ranks != num_ranks:
         raise ValueError(f"traffic has {traffic.num_ranks} ranks, the topology {num_ranks}")
-    streams = streams or ExpertStreams.empty(num_ranks)
+    no_streams = streams is None
+    streams = _empty_streams(num_ranks) if streams is None else streams
     if streams.port_tail.shape != (num_ranks, 4):
         raise ValueError(f"expert streams must have ports [{num_ranks}, 4]")
     tb = float(model.token_bytes)
     train = model.training
 
-    # ---- ordered DC pairs: token crossings and expert bytes, merged by key ----
-    x = crossings(traffic, model.top_k, settings.hierarchical)  # [P] tokens per phase
-    fwd_key = traffic.pair_src * num_dcs + traffic.pair_dst  # dispatch direction
-    rev_key = traffic.pair_dst * num_dcs + traffic.pair_src  # combine direction
-    exp_key = streams.pair_src * num_dcs + streams.pair_dst
-    keys, inv = _index(np.concatenate([fwd_key, rev_key, exp_key]), num_dcs * num_dcs)
-    p, q = fwd_key.size, exp_key.size
-    inv_f, inv_r, inv_e = inv[:p], inv[p : 2 * p], inv[2 * p :]
-
-    def on_keys(idx: np.ndarray, vals: np.ndarray) -> np.ndarray:
-        return np.bincount(idx, weights=vals, minlength=keys.size)
-
-    ksrc, kdst = keys // num_dcs, keys % num_dcs
-    bw = topology.dc_gbps[ksrc, kdst] * 1e9 / 8.0  # [K] bytes/s
-    lat = topology.dc_latency_ms[ksrc, kdst] / 1e3
-    disp = on_keys(inv_f, x * tb)  # bytes per key in the dispatch phase
-    comb = on_keys(inv_r, x * tb)  # bytes per key in the combine phase
-    gtail = on_keys(inv_e, streams.pair_tail) if q else np.zeros(keys.size)
-    gback = on_keys(inv_e, streams.pair_background) if q else np.zeros(keys.size)
+    # ---- ordered DC pairs: token crossings and expert bytes, summed by key ----
+    x = crossings(traffic, model.top_k, settings.hierarchical) if cross is None else cross
+    src, dst = traffic.pair_src, traffic.pair_dst
+    fwd_key = src * num_dcs + dst  # dispatch direction
+    rev_key = dst * num_dcs + src  # combine direction
+    q = streams.pair_src.size
+    exp_key = streams.pair_src * num_dcs + streams.pair_dst if q else src[:0]
+    if num_dcs * num_dcs <= _DENSE_PAIRS:  # every pair its own slot (absent ones carry 0)
+        ksrc, kdst, bw, lat = _dense_links(topology)
+        inv_f, inv_r, inv_e, nkeys = fwd_key, rev_key, exp_key, num_dcs * num_dcs
+    else:  # the pairs present, sorted (the same order as the dense slots)
+        keys, inv = _index(np.concatenate([fwd_key, rev_key, exp_key]), num_dcs * num_dcs)
+        p, nkeys = fwd_key.size, keys.size
+        inv_f, inv_r, inv_e = inv[:p], inv[p : 2 * p], inv[2 * p :]
+        ksrc, kdst = keys // num_dcs, keys % num_dcs
+        bw = topology.dc_gbps[ksrc, kdst] * 1e9 / 8.0  # [K] bytes/s
+        lat = topology.dc_latency_ms[ksrc, kdst] / 1e3
+    xb = x * tb
+    disp = np.bincount(inv_f, weights=xb, minlength=nkeys)  # bytes per key, dispatch phase
+    comb = np.bincount(inv_r, weights=xb, minlength=nkeys)  # bytes per key, combine phase
 
     def link_phase(nbytes: np.ndarray) -> float:
         # the busiest loaded pair: max over nbytes > 0 of lat + nbytes / bw (0 if none)
         t = np.max(lat + nbytes / bw, where=nbytes > 0, initial=-np.inf)
         return float(t) if t > -np.inf else 0.0
 
-    # ---- rank ports (tokens in bytes per phase) ----
+    # ---- rank ports [R, 4] (tokens in bytes per phase): node out, in, NIC out, in ----
     out_t, in_t = traffic.rank_out * tb, traffic.rank_in * tb  # [R, 3]
-    assign_out = np.bincount(traffic.pair_src, weights=traffic.pair_tokens, minlength=num_dcs)
-    cross_out = np.bincount(traffic.pair_src, weights=x, minlength=num_dcs)
+    assign_out = np.bincount(src, weights=traffic.pair_tokens, minlength=num_dcs)
+    cross_out = np.bincount(src, weights=x, minlength=num_dcs)
     dedup = np.ones(num_dcs)  # [D]
     np.divide(cross_out, assign_out, out=dedup, where=assign_out > 0)
-    node_out, node_in = out_t[:, 0], in_t[:, 0]
-    nic_out = out_t[:, 1] + out_t[:, 2] * dedup[topology.rank_dc]
-    nic_in = in_t[:, 1] + in_t[:, 2]
-    bw_node, lat_node = topology.intra_node.bytes_per_second, topology.intra_node.latency_s
-    bw_nic, lat_nic = topology.intra_dc.bytes_per_second, topology.intra_dc.latency_s
+    tok = np.empty((num_ranks, 4))
+    tok[:, _NODE_OUT] = out_t[:, 0]
+    tok[:, _NODE_IN] = in_t[:, 0]
+    np.multiply(out_t[:, 2], dedup[topology.rank_dc], out=tok[:, _NIC_OUT])
+    tok[:, _NIC_OUT] += out_t[:, 1]
+    np.add(in_t[:, 1], in_t[:, 2], out=tok[:, _NIC_IN])
+    node, nic = topology.intra_node, topology.intra_dc
+    bw_node, lat_node = node.bytes_per_second, node.latency_s
+    bw_nic, lat_nic = nic.bytes_per_second, nic.latency_s
 
-    def port_phase(n_out: np.ndarray, n_in: np.ndarray, c_out: np.ndarray, c_in: np.ndarray):
+    def port_phase(most: list[float]) -> float:
+        # the busiest rank port from each column's largest bytes (``most``, [4])
+        busy_node = max(most[_NODE_OUT], most[_NODE_IN])
+        busy_nic = max(most[_NIC_OUT], most[_NIC_IN])
         return max(
-            _busiest_port(n_out, n_in, bw_node, lat_node),
-            _busiest_port(c_out, c_in, bw_nic, lat_nic),
+            lat_node + busy_node / bw_node if busy_node > 0 else 0.0,
+            lat_nic + busy_nic / bw_nic if busy_nic > 0 else 0.0,
         )
 
     pt, pb = streams.port_tail, streams.port_background
     chunks = settings.pipeline_chunks
     msg = settings.message_seconds * chunks  # every communication phase pays it
     # a port's time is its busier direction's, so dispatch and combine load the ports alike
-    ports = port_phase(node_out, node_in, nic_out, nic_in)
+    ports = port_phase(tok.max(axis=0).tolist()) if num_ranks else 0.0
+    comb_link = link_phase(comb)
     dispatch = max(link_phase(disp), ports) + msg
-    combine = max(link_phase(comb), ports) + msg
+    combine = max(comb_link, ports) + msg
 
     # ---- compute ----
-    flops_fwd = 2.0 * model.expert_params
-    compute_fwd = float(traffic.rank_tokens.max(initial=0.0)) * flops_fwd
+    rank_tokens = traffic.rank_tokens
+    most_tokens = float(rank_tokens.max(initial=0.0))
+    compute_fwd = most_tokens * (2.0 * model.expert_params)
     compute_fwd /= settings.flops_per_second
     # the mean as np.mean computes it (pairwise sum, then / count), without its overhead
-    size = traffic.rank_tokens.size
-    mean_tokens = float(traffic.rank_tokens.sum()) / size if size else 0.0
-    imbalance = float(traffic.rank_tokens.max()) / mean_tokens if mean_tokens > 0 else 1.0
+    size = rank_tokens.size
+    mean_tokens = float(rank_tokens.sum()) / size if size else 0.0
+    imbalance = most_tokens / mean_tokens if mean_tokens > 0 else 1.0
 
     phases = {"dispatch": dispatch, "compute_fwd": compute_fwd, "combine": combine}
     chain = _pipe((dispatch, compute_fwd, combine), chunks)
+    swapped = tok[:, _SWAP]  # [R, 4] each port column's opposite direction
+    if q:
+        gtail = np.bincount(inv_e, weights=streams.pair_tail, minlength=nkeys)
+        gback = np.bincount(inv_e, weights=streams.pair_background, minlength=nkeys)
     if train:
         compute_bwd = 2.0 * compute_fwd
         # dispatch backward runs the combine direction; replica gradients share its links
-        tail_only = combine
-        tail = msg + max(
-            link_phase(comb + gtail),
-            port_phase(
-                node_in + pt[:, _NODE_OUT],
-                node_out + pt[:, _NODE_IN],
-                nic_in + pt[:, _NIC_OUT],
-                nic_out + pt[:, _NIC_IN],
-            ),
-        )
+        # and the ports carry the combine (each port's opposite direction) plus the tail
+        tail_link = link_phase(comb + gtail) if q else comb_link  # + 0.0: the same bytes
+        tail_ports = ports
+        if not no_streams and num_ranks:
+            tail_ports = port_phase((swapped + pt).max(axis=0).tolist())
+        tail = msg + max(tail_link, tail_ports)
         phases |= {"combine_bwd": dispatch, "compute_bwd": compute_bwd, "dispatch_bwd": tail}
-        chain += _pipe((dispatch, compute_bwd, tail_only), chunks) + (tail - tail_only)
+        chain += _pipe((dispatch, compute_bwd, combine), chunks) + (tail - combine)
         crossings_per_step = 2.0
     else:
         crossings_per_step = 1.0
 
     # ---- resource bound: every byte a link carries in the step ----
-    link_total = crossings_per_step * (disp + comb) + gtail + gback
-    link_busy = np.where(link_total > 0, link_total / bw, 0.0)
-    port_out_node = crossings_per_step * (node_out + node_in) + pt[:, 0] + pb[:, 0]
-    port_in_node = crossings_per_step * (node_in + node_out) + pt[:, 1] + pb[:, 1]
-    port_out_nic = crossings_per_step * (nic_out + nic_in) + pt[:, 2] + pb[:, 2]
-    port_in_nic = crossings_per_step * (nic_in + nic_out) + pt[:, 3] + pb[:, 3]
-    port_busy = np.maximum(
-        np.maximum(port_out_node, port_in_node) / bw_node,
-        np.maximum(port_out_nic, port_in_nic) / bw_nic,
-    )
-    resource = max(float(link_busy.max(initial=0.0)), float(port_busy.max(initial=0.0)))
+    link_total = crossings_per_step * (disp + comb)
+    if q:
+        link_total += gtail
+        link_total += gback
+    # a pair's time is its bytes / bandwidth (0 if it carries none)
+    link_most = float(np.max(link_total / bw, where=link_total > 0, initial=0.0))
+    # per port column: both directions' token bytes, then the expert bytes
+    port_total = crossings_per_step * (tok + swapped) + pt
+    port_total += pb
+    if num_ranks:
+        col = port_total.max(axis=0).tolist()  # dividing by a bandwidth keeps the order
+        port_most = max(
+            max(col[_NODE_OUT], col[_NODE_IN]) / bw_node,
+            max(col[_NIC_OUT], col[_NIC_IN]) / bw_nic,
+            0.0,
+        )
+    else:
+        port_most = 0.0
+    resource = max(link_most, port_most)
 
     if resource > chain:
-        if link_busy.size and link_busy.max() >= port_busy.max(initial=0.0):
+        if link_most >= port_most:
+            link_busy = np.where(link_total > 0, link_total / bw, 0.0)
             k = int(np.argmax(link_busy))
             a, b = topology.dcs[int(ksrc[k])].name, topology.dcs[int(kdst[k])].name
             bottleneck = f"link {a}->{b}"
         else:
+            port_busy = np.maximum(
+                np.maximum(port_total[:, 0], port_total[:, 1]) / bw_node,
+                np.maximum(port_total[:, 2], port_total[:, 3]) / bw_nic,
+            )
             bottleneck = f"port of rank {int(np.argmax(port_busy))}"
     else:
         bottleneck = "chain: " + max(phases, key=lambda k: phases[k])
@@ -527,7 +594,7 @@ def step_cost(
         phases=phases,
         imbalance=imbalance,
         cross_dc_token_bytes=2.0 * crossings_per_step * float(x.sum()) * tb,
-        cross_dc_weight_bytes=streams.cross_dc_bytes,
+        cross_dc_weight_bytes=0.0 if no_streams else streams.cross_dc_bytes,
         bottleneck=bottleneck,
     )
 
@@ -733,14 +800,16 @@ def modeled_step(
     settings: CostSettings | None = None,
     encoding: TransferEncoding | None = None,
     extra: ExpertStreams | None = None,
+    cross: np.ndarray | None = None,
 ) -> StepCost:
     """:func:`step_cost` of ``traffic`` on ``placement``: its replica sync streams
     (:func:`replica_streams`) plus ``extra`` streams (e.g. :func:`copy_streams`). The one
-    "modeled time of a placement" of every policy that searches with the model."""
+    "modeled time of a placement" of every policy that searches with the model. ``cross``:
+    the traffic's :func:`crossings` when the caller has them."""
     streams = replica_streams(placement, topology, model, settings, encoding)
     if extra is not None:
         streams = streams + extra
-    return step_cost(topology, model, traffic, streams, settings)
+    return step_cost(topology, model, traffic, streams, settings, cross=cross)
 
 
 def copy_streams(

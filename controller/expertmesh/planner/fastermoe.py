@@ -215,6 +215,7 @@ def shadow_floor(
     topology: Topology,
     model: ModelSpec,
     settings: CostSettings,
+    cross: np.ndarray | None = None,
 ) -> float:
     """A lower bound on ``modeled_step(...).seconds`` of a shadowing placement with one
     more shadow, ``expert`` (a copy on every rank but its master's), from ``traffic``, the
@@ -227,7 +228,8 @@ def shadow_floor(
     from every other DC to the master's, at least the shadow's gradient on top of that
     pair's combine bytes. With ``pipeline_chunks == 1`` the chain is ``2 dispatch + 3
     compute_fwd + combine + tail`` (forward only: ``dispatch + compute_fwd + combine``)
-    and the step at least that; with more chunks no bound is derived (0.0).
+    and the step at least that; with more chunks no bound is derived (0.0). ``cross``:
+    ``crossings(traffic, model.top_k, settings.hierarchical)`` when the caller has it.
     """
     if settings.pipeline_chunks != 1:
         return 0.0
@@ -236,7 +238,9 @@ def shadow_floor(
     msg = settings.message_seconds
     lat, bw, symmetric = _dc_links(topology)
     src, dst = traffic.pair_src, traffic.pair_dst
-    nbytes = crossings(traffic, model.top_k, settings.hierarchical) * float(model.token_bytes)
+    if cross is None:
+        cross = crossings(traffic, model.top_k, settings.hierarchical)
+    nbytes = cross * float(model.token_bytes)
     kept = dst != mdc  # [P] pairs whose tokens the shadow does not touch
     a, b, n = src[kept], dst[kept], nbytes[kept]
     # the busiest link among DC pairs a -> b carrying n bytes (0: none)
@@ -360,7 +364,9 @@ class FasterMoEPolicy(Policy):
         topo, model, cs = ctx.topology, ctx.model, self.cfg.cost
         traffic = master_traffic(ctx.load, base, topo, model.top_k)
         best, best_traffic = base, traffic
-        best_cost = step_cost(topo, model, traffic, None, cs).seconds
+        # each traffic's DC pair crossings, for its step cost and the next shadow's floor
+        x = crossings(traffic, model.top_k, cs.hierarchical)
+        best_cost = step_cost(topo, model, traffic, None, cs, cross=x).seconds
         for j in range(1, limit + 1):
             if j == 1:  # argsort's first: the first of the hottest
                 e = int(np.argmax(demand))
@@ -369,13 +375,14 @@ class FasterMoEPolicy(Policy):
                     order = np.argsort(-demand, kind="stable")
                 e = int(order[j - 1])
             floor = shadow_floor(
-                traffic, ctx.load, base, e, topology=topo, model=model, settings=cs
+                traffic, ctx.load, base, e, topology=topo, model=model, settings=cs, cross=x
             )
             if floor > best_cost * (1.0 + 1e-9):  # the margin covers rounding: c >= best_cost
                 break
             cand = shadow(base, np.array([e]) if order is None else order[:j])
             traffic = shadow_traffic(traffic, ctx.load, base, topo, e)
-            c = modeled_step(topo, model, traffic, cand, settings=cs).seconds
+            x = crossings(traffic, model.top_k, cs.hierarchical)
+            c = modeled_step(topo, model, traffic, cand, settings=cs, cross=x).seconds
             if c >= best_cost:
                 break
             best, best_cost, best_traffic = cand, c, traffic
