@@ -235,30 +235,36 @@ def replica_streams(
     per = float(settings.microbatches_per_update)
     w = encoding.refresh_bytes(model) / per
     g = encoding.gradient_bytes(model) / per
-    cr, cs = np.nonzero(placement.phy2log >= 0)
-    ce = placement.phy2log[cr, cs].astype(np.int64)
+    flat = placement.phy2log.ravel()
+    slot = np.flatnonzero(flat >= 0)  # every copy, rank by rank
+    cr = slot // placement.slots_per_rank
+    ce = flat[slot].astype(np.int64)
     mrank = placement.master_rank()
-    keep = cr != mrank[ce]  # replicas on another rank than their master
-    cr, ce = cr[keep], ce[keep]
-    tail = np.zeros((num_ranks, 4))
-    back = np.zeros((num_ranks, 4))
-    grad_port = tail if settings.microbatches_per_update == 1 else back
-    if cr.size == 0:
-        return ExpertStreams.empty(num_ranks)
     m = mrank[ce]
-    shell = _shell(topology, cr, m)
-    # replica side: weights in, gradient out
-    _port_add(back, cr, shell, _NODE_IN, w)
-    _port_add(grad_port, cr, shell, _NODE_OUT, g)
-    # master side: once per expert and fabric it uses (node, else NIC: one column each, what
-    # _port_add of that one shell adds)
+    keep = cr != m  # replicas on another rank than their master
+    if not keep.any():
+        return ExpertStreams.empty(num_ranks)
+    cr, ce, m = cr[keep], ce[keep], m[keep]
+    shell = _shell(topology, cr, m)  # 1 node, 2 DC, 3 other DC (never 0: another rank)
+    nic = shell >= 2
+    # [R, 4] port bytes, one bincount over (rank, column) bins per direction of the sync.
+    # Every bin adds copies of one value (w or g), so its sum depends on its count alone.
+    # Replica side: weights in (node or NIC in), gradient out; master side: once per expert
+    # and fabric it uses, weights out, gradient in.
     num_experts = placement.master.size
-    node_use = _sorted_unique(ce[shell == 1], num_experts)
-    nic_use = _sorted_unique(ce[shell >= 2], num_experts)
-    for experts, out, into in ((node_use, _NODE_OUT, _NODE_IN), (nic_use, _NIC_OUT, _NIC_IN)):
-        ranks = mrank[experts]
-        back[:, out] += np.bincount(ranks, np.full(ranks.shape, w), minlength=num_ranks)
-        grad_port[:, into] += np.bincount(ranks, np.full(ranks.shape, g), minlength=num_ranks)
+    used = _sorted_unique(ce * 2 + nic, 2 * num_experts)  # (expert, NIC?) pairs
+    into_rep = cr * 4 + (2 * nic + _NODE_IN)  # the replica's in column (NODE_IN / NIC_IN)
+    out_mst = mrank[used >> 1] * 4 + 2 * (used & 1)  # the master's out column (NODE/NIC_OUT)
+    # a bin's out and in columns differ by one: the gradient swaps them
+    w_bins = np.concatenate([into_rep, out_mst])
+    g_bins = w_bins ^ 1
+    n = w_bins.size
+    w_port = np.bincount(w_bins, np.full(n, w), minlength=4 * num_ranks).reshape(num_ranks, 4)
+    g_port = np.bincount(g_bins, np.full(n, g), minlength=4 * num_ranks).reshape(num_ranks, 4)
+    if settings.microbatches_per_update == 1:
+        tail, back = g_port, w_port
+    else:  # each column holds a weight sum and a gradient sum, one of them 0
+        tail, back = np.zeros((num_ranks, 4)), w_port + g_port
     # WAN: one crossing per (expert, remote DC)
     remote = shell == 3
     num_dcs = topology.num_dcs
@@ -266,11 +272,14 @@ def replica_streams(
     e, x = key // num_dcs, key % num_dcs
     mdc = topology.rank_dc[mrank[e]]
     src, dst = np.concatenate([mdc, x]), np.concatenate([x, mdc])  # weights out, grads back
-    wvec, gvec, zero = np.full(e.size, w), np.full(e.size, g), np.zeros(e.size)
+    k = e.size
+    ptail, pback = np.zeros(2 * k), np.empty(2 * k)
+    pback[:k] = w
     if settings.microbatches_per_update == 1:
-        ptail, pback = np.concatenate([zero, gvec]), np.concatenate([wvec, zero])
+        ptail[k:] = g
+        pback[k:] = 0.0
     else:
-        ptail, pback = np.zeros(2 * e.size), np.concatenate([wvec, gvec])
+        pback[k:] = g
     return ExpertStreams(src, dst, ptail, pback, tail, back)
 
 
