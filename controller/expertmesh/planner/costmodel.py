@@ -261,6 +261,8 @@ def replica_streams(
     n = w_bins.size
     w_port = np.bincount(w_bins, np.full(n, w), minlength=4 * num_ranks).reshape(num_ranks, 4)
     g_port = np.bincount(g_bins, np.full(n, g), minlength=4 * num_ranks).reshape(num_ranks, 4)
+    tail: np.ndarray
+    back: np.ndarray
     if settings.microbatches_per_update == 1:
         tail, back = g_port, w_port
     else:  # each column holds a weight sum and a gradient sum, one of them 0
@@ -644,7 +646,7 @@ def step_costs(
     src = np.concatenate([t.pair_src for t in traffics])
     dst = np.concatenate([t.pair_dst for t in traffics])
     x = _crossings_all(traffics, item_p * num_dcs + src, model.top_k, settings.hierarchical)
-    xs = np.split(x, np.cumsum(sizes)[:-1])  # [P_i] each item's
+    x_ends = np.cumsum(sizes).tolist()  # item i's pairs: x_ends[i - 1]:x_ends[i]
     fwd_key = item_p * dd + src * num_dcs + dst
     rev_key = item_p * dd + dst * num_dcs + src
     exp_key = item_q * dd + np.concatenate([s.pair_src * num_dcs + s.pair_dst for s in streams])
@@ -675,8 +677,8 @@ def step_costs(
         return np.where(t > -np.inf, t, 0.0)
 
     # ---- rank ports [n, R] ----
-    out_t = np.stack([t.rank_out for t in traffics]) * tb  # [n, R, 3]
-    in_t = np.stack([t.rank_in for t in traffics]) * tb
+    out_t = _stack([t.rank_out for t in traffics]) * tb  # [n, R, 3]
+    in_t = _stack([t.rank_in for t in traffics]) * tb
     pair_tokens = np.concatenate([t.pair_tokens for t in traffics])
     assign_out = np.bincount(item_p * num_dcs + src, weights=pair_tokens, minlength=n * num_dcs)
     cross_out = np.bincount(item_p * num_dcs + src, weights=x, minlength=n * num_dcs)
@@ -697,8 +699,8 @@ def step_costs(
             busiest(c_out, c_in, nic.bytes_per_second, nic.latency_s),
         )
 
-    pt = np.stack([s.port_tail for s in streams])  # [n, R, 4]
-    pb = np.stack([s.port_background for s in streams])
+    pt = _stack([s.port_tail for s in streams])  # [n, R, 4]
+    pb = _stack([s.port_background for s in streams])
     chunks = settings.pipeline_chunks
     msg = settings.message_seconds * chunks
     ports = port_phase(node_out, node_in, nic_out, nic_in)
@@ -706,7 +708,7 @@ def step_costs(
     combine = np.maximum(link_phase(comb), ports) + msg
 
     # ---- compute ----
-    rank_tokens = np.stack([t.rank_tokens for t in traffics])  # [n, R]
+    rank_tokens = _stack([t.rank_tokens for t in traffics])  # [n, R]
     most = rank_tokens.max(axis=1)
     compute_fwd = most * (2.0 * model.expert_params) / settings.flops_per_second
     mean_tokens = rank_tokens.sum(axis=1) / num_ranks
@@ -747,17 +749,20 @@ def step_costs(
     resource = np.maximum(link_most, port_most)
 
     bounds = np.searchsorted(kitem, np.arange(n + 1))  # item i's keys: bounds[i]:bounds[i+1]
+    # per item as Python floats (the same values as float() of each element)
+    dispatch_l, combine_l, fwd_l = dispatch.tolist(), combine.tolist(), compute_fwd.tolist()
+    bwd_l, tail_l = (compute_bwd.tolist(), tail.tolist()) if train else ([], [])
+    chain_l, resource_l, imbalance_l = chain.tolist(), resource.tolist(), imbalance.tolist()
+    weight_bytes: dict[int, float] = {}  # per ExpertStreams (items often share one)
     out = []
+    lo = 0
     for i in range(n):
-        phases = {
-            "dispatch": float(dispatch[i]),
-            "compute_fwd": float(compute_fwd[i]),
-            "combine": float(combine[i]),
-        }
+        hi = x_ends[i]
+        phases = {"dispatch": dispatch_l[i], "compute_fwd": fwd_l[i], "combine": combine_l[i]}
         if train:
-            phases |= {"combine_bwd": phases["dispatch"], "compute_bwd": float(compute_bwd[i]),
-                       "dispatch_bwd": float(tail[i])}  # fmt: skip
-        if resource[i] > chain[i]:
+            phases |= {"combine_bwd": dispatch_l[i], "compute_bwd": bwd_l[i],
+                       "dispatch_bwd": tail_l[i]}  # fmt: skip
+        if resource_l[i] > chain_l[i]:
             a, b = bounds[i], bounds[i + 1]
             if b > a and link_most[i] >= port_most[i]:
                 k = a + int(np.argmax(link_busy[a:b]))
@@ -767,19 +772,29 @@ def step_costs(
                 bottleneck = f"port of rank {int(np.argmax(port_busy[i]))}"
         else:
             bottleneck = "chain: " + max(phases, key=lambda k: phases[k])
+        si = streams[i]
+        wb = weight_bytes.get(id(si))
+        if wb is None:
+            wb = weight_bytes[id(si)] = si.cross_dc_bytes
         out.append(
             StepCost(
-                seconds=float(max(chain[i], resource[i])),
-                chain_seconds=float(chain[i]),
-                resource_seconds=float(resource[i]),
+                seconds=max(chain_l[i], resource_l[i]),
+                chain_seconds=chain_l[i],
+                resource_seconds=resource_l[i],
                 phases=phases,
-                imbalance=float(imbalance[i]),
-                cross_dc_token_bytes=2.0 * cps * float(xs[i].sum()) * tb,
-                cross_dc_weight_bytes=streams[i].cross_dc_bytes,
+                imbalance=imbalance_l[i],
+                cross_dc_token_bytes=2.0 * cps * float(x[lo:hi].sum()) * tb,
+                cross_dc_weight_bytes=wb,
                 bottleneck=bottleneck,
             )
         )
+        lo = hi
     return out
+
+
+def _stack(arrays: list[np.ndarray]) -> np.ndarray:
+    """``np.stack(arrays)`` of same-shape arrays: one concatenate, then a reshape."""
+    return np.concatenate(arrays).reshape(len(arrays), *arrays[0].shape)
 
 
 def _crossings_all(
