@@ -298,12 +298,15 @@ def migration_streams(
     dst_rank = np.asarray(dst_rank, dtype=np.int64)
     nb = np.asarray(nbytes, dtype=np.float64) * scale
     num_ranks = topology.num_ranks
-    back = np.zeros((num_ranks, 4))
     if src_rank.size == 0:
         return ExpertStreams.empty(num_ranks)
     shell = _shell(topology, src_rank, dst_rank)
-    _port_add(back, src_rank, shell, _NODE_OUT, nb)
-    _port_add(back, dst_rank, shell, _NODE_IN, nb)
+    # one bincount over (rank, column) bins, 5 a rank: the 4 port columns and one for a
+    # transfer within its rank (no port); each bin adds its transfers in order
+    bins = np.concatenate([src_rank * 5 + _OUT_COL[shell], dst_rank * 5 + _IN_COL[shell]])
+    sums = np.bincount(bins, np.concatenate([nb, nb]), minlength=5 * num_ranks)
+    back = np.zeros((num_ranks, 4))
+    back += sums.reshape(num_ranks, 5)[:, :4]
     remote = shell == 3
     return ExpertStreams(
         topology.rank_dc[src_rank[remote]],
@@ -315,6 +318,12 @@ def migration_streams(
     )
 
 
+#: per shell (0 same rank, 1 node, 2 DC, 3 other DC): the sender's and the receiver's port
+#: column (4: none)
+_OUT_COL = np.array([4, _NODE_OUT, _NIC_OUT, _NIC_OUT])
+_IN_COL = np.array([4, _NODE_IN, _NIC_IN, _NIC_IN])
+
+
 def transfer_seconds(streams: ExpertStreams, topology: Topology) -> float:
     """Seconds until every byte of ``streams`` (tail and background alike) has arrived when
     they all start together: the slowest DC pair (``L_ab + bytes / B_ab``, pairs summed by
@@ -324,18 +333,28 @@ def transfer_seconds(streams: ExpertStreams, topology: Topology) -> float:
     t = 0.0
     if streams.pair_src.size:
         key = streams.pair_src * num_dcs + streams.pair_dst
-        keys, inv = _index(key, num_dcs * num_dcs)
-        nb = np.bincount(inv, weights=streams.pair_tail + streams.pair_background)
-        a, b = keys // num_dcs, keys % num_dcs
-        bw = topology.dc_gbps[a, b] * 1e9 / 8.0
-        lat = topology.dc_latency_ms[a, b] / 1e3
-        t = float(np.max(np.where(nb > 0, lat + nb / bw, 0.0), initial=0.0))
+        pair_bytes = streams.pair_tail + streams.pair_background
+        if num_dcs * num_dcs <= _DENSE_PAIRS:  # every pair its own slot (absent ones carry 0)
+            _, _, bw, lat = _dense_links(topology)
+            nb = np.bincount(key, weights=pair_bytes, minlength=num_dcs * num_dcs)
+        else:
+            keys, inv = _index(key, num_dcs * num_dcs)
+            nb = np.bincount(inv, weights=pair_bytes)
+            a, b = keys // num_dcs, keys % num_dcs
+            bw = topology.dc_gbps[a, b] * 1e9 / 8.0
+            lat = topology.dc_latency_ms[a, b] / 1e3
+        t = float(np.max(lat + nb / bw, where=nb > 0, initial=0.0))
     ports = streams.port_tail + streams.port_background  # [R, 4]
-    node, nic = topology.intra_node, topology.intra_dc
-    node_t = _port_time(ports[:, _NODE_OUT], ports[:, _NODE_IN], node.bytes_per_second,
-                        node.latency_s)  # fmt: skip
-    nic_t = _port_time(ports[:, _NIC_OUT], ports[:, _NIC_IN], nic.bytes_per_second, nic.latency_s)
-    return max(t, float(np.max(np.maximum(node_t, nic_t), initial=0.0)))
+    if ports.shape[0]:  # the busiest port of each fabric from its columns' largest bytes
+        col = ports.max(axis=0).tolist()
+        node, nic = topology.intra_node, topology.intra_dc
+        busy_node = max(col[_NODE_OUT], col[_NODE_IN])
+        busy_nic = max(col[_NIC_OUT], col[_NIC_IN])
+        if busy_node > 0:
+            t = max(t, node.latency_s + busy_node / node.bytes_per_second)
+        if busy_nic > 0:
+            t = max(t, nic.latency_s + busy_nic / nic.bytes_per_second)
+    return t
 
 
 def crossings(traffic: TokenTraffic, top_k: int, hierarchical: bool = True) -> np.ndarray:
@@ -390,21 +409,6 @@ def _pipe(parts: tuple[float, ...], chunks: int) -> float:
     """Phases that pipeline over ``chunks`` chunks: the longest plus 1/chunks of the rest."""
     longest = max(parts)
     return longest + (sum(parts) - longest) / chunks
-
-
-def _port_time(out: np.ndarray, inp: np.ndarray, bw: float, lat: float) -> np.ndarray:
-    """[R] full-duplex port time: latency + the busier direction / bandwidth (0 if idle)."""
-    busy = np.maximum(out, inp)
-    return np.where(busy > 0, lat + busy / bw, 0.0)
-
-
-def _busiest_port(out: np.ndarray, inp: np.ndarray, bw: float, lat: float) -> float:
-    """``max(_port_time(out, inp, bw, lat))`` (0 if empty): the time grows with the busier
-    direction, so the busiest rank's is the largest (the same float)."""
-    if out.size == 0:
-        return 0.0
-    busy = max(float(out.max()), float(inp.max()))
-    return lat + busy / bw if busy > 0 else 0.0
 
 
 def _dense_links(topology: Topology) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
