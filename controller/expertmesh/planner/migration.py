@@ -532,8 +532,12 @@ def _jobs_and_local_copies(
     de = new_p2l[dr, ds]
     local0 = had(dr, de)  # the rank already holds the expert
     key = dr * num_experts + de
-    first = np.zeros(dr.size, dtype=bool)  # the first slot of each (rank, expert)
-    first[np.unique(key, return_index=True)[1]] = True
+    sk = np.sort(key)
+    if (sk[1:] == sk[:-1]).any():  # the first slot of each (rank, expert)
+        first = np.zeros(dr.size, dtype=bool)
+        first[np.unique(key, return_index=True)[1]] = True
+    else:  # each (rank, expert) once (a rank rarely gets two new copies of one expert)
+        first = np.ones(dr.size, dtype=bool)
     net = ~local0 & first & ~_isin(key, (m_dst * num_experts + mexp)[~m_had])
     nn = int(net.sum())
     jobs = _Jobs(
@@ -545,15 +549,32 @@ def _jobs_and_local_copies(
         master=np.concatenate([np.ones(mexp.size, dtype=bool), np.zeros(nn, dtype=bool)]),
     )
     loc = ~net
+    if nn == net.size:  # no local copies
+        return jobs, np.zeros((0, 3), dtype=np.result_type(de, dr, ds)), np.zeros(0, dtype=bool)
     return jobs, np.stack([de[loc], dr[loc], ds[loc]], axis=1), ~local0[loc]
 
 
+def _cat(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``np.concatenate([a, b])``, or ``a`` itself when ``b`` adds nothing (empty, and
+    ``a`` already of the concatenation's dtype): for a column sorted into a new array."""
+    if b.size == 0 and a.dtype == np.result_type(a, b):
+        return a
+    return np.concatenate([a, b])
+
+
 def _scheduled(
-    old: Placement, new: Placement, topology: Topology, model: ModelSpec, num_experts: int
+    old: Placement,
+    new: Placement,
+    topology: Topology,
+    model: ModelSpec,
+    num_experts: int,
+    *,
+    columns: tuple[int, ...] = (0, 1, 2, 3, 4, 5, 6),
 ) -> tuple[list[np.ndarray], _Jobs, np.ndarray, np.ndarray]:
     """The transfers of :func:`plan_migration` as arrays [M] in its order (round, destination
-    rank, slot): expert, source, destination, slot, bytes, round, master move; its link
-    jobs and their ``(src, round)`` [J] from the scheduler. Placements already checked."""
+    rank, slot): expert, source, destination, slot, bytes, round, master move (those of
+    ``columns``, in that order); its link jobs and their ``(src, round)`` [J] from the
+    scheduler. Placements already checked."""
     jobs, local, after = _jobs_and_local_copies(old, new, model)
     r, s = np.nonzero(old.phy2log >= 0)
     src, rnd = _Scheduler(jobs, topology, num_experts).run(old.phy2log[r, s], r)
@@ -564,17 +585,18 @@ def _scheduled(
         o = np.argsort(arrival)
         at = np.searchsorted(arrival[o], local[after, 1] * num_experts + local[after, 0])
         local_round[after] = rnd[o[at]] + 1
-    cols = [
-        np.concatenate([jobs.expert, local[:, 0]]),
-        np.concatenate([src, local[:, 1]]),
-        np.concatenate([jobs.dst, local[:, 1]]),
-        np.concatenate([jobs.slot, local[:, 2]]),
-        np.concatenate([jobs.nbytes, np.zeros(len(local), dtype=np.int64)]),
-        np.concatenate([rnd, local_round]),
-        np.concatenate([jobs.master, np.zeros(len(local), dtype=bool)]),
-    ]
+    parts = (
+        lambda: (jobs.expert, local[:, 0]),
+        lambda: (src, local[:, 1]),
+        lambda: (jobs.dst, local[:, 1]),
+        lambda: (jobs.slot, local[:, 2]),
+        lambda: (jobs.nbytes, np.zeros(len(local), dtype=np.int64)),
+        lambda: (rnd, local_round),
+        lambda: (jobs.master, np.zeros(len(local), dtype=bool)),
+    )
+    cols = {c: _cat(*parts[c]()) for c in {*columns, 2, 3, 5}}
     order = np.lexsort((cols[3], cols[2], cols[5]))
-    return [c[order] for c in cols], jobs, src, rnd
+    return [cols[c][order] for c in columns], jobs, src, rnd
 
 
 def migration_moves(
@@ -584,7 +606,10 @@ def migration_moves(
     topology, model)``, in its order, without building them or their rounds' seconds
     (the simulator costs a migration from these). ``old`` and ``new`` are not checked:
     pass placements :func:`align_placement` has checked (its ``old`` and its result)."""
-    e, src, dst, _, _, _, master = _scheduled(old, new, topology, model, new.master.shape[0])[0]
+    num_experts = new.master.shape[0]
+    e, src, dst, master = _scheduled(old, new, topology, model, num_experts, columns=(0, 1, 2, 6))[
+        0
+    ]
     return src, dst, e, master
 
 
