@@ -362,6 +362,9 @@ class _SmallRounds:
         self.holders: dict[int, list[int]] = {x: [] for x in wanted.tolist()}
         for x, r in zip(he[o].tolist(), hr[o].tolist(), strict=True):
             self.holders[x].append(r)
+        # nodes and DCs holding each expert (kept up to date as copies land)
+        self.nodes = {x: {self.node[r] for r in rs} for x, rs in self.holders.items()}
+        self.dcs = {x: {self.dc[r] for r in rs} for x, rs in self.holders.items()}
         self.busy_src: set[int] = set()
         self.busy_dst: set[int] = set()
         self.entries: tuple[set[int], set[int], set[int]] = (set(), set(), set())
@@ -401,13 +404,14 @@ class _SmallRounds:
             for i in range(n):
                 if rnd[i] == k:
                     bisect.insort(self.holders[e[i]], dst[i])
+                    self.nodes[e[i]].add(self.node[dst[i]])
+                    self.dcs[e[i]].add(self.dc[dst[i]])
             k += 1
         return np.array(src, dtype=np.int64), np.array(rnd, dtype=np.int64)
 
     def _levels(self) -> list[int]:
         """[J] 0, 1 or 2: where the nearest holders of each job's expert are."""
-        nodes = {x: {self.node[r] for r in rs} for x, rs in self.holders.items()}
-        dcs = {x: {self.dc[r] for r in rs} for x, rs in self.holders.items()}
+        nodes, dcs = self.nodes, self.dcs
         out = []
         for i, x in enumerate(self.e):
             if self.fixed[i] >= 0:
