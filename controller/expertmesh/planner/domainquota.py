@@ -529,15 +529,21 @@ def domain_traffic(
     c_amount = np.concatenate([sol.demand - given, rep_tokens]).astype(np.float64)
     c_exp, c_dc = sol.v_expert[c_v], sol.v_dc[c_v]
     c_inflow = sol.inflow[c_v].astype(np.float64)  # tokens sent in to its DC from DCs without e
-    own = np.minimum(c_amount, left[c_rank, c_exp])  # own rank's tokens first
-    left[c_rank, c_exp] -= own  # a rank holds one copy of e at most
-    lsum = _level_sums(left, topology, exact=load.dtype.kind in "iub")  # what sources have left
+    # each copy's [R, E], node and DC cells, flat (one 1-D gather each, read once)
+    cell = c_rank * num_experts + c_exp
     node = topology.rank_node[c_rank]
-    total = lsum[2][c_dc, c_exp] + c_inflow
+    flat = left.reshape(-1)  # a view: writes go to left
+    own = np.minimum(c_amount, flat[cell])  # own rank's tokens first
+    flat[cell] = flat[cell] - own  # a rank holds one copy of e at most (as left[...] -= own)
+    lsum = _level_sums(left, topology, exact=load.dtype.kind in "iub")  # what sources have left
+    at_rank = flat[cell]
+    at_node = lsum[1].reshape(-1)[node * num_experts + c_exp]
+    at_dc = lsum[2].reshape(-1)[c_dc * num_experts + c_exp]
+    total = at_dc + c_inflow
     w = np.where(total > 0, (c_amount - own) / np.where(total > 0, total, 1.0), 0.0)  # [C]
     shells = (  # [C] tokens each copy takes from its node, its DC, DCs without e
-        w * (lsum[1][node, c_exp] - left[c_rank, c_exp]),
-        w * (lsum[2][c_dc, c_exp] - lsum[1][node, c_exp]),
+        w * (at_node - at_rank),
+        w * (at_dc - at_node),
         w * c_inflow,
     )
     rank_tokens = np.bincount(c_rank, weights=c_amount, minlength=num_ranks)
@@ -545,7 +551,8 @@ def domain_traffic(
         [np.bincount(c_rank, weights=x, minlength=num_ranks) for x in shells], axis=1
     )
     # what each local source sends: the weights of its DC's copies by shell
-    g_rank = _scatter(c_rank, c_exp, w, (num_ranks, num_experts))
+    g_rank = np.bincount(cell, weights=w, minlength=num_ranks * num_experts)
+    g_rank = g_rank.reshape(num_ranks, num_experts)  # _scatter(c_rank, c_exp, w, ...)
     g_node = _scatter(node, c_exp, w, (topology.num_nodes, num_experts))
     reach_rank = np.einsum("re,re->r", left, g_rank)
     reach_node = np.einsum("re,re->r", left, g_node[topology.rank_node])

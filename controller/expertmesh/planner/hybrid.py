@@ -68,6 +68,7 @@ from expertmesh.planner.costmodel import (
     ExpertStreams,
     TransferEncoding,
     copy_streams,
+    crossings,
     migration_streams,
     modeled_step,
     transfer_seconds,
@@ -475,7 +476,11 @@ def compose(
     ``plain=False``: the solution with replicas, not compared with the one without."""
     dom = topology if domain is None else domain
 
-    def option(sol: DomainSolution) -> tuple[DomainSolution, TokenTraffic, float]:
+    def option(
+        sol: DomainSolution,
+    ) -> tuple[tuple[DomainSolution, TokenTraffic, float], np.ndarray]:
+        """The solution, its traffic and seconds; and its DC pair crossings (computed once
+        for step_cost and plain_floor)."""
         if dom is topology:
             traffic = domain_traffic(load, sol, topology, model.top_k)
         else:  # domains span DCs: the route's exact streams on the real links
@@ -483,20 +488,23 @@ def compose(
             traffic = traffic_from_route(route, load, topology, model.top_k)
         copies = _replica_copies(sol, before, topology, model, cfg.encoding)
         streams = copies if extra is None else copies + extra
+        cross = crossings(traffic, model.top_k, cfg.cost.hierarchical)
         step = modeled_step(
             topology, model, traffic, sol.placement,
-            settings=cfg.cost, encoding=cfg.encoding, extra=streams,
+            settings=cfg.cost, encoding=cfg.encoding, extra=streams, cross=cross,
         )  # fmt: skip
         late = transfer_seconds(copies, topology) - step.phases.get("dispatch", 0.0)
-        return sol, traffic, step.seconds + max(0.0, late)
+        return (sol, traffic, step.seconds + max(0.0, late)), cross
 
-    balanced = option(domain_quota(load, base, dom))
+    balanced, cross = option(domain_quota(load, base, dom))
     if balanced[0].replicas[0].size == 0 or not plain:
         return balanced  # no replica needed (or the caller knows it cannot do without)
     # the floor takes the homes and demands alone: those of at_home's solution, the same
-    if dom is topology and plain_floor(*balanced[:2], topology, model, cfg.cost) > balanced[2]:
+    if dom is topology and (
+        plain_floor(*balanced[:2], topology, model, cfg.cost, cross=cross) > balanced[2]
+    ):
         return balanced  # without replicas it cannot be as fast: not scored
-    bare = option(at_home(balanced[0], base, dom))
+    bare = option(at_home(balanced[0], base, dom))[0]
     return bare if bare[2] <= balanced[2] else balanced  # ties: no replicas
 
 

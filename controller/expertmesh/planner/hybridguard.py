@@ -369,6 +369,8 @@ def plain_floor(
     topology: Topology,
     model: ModelSpec,
     cost: CostSettings,
+    *,
+    cross: np.ndarray | None = None,
 ) -> float:
     """A lower bound of what :func:`~expertmesh.planner.hybrid.compose` scores ``plain`` (a
     solution without replicas, :func:`~expertmesh.planner.domainquota.at_home`) at, from
@@ -376,8 +378,11 @@ def plain_floor(
     each DC (its DC pairs are plain's: the holder sets fix them). :func:`chain_floor` with
     compute at plain's busiest rank (every virtual expert at its home). Only ``plain``'s
     homes and demands are read: the solution with replicas that ``at_home`` would turn
-    into ``plain`` serves as well."""
-    x = crossings(traffic, model.top_k, cost.hierarchical) * float(model.token_bytes)
+    into ``plain`` serves as well. ``cross``: ``crossings(traffic, model.top_k,
+    cost.hierarchical)`` when the caller has them."""
+    if cross is None:
+        cross = crossings(traffic, model.top_k, cost.hierarchical)
+    x = cross * float(model.token_bytes)
     busiest = np.bincount(plain.home, weights=plain.demand.astype(np.float64))
     return chain_floor(
         (traffic.pair_src, traffic.pair_dst, x),
