@@ -28,6 +28,7 @@ so every old copy stays readable as a source during all rounds.
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -172,6 +173,7 @@ class _Scheduler:
         self.topo = topology
         self.node, self.dc = topology.rank_node, topology.rank_dc
         self.num_nodes, self.num_dcs = topology.num_nodes, topology.num_dcs
+        self.jobs = jobs
         self.e, self.dst, self.fixed = jobs.expert, jobs.dst, jobs.fixed_src
         self.dnode, self.ddc = self.node[self.dst], self.dc[self.dst]
         self.nkey = self.e * self.num_nodes + self.dnode  # node entry of each job
@@ -230,7 +232,7 @@ class _Scheduler:
     def run_small(self, hold_e: np.ndarray, hold_r: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`run_arrays` in plain Python (:class:`_SmallRounds`), for few jobs on a
         topology without per-pair links (every other DC equally near)."""
-        return _SmallRounds(self, hold_e, hold_r).run()
+        return _SmallRounds(self.jobs, self.topo, hold_e, hold_r).run()
 
     def _levels(self, holders: _Holders) -> np.ndarray:
         """[J] 0, 1 or 2: where the nearest holders of each job's expert are."""
@@ -345,16 +347,31 @@ class _SmallRounds:
     moves a few experts). Only where every other DC is equally near (no per-pair links).
     ``tests/unit/test_migration.py`` checks that the two agree."""
 
-    def __init__(self, sched: _Scheduler, hold_e: np.ndarray, hold_r: np.ndarray) -> None:
-        self.n, self.num_dcs = int(sched.e.size), sched.num_dcs
-        self.e, self.dst, self.fixed = sched.e.tolist(), sched.dst.tolist(), sched.fixed.tolist()
-        self.nkey, self.dkey = sched.nkey.tolist(), sched.dkey.tolist()
-        self.prio = sched.prio.tolist()
-        self.node, self.dc = sched.node.tolist(), sched.dc.tolist()
-        self.dnode, self.ddc = sched.dnode.tolist(), sched.ddc.tolist()
-        self.fixed_level = sched.fixed_level.tolist()
+    def __init__(
+        self, jobs: _Jobs, topology: Topology, hold_e: np.ndarray, hold_r: np.ndarray
+    ) -> None:
+        # what _Scheduler.__init__ derives from the jobs, element by element (the same ints)
+        self.n, self.num_dcs = int(jobs.expert.size), topology.num_dcs
+        num_nodes = topology.num_nodes
+        e = self.e = jobs.expert.tolist()
+        dst = self.dst = jobs.dst.tolist()
+        self.fixed = jobs.fixed_src.tolist()
+        node, dc = self.node, self.dc = topology.rank_node.tolist(), topology.rank_dc.tolist()
+        self.dnode, self.ddc = [node[d] for d in dst], [dc[d] for d in dst]
+        self.nkey = [x * num_nodes + y for x, y in zip(e, self.dnode, strict=True)]
+        self.dkey = [x * self.num_dcs + y for x, y in zip(e, self.ddc, strict=True)]
+        # priority: masters, experts with more jobs, expert, destination (a stable sort)
+        master, fanout = jobs.master.tolist(), Counter(e)
+        order = sorted(range(self.n), key=lambda i: (not master[i], -fanout[e[i]], e[i], dst[i]))
+        self.prio = [0] * self.n
+        for p, i in enumerate(order):
+            self.prio[i] = p
+        self.fixed_level = [
+            (2 if dc[f] != self.ddc[i] else 1 if node[f] != self.dnode[i] else 0) if f >= 0 else 0
+            for i, f in enumerate(self.fixed)
+        ]
         # holders of the jobs' experts only: expert -> ranks, ascending, with multiplicity
-        wanted = np.unique(sched.e)
+        wanted = np.unique(jobs.expert)
         he, hr = np.asarray(hold_e, dtype=np.int64), np.asarray(hold_r, dtype=np.int64)
         sel = _member(wanted, he)
         he, hr = he[sel], hr[sel]
@@ -527,11 +544,14 @@ def _jobs_and_local_copies(
     old_mr, new_mr = old.master // num_slots, new.master // num_slots
     mexp = np.flatnonzero(old_mr != new_mr)  # experts whose master changes rank
     m_dst = new_mr[mexp]
-    m_had = had(m_dst, mexp)
-    m_bytes = np.where(m_had, model.master_bytes - model.expert_bytes, model.master_bytes)
-
     need = (new_p2l >= 0) & (new_p2l != old_p2l)
-    need.flat[new.master[mexp]] = False  # a moved master's slot: the master move writes it
+    if mexp.size:  # (a re-plan rarely moves a master: then none of this is needed)
+        m_had = had(m_dst, mexp)
+        m_bytes = np.where(m_had, model.master_bytes - model.expert_bytes, model.master_bytes)
+        need.flat[new.master[mexp]] = False  # a moved master's slot: the master move writes it
+        m_got = (m_dst * num_experts + mexp)[~m_had]  # (rank, expert) a master move brings
+    else:
+        m_bytes = m_got = mexp
     dr, ds = np.nonzero(need)  # by rank, then slot
     de = new_p2l[dr, ds]
     local0 = had(dr, de)  # the rank already holds the expert
@@ -542,15 +562,15 @@ def _jobs_and_local_copies(
         first[np.unique(key, return_index=True)[1]] = True
     else:  # each (rank, expert) once (a rank rarely gets two new copies of one expert)
         first = np.ones(dr.size, dtype=bool)
-    net = ~local0 & first & ~_isin(key, (m_dst * num_experts + mexp)[~m_had])
+    net = ~local0 & first & ~_isin(key, m_got)
     nn = int(net.sum())
     jobs = _Jobs(
-        expert=np.concatenate([mexp, de[net]]),
-        dst=np.concatenate([m_dst, dr[net]]),
-        slot=np.concatenate([new.master[mexp] % num_slots, ds[net]]),
-        fixed_src=np.concatenate([old_mr[mexp], np.full(nn, -1)]),
-        nbytes=np.concatenate([m_bytes, np.full(nn, model.expert_bytes)]).astype(np.int64),
-        master=np.concatenate([np.ones(mexp.size, dtype=bool), np.zeros(nn, dtype=bool)]),
+        expert=_cat(mexp, de[net]),
+        dst=_cat(m_dst, dr[net]),
+        slot=_cat(new.master[mexp] % num_slots, ds[net]),
+        fixed_src=_cat(old_mr[mexp], np.full(nn, -1)),
+        nbytes=_cat(m_bytes, np.full(nn, model.expert_bytes)).astype(np.int64),
+        master=_cat(np.ones(mexp.size, dtype=bool), np.zeros(nn, dtype=bool)),
     )
     loc = ~net
     if nn == net.size:  # no local copies
@@ -559,10 +579,13 @@ def _jobs_and_local_copies(
 
 
 def _cat(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """``np.concatenate([a, b])``, or ``a`` itself when ``b`` adds nothing (empty, and
-    ``a`` already of the concatenation's dtype): for a column sorted into a new array."""
+    """``np.concatenate([a, b])`` of 1-d arrays, or the one that is not empty itself when
+    the other adds nothing (and it already has the concatenation's dtype): for a new array
+    nobody else holds (a job column; a column sorted into a new array)."""
     if b.size == 0 and a.dtype == np.result_type(a, b):
         return a
+    if a.size == 0 and b.dtype == np.result_type(a, b):
+        return b
     return np.concatenate([a, b])
 
 
@@ -580,8 +603,16 @@ def _scheduled(
     ``columns``, in that order); its link jobs and their ``(src, round)`` [J] from the
     scheduler. Placements already checked."""
     jobs, local, after = _jobs_and_local_copies(old, new, model)
-    r, s = np.nonzero(old.phy2log >= 0)
-    src, rnd = _Scheduler(jobs, topology, num_experts).run(old.phy2log[r, s], r)
+    if jobs.expert.size <= SMALL_JOBS and not topology.pairs:  # _Scheduler.run's choice
+        # the small scheduler reads only the holders of the jobs' experts: find just those
+        # (a table over experts, its extra last entry for the empty slots' -1)
+        wanted = np.zeros(num_experts + 1, dtype=bool)
+        wanted[jobs.expert] = True
+        r, s = np.nonzero(wanted[old.phy2log])
+        src, rnd = _SmallRounds(jobs, topology, old.phy2log[r, s], r).run()
+    else:
+        r, s = np.nonzero(old.phy2log >= 0)
+        src, rnd = _Scheduler(jobs, topology, num_experts).run(old.phy2log[r, s], r)
     # local copies: round 0, or the round after the job that brings the expert
     local_round = np.zeros(len(local), dtype=np.int64)
     if after.any():
