@@ -235,6 +235,21 @@ def _run_sums(x: np.ndarray, starts: np.ndarray, length: int) -> np.ndarray:
     return out
 
 
+def _node_is_dc(topology: Topology) -> bool:
+    """Every DC is one node and node ``i`` is DC ``i`` (``rank_node`` equals ``rank_dc``):
+    sums and counts by node are then those by DC, the same floats."""
+    got = _NODE_IS_DC.get(topology)
+    if got is None:
+        got = _NODE_IS_DC[topology] = topology.num_nodes == topology.num_dcs and bool(
+            np.array_equal(topology.rank_node, topology.rank_dc)
+        )
+    return got
+
+
+#: per topology: :func:`_node_is_dc`
+_NODE_IS_DC: weakref.WeakKeyDictionary[Topology, bool] = weakref.WeakKeyDictionary()
+
+
 def _node_dc(topology: Topology) -> np.ndarray:
     """[Nn] DC of each node."""
     return np.repeat(np.arange(topology.num_dcs), [d.nodes for d in topology.dcs])
@@ -383,7 +398,8 @@ def even_traffic_steps(
     if loads.ndim != 3:
         raise ValueError(f"loads must be [T, R, E], got {loads.shape}")
     level = _check_even(loads.shape[1], placement, topology, domain, remote)
-    if loads.dtype.kind in "iu" and int(loads.sum()) < _EXACT:
+    cp = _copies(placement, topology, loads.shape[2])  # replicas: no one-copy split, no sum
+    if loads.dtype.kind in "iu" and cp.total.max(initial=0) <= 1 and int(loads.sum()) < _EXACT:
         one = _one_copy_split(loads, placement, topology, top_k)
         if one is not None:
             return one
@@ -515,9 +531,13 @@ def _even_split(
 
     # ---- what each source sends, by shell: cumulative copies reached up to shell j ----
     rank_out = np.zeros((num_steps, num_ranks, 3))
+    same = _node_is_dc(topology)  # k(1) and k(2) are equal: so are their reaches
     if local is not None:
-        w_loc = np.where(local, lf / np.where(local, k(level), 1.0), 0.0)  # per local copy
-        reach = [np.einsum("tre,re->tr", w_loc, k(j)) for j in range(level + 1)]
+        # per local copy (what ``np.where(local, lf / np.where(local, k, 1.0), 0.0)`` gives)
+        w_loc = np.divide(lf, k(level), out=np.zeros(lf.shape), where=local)
+        reach: list[np.ndarray | float] = []
+        for j in range(level + 1):
+            reach.append(reach[1] if j == 2 and same else np.einsum("tre,re->tr", w_loc, k(j)))
         for j in range(1, level + 1):
             rank_out[:, :, j - 1] = reach[j] - reach[j - 1]
     mrank = placement.master_rank()  # [E]
@@ -525,7 +545,14 @@ def _even_split(
     # domain's, and what copies there get of spreads, are exact zeros (not computed)
     inside = level if level < 3 else -1
     if remote == "spread":
-        reach = [np.einsum("tre,re->tr", w_nl, k(j)) if j > inside else 0.0 for j in range(4)]
+        reach = []
+        for j in range(4):
+            if j <= inside:
+                reach.append(0.0)
+            elif j == 2 and same and inside < 1:
+                reach.append(reach[1])
+            else:
+                reach.append(np.einsum("tre,re->tr", w_nl, k(j)))
         for j in range(max(1, inside + 1), 4):
             rank_out[:, :, j - 1] += reach[j] - reach[j - 1]
     else:
@@ -703,14 +730,20 @@ def weighted_traffic(
     qg = [c_rank.astype(np.int64, copy=False), topology.rank_node[c_rank],
           topology.rank_dc[c_rank], np.zeros(c_rank.size, np.int64)]  # fmt: skip
     # g[j]: [groups at level j, E] weight of the copies in each rank, node, DC
-    g = [
-        np.bincount(qg[j] * num_experts + c_exp, weights=c_w,
-                    minlength=sizes[j] * num_experts).reshape(sizes[j], num_experts)
-        for j in range(3)
-    ]  # fmt: skip
+    same = _node_is_dc(topology)  # one node a DC: the DC level repeats the node level
+    g: list[np.ndarray] = []
+    for j in range(3):
+        if j == 2 and same:
+            g.append(g[1])
+            continue
+        g.append(
+            np.bincount(qg[j] * num_experts + c_exp, weights=c_w,
+                        minlength=sizes[j] * num_experts).reshape(sizes[j], num_experts)
+        )  # fmt: skip
     g_all = np.bincount(c_exp, weights=c_w, minlength=num_experts)  # [E]
     # g[0] is already by rank (a gather by every rank in order would copy it)
-    reach = [np.einsum("re,re->r", left, g[j] if j == 0 else g[j][group[j]]) for j in range(3)]
+    reach = [np.einsum("re,re->r", left, g[0]), np.einsum("re,re->r", left, g[1][group[1]])]
+    reach.append(reach[1] if same else np.einsum("re,re->r", left, g[2][group[2]]))
     reach.append(left @ g_all)
     rank_out = np.stack([reach[j] - reach[j - 1] for j in (1, 2, 3)], axis=1)
     lsum = level_sums(left, topology)
