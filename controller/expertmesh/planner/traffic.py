@@ -533,8 +533,8 @@ def _even_split(
     rank_out = np.zeros((num_steps, num_ranks, 3))
     same = _node_is_dc(topology)  # k(1) and k(2) are equal: so are their reaches
     if local is not None:
-        # per local copy (what ``np.where(local, lf / np.where(local, k, 1.0), 0.0)`` gives)
-        w_loc = np.divide(lf, k(level), out=np.zeros(lf.shape), where=local)
+        # per local copy (faster than np.divide(..., where=local), a masked loop)
+        w_loc = np.where(local, lf / np.where(local, k(level), 1.0), 0.0)
         reach: list[np.ndarray | float] = []
         for j in range(level + 1):
             reach.append(reach[1] if j == 2 and same else np.einsum("tre,re->tr", w_loc, k(j)))
