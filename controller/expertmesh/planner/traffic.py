@@ -566,13 +566,15 @@ def _even_split(
     if level < 3:
         # sources inside the copy's domain are all local: their load splits over its copies
         kq = cnt[level][qg[level], ce]
+        at = [_cells(lsum[j], qg[j], ce) for j in range(level + 1)]  # lsum[j][:, qg[j], ce]
         for j in range(level + 1):
-            inner = lsum[j][:, qg[j], ce] - (lsum[j - 1][:, qg[j - 1], ce] if j else 0.0)
+            inner = at[j] - (at[j - 1] if j else 0.0)
             in_shell[:, :, j] += inner / np.where(kq > 0, kq, 1.0)
     nsum = lsum if level == 3 else _level_sums_steps(nonlocal_load, topology)
     if remote == "spread":
+        at = [_cells(nsum[j], qg[j], ce) if j >= inside else ce for j in range(4)]
         for j in range(inside + 1, 4):
-            inner = nsum[j][:, qg[j], ce] - (nsum[j - 1][:, qg[j - 1], ce] if j else 0.0)
+            inner = at[j] - (at[j - 1] if j else 0.0)
             in_shell[:, :, j] += inner / safe_total[ce]
     else:
         is_master = (cr * placement.slots_per_rank + cs) == placement.master[ce]
@@ -603,6 +605,11 @@ def _even_split(
         ps, pd, pt = _pairs(dense[t])
         out.append(TokenTraffic(rank_tokens[t], rank_out[t], rank_in[t], ps, pd, pt, dc_tokens[t]))
     return out
+
+
+def _cells(x: np.ndarray, group: np.ndarray, expert: np.ndarray) -> np.ndarray:
+    """``x[:, group, expert]`` of ``x`` [T, G, E]: a take on flat indices (the same values)."""
+    return np.take(x.reshape(x.shape[0], -1), group * x.shape[2] + expert, axis=1)
 
 
 def _level_sums_steps(x: np.ndarray, topology: Topology) -> list[np.ndarray]:
