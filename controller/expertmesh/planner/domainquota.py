@@ -392,8 +392,10 @@ def _base_parts(
     out = (holds, routing, home, Placement(v_p2l, v_master), v_expert)
     for a in (holds, home, v_p2l, v_master, v_expert):
         a.setflags(write=False)
-    if len(_BASES) >= _BASES_KEPT:
-        del _BASES[next(iter(_BASES))]  # the oldest
+    # the oldest go; list() copies the keys in one step, and pop tolerates a key another
+    # thread dropped first (the controller plans what-ifs in threads of their own)
+    for old in list(_BASES)[: max(0, len(_BASES) - _BASES_KEPT + 1)]:
+        _BASES.pop(old, None)
     _BASES[key] = out
     return out
 
