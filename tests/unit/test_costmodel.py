@@ -248,16 +248,7 @@ def test_even_traffic_steps_is_even_traffic_of_each_step_to_the_bit(seed):
     topo, pl, _ = _random_case(seed)
     loads = np.stack([_random_case(seed * 7 + t)[2] for t in range(5)])  # [T, R, E]
     loads[:, :, 0] += 1  # at least one expert with load on every rank
-    for domain in ("rank", "node", "dc", "global"):
-        for remote in ("spread", "master"):
-            got = even_traffic_steps(loads, pl, topo, 2, domain=domain, remote=remote)
-            assert len(got) == len(loads)
-            for t, g in enumerate(got):
-                want = even_traffic(loads[t], pl, topo, 2, domain=domain, remote=remote)
-                for f in ("rank_tokens", "rank_out", "rank_in", "pair_src", "pair_dst",
-                          "pair_tokens", "dc_tokens"):  # fmt: skip
-                    a, b = getattr(g, f), getattr(want, f)
-                    assert a.shape == b.shape and np.array_equal(a, b), (domain, remote, t, f)
+    _assert_steps_are_even_traffic(loads, pl, topo)
 
 
 @pytest.mark.parametrize("dcs, ranks, nodes", [(3, 4, 2), (9, 2, 1)])
@@ -272,15 +263,7 @@ def test_even_traffic_steps_on_equal_nodes_is_even_traffic_to_the_bit(dcs, ranks
     master = np.arange(num_experts) // 2 * slots + np.arange(num_experts) % 2
     pl = Placement(phy, master)
     loads = rng.integers(0, 50, size=(6, topo.num_ranks, num_experts))
-    for domain in ("rank", "node", "dc", "global"):
-        for remote in ("spread", "master"):
-            got = even_traffic_steps(loads, pl, topo, 2, domain=domain, remote=remote)
-            for t, g in enumerate(got):
-                want = even_traffic(loads[t], pl, topo, 2, domain=domain, remote=remote)
-                for f in ("rank_tokens", "rank_out", "rank_in", "pair_src", "pair_dst",
-                          "pair_tokens", "dc_tokens"):  # fmt: skip
-                    a, b = getattr(g, f), getattr(want, f)
-                    assert a.shape == b.shape and np.array_equal(a, b), (domain, remote, t, f)
+    _assert_steps_are_even_traffic(loads, pl, topo)
 
 
 @pytest.mark.parametrize("seed", [0, 3])
@@ -295,15 +278,7 @@ def test_even_traffic_steps_of_one_copy_placements_is_even_traffic_to_the_bit(se
     pl = Placement(phy.reshape(topo.num_ranks, slots), flat.astype(np.int64))
     loads = rng.integers(0, 60, size=(4, topo.num_ranks, num_experts))
     loads[:, :, -1] = 0  # an expert without load
-    for domain in ("rank", "node", "dc", "global"):
-        for remote in ("spread", "master"):
-            got = even_traffic_steps(loads, pl, topo, 2, domain=domain, remote=remote)
-            for t, g in enumerate(got):
-                want = even_traffic(loads[t], pl, topo, 2, domain=domain, remote=remote)
-                for f in ("rank_tokens", "rank_out", "rank_in", "pair_src", "pair_dst",
-                          "pair_tokens", "dc_tokens"):  # fmt: skip
-                    a, b = getattr(g, f), getattr(want, f)
-                    assert a.shape == b.shape and np.array_equal(a, b), (domain, remote, t, f)
+    _assert_steps_are_even_traffic(loads, pl, topo)
 
 
 def test_even_traffic_refuses_experts_without_copies():
@@ -582,3 +557,18 @@ def test_replica_streams_ports_copy_by_copy(seed, per_update):
         grad[mrank[e], 1 + nic] += g
     np.testing.assert_allclose(got.port_background, back, rtol=1e-12)
     np.testing.assert_allclose(got.port_tail, grads if per_update == 1 else 0.0, rtol=1e-12)
+
+
+def _assert_steps_are_even_traffic(loads, pl, topo):
+    """even_traffic_steps of [T, R, E] ``loads`` equals even_traffic of each step, to the
+    bit, in every domain and remote mode."""
+    for domain in ("rank", "node", "dc", "global"):
+        for remote in ("spread", "master"):
+            got = even_traffic_steps(loads, pl, topo, 2, domain=domain, remote=remote)
+            assert len(got) == len(loads)
+            for t, g in enumerate(got):
+                want = even_traffic(loads[t], pl, topo, 2, domain=domain, remote=remote)
+                for f in ("rank_tokens", "rank_out", "rank_in", "pair_src", "pair_dst",
+                          "pair_tokens", "dc_tokens"):  # fmt: skip
+                    a, b = getattr(g, f), getattr(want, f)
+                    assert a.shape == b.shape and np.array_equal(a, b), (domain, remote, t, f)
