@@ -240,14 +240,12 @@ def repredict(result: dict[str, Any], root: Path) -> dict[str, Any]:
                 "(a run before --repredict existed): re-run it"
             )
         before, after = [root / r for r in runs["before"]], [root / r for r in runs["after"]]
-        cal = calibrate(
-            [before[0], after[0]], [before[1], after[1]], replicated=[before[2], after[2]]
-        )
+        cal, checked = _calibrate_checked(before, after)
         fulls: list[Path] = [root / r for r in runs["probes"]]
         labels = [r["policy"] for r in g["rows"]]
         where = root / g.get("dir", "")
         row_cals = _row_calibrations(cal, fulls, labels, where, g["dcs"], g["gbps"])
-        check = {**info.get("check", {}), **check_calibration(before, after, cal)}
+        check = {**info.get("check", {}), **checked}
         if check["faults"]:
             out["flagged"].append({"dcs": g["dcs"], "gbps": g["gbps"], "faults": check["faults"]})
             print(
@@ -341,6 +339,15 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _calibrate_checked(
+    before: Sequence[Run], after: Sequence[Run]
+) -> tuple[Calibration, dict[str, Any]]:
+    """A group's constants from its calibration runs before and after it (full batch,
+    quarter batch, replicated layout each) and the check of those runs."""
+    cal = calibrate([before[0], after[0]], [before[1], after[1]], replicated=[before[2], after[2]])
+    return cal, check_calibration(before, after, cal)
+
+
 def _checked_group(
     out: dict[str, Any],
     args: argparse.Namespace,
@@ -415,11 +422,11 @@ def _group_and_calibration(
     sub = f"attempt-{attempt + 1}" if attempt else ""
     runs, probes = _group_runs(dcs, gbps, lm, labels, args, probe, root / sub)
     after = calibration_runs()  # the next group's "before"
-    cal = calibrate([before[0], after[0]], [before[1], after[1]], replicated=[before[2], after[2]])
+    cal, checked = _calibrate_checked(before, after)
     name = f"cal-{dcs}dc-{_speed(gbps)}.yaml"
     cal.write(root / sub / name)
     info = _calibration_info(dcs, gbps, cal, before, after, lm, small)
-    info["check"] = {**check_calibration(before, after, cal), "attempt": attempt + 1}
+    info["check"] = {**checked, "attempt": attempt + 1}
     # the full-batch probes on either side of each row: [before, p1, ..., after]
     fulls = [before[0], *probes, after[0]]
     row_cals = _row_calibrations(cal, fulls, list(runs), root / sub, dcs, gbps)
@@ -442,7 +449,7 @@ def _group_and_calibration(
         f"(replicated layout: {info['replicated_medians'][0]:.3f}, "
         f"{info['replicated_medians'][1]:.3f}, {cal.replicated_collectives} "
         f"collectives, {cal.replicated_copies:g} copies; load {info['load']:.1f}); "
-        f"{root / name}",
+        f"{root / sub / name}",
         flush=True,
     )
     faults = info["check"]["faults"]

@@ -334,7 +334,7 @@ def calibrate(
 # ---- the calibration's sanity check (on the calibration runs alone, never on a row) ----
 
 # Thresholds from the five healthy groups recorded in docs/results/bench-runtime-runs/
-# br-b..br-e (br-f's one group is the broken one): there the full batch's median step
+# br-b..br-e (br-a's and br-f's 2-DC 1 Gbit/s groups are the broken ones): there the full batch's median step
 # was 1.30-1.72 times the quarter batch's in each of the before and after runs (1.27-1.51
 # pooled), and a batch size's before and after runs were 1.06-1.28x apart (full) and
 # 1.03-1.24x (quarter). br-f's group: 0.94x before, 1.11x after, 1.06x pooled; full
