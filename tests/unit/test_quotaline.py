@@ -48,7 +48,7 @@ _PROBLEMS = {
 def test_search_one_finds_the_smallest_feasible_quota(seed, domains, ranks, skew, tokens):
     for items, recv, low, high in _domains(seed, domains, ranks, skew, tokens):
         t = next((t for t in range(low, high) if try_quota(items, recv, t)[0] == 0), high)
-        got, pieces, walked = search_one(items, recv, low, high, len(recv))
+        got, pieces, walked = search_one(items, recv, low, high)
         assert got == t
         # the static max is never tried: no rank is above it, so no piece
         assert (pieces, walked) == (try_quota(items, recv, t)[1:] if t < high else ([], []))
@@ -77,7 +77,7 @@ def test_hints_reach_the_answer_in_few_probes():
     hops, above = 0, 0
     for seed in range(40):
         for items, recv, low, high in _domains(seed, 4, 8, 0.05, 1000):
-            t, _, _ = search_one(items, recv, low, high, len(recv))
+            t, _, _ = search_one(items, recv, low, high)
             at = low
             while at < t:
                 above += at == low

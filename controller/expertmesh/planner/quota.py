@@ -408,11 +408,11 @@ def _search(pb: _Problem, sizes: np.ndarray) -> tuple[np.ndarray, _Fit]:
 
 
 def _search_domains(
-    pb: _Problem, sizes: np.ndarray
+    pb: _Problem,
 ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """:func:`_search` without ``max_replicas_per_expert`` domain by domain, in plain
-    Python over the few items and receivers of each: the same probes per domain (a
-    domain's probes depend on its own fits only), so the same ``T`` [D]; and the
+    Python over the few items and receivers of each (:func:`~expertmesh.planner.quotaline.search_one`;
+    the rule is monotone in ``T``, so any probes end at the same ``T`` [D]); and the
     replicas of ``_replicas(_fit(pb, T))``, ``(expert, rank, tokens)`` each [N] in line
     order. No numpy call per probe: most domains are settled by their first probe (the
     lower bound), and the vector rule costs dozens of numpy calls for each."""
@@ -420,10 +420,10 @@ def _search_domains(
     ranks, bases, slots, first = pb.recv_lists
     quota = pb.upper.tolist()
     made: list[tuple[int, int, int]] = []
-    for d, (lower, width) in enumerate(zip(pb.lower.tolist(), sizes.tolist(), strict=True)):
+    for d, lower in enumerate(pb.lower.tolist()):
         lo, hi = first[d], first[d + 1]
         recv = list(zip(ranks[lo:hi], bases[lo:hi], slots[lo:hi], strict=True))
-        quota[d], pieces, walked = search_one(items[d], recv, lower, quota[d], width)
+        quota[d], pieces, walked = search_one(items[d], recv, lower, quota[d])
         made.extend(segments(pieces, walked))
     cols = np.array(made, dtype=np.int64).reshape(-1, 3).T
     return np.array(quota, dtype=np.int64), (cols[0], cols[1], cols[2])

@@ -155,19 +155,15 @@ def next_failure_end(items: Items, recv: Receivers, quota: int) -> int:
     return quota + ahead
 
 
-def search_one(
-    items: Items, recv: Receivers, lower: int, upper: int, width: int
-) -> tuple[int, Pieces, Walked]:
+def search_one(items: Items, recv: Receivers, lower: int, upper: int) -> tuple[int, Pieces, Walked]:
     """The smallest ``T`` in ``[lower, upper]`` where the rule places every piece, with
-    its pieces and receivers (none at ``upper``: no rank is above it). ``width`` (the
-    domain's ranks) is unused (``quota._search``'s secant steps took it).
+    its pieces and receivers (none at ``upper``: no rank is above it).
 
     Probes: ``lower``, where most domains settle; after a failure at ``T``,
     :func:`next_failure_end` of ``T``, until one succeeds; then ``T - 1``, which fails
     unless the hint was wrong; bisection after that. The rule is monotone in ``T`` (no
     cap: module doc of ``quota``), so any probes end at the smallest feasible ``T``, the
     one of ``quota._search``."""
-    del width
     lo, hi = lower - 1, upper  # lo fails, hi succeeds
     best: tuple[Pieces, Walked] = ([], [])
     probe = lower
@@ -323,7 +319,7 @@ def solve_domains(
                 a -= x
         # receivers by M ascending, lower rank on ties (stable: the ranks ascending)
         recv = [(r, m[r], free[r]) for r in sorted(lay.recv_of[d], key=m.__getitem__)]
-        quota[d], pieces, walked = search_one(items, recv, low, quota[d], lay.sizes[d])
+        quota[d], pieces, walked = search_one(items, recv, low, quota[d])
         made.extend(segments(pieces, walked))
     flat = np.fromiter(itertools.chain.from_iterable(made), np.int64, 3 * len(made))
     cols = flat.reshape(-1, 3).T
