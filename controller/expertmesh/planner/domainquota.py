@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -229,7 +229,7 @@ class HolderRouting(NamedTuple):
     (:func:`_virtual`), ``here`` [R, E] (the source's DC holds ``e``) and ``away``
     (``~here``), ``remote`` (:func:`remote_holder`), ``to_v`` [R, E] (the own DC's copy,
     else ``remote``), ``pair_key`` [R * E] (source DC * D + the DC of ``to_v``),
-    ``sent_bin`` [R * E] (``remote``, ``V`` where it is -1), ``orphan`` (the experts
+    ``orphan`` (the experts
     nobody holds); ``one_v`` and ``one_e`` [V1]: the virtual experts of the experts held
     in one DC, and those experts; ``one_cells`` and ``one_keys``: every [D, E] cell (flat)
     of a DC lacking such an expert and its ``pair_key`` (the DC * D + the holder's DC);
@@ -244,7 +244,6 @@ class HolderRouting(NamedTuple):
     remote: np.ndarray
     to_v: np.ndarray
     pair_key: np.ndarray
-    sent_bin: np.ndarray
     orphan: np.ndarray
     one_v: np.ndarray
     one_e: np.ndarray
@@ -271,7 +270,6 @@ def holder_routing(holds: np.ndarray, rank_dc: np.ndarray) -> HolderRouting:
     to_v = np.where(own >= 0, own, remote)
     num_dcs = holds.shape[0]
     pair_key = (rank_dc[:, None] * num_dcs + v_dc[to_v]).ravel()  # where nobody holds e: any
-    sent_bin = np.where(remote >= 0, remote, v_dc.size).ravel()
     orphan = np.flatnonzero(~holds.any(axis=0))
     num_experts = holds.shape[1]
     h = np.diff(first)
@@ -286,19 +284,28 @@ def holder_routing(holds: np.ndarray, rank_dc: np.ndarray) -> HolderRouting:
     many_bins = remote.ravel()[many_cells]
     many_keys = rank_dc[r] * num_dcs + v_dc[many_bins]
     out = HolderRouting(
-        v_dc, v_expert, vid, here, ~here, remote, to_v, pair_key, sent_bin, orphan,
+        v_dc, v_expert, vid, here, ~here, remote, to_v, pair_key, orphan,
         one_v, one_e, one_cells, one_keys, many_cells, many_bins, many_keys,
     )  # fmt: skip
     for a in out:
         a.setflags(write=False)
-    if _ROUTINGS_KEPT > 0:
-        if len(_ROUTINGS) >= _ROUTINGS_KEPT:
-            del _ROUTINGS[next(iter(_ROUTINGS))]  # the oldest
-        _ROUTINGS[key] = out
+    _remember(_ROUTINGS, key, out, _ROUTINGS_KEPT)
     return out
 
 
 #: :func:`holder_routing` of the last few holder sets (0: none kept)
+def _remember(memo: dict[Any, Any], key: Any, value: Any, kept: int) -> None:
+    """Keep ``value`` under ``key`` in ``memo``, at most ``kept`` entries, the oldest
+    dropped first (none kept when ``kept`` is 0). ``list()`` copies the keys in one step
+    and ``pop`` tolerates a key another thread dropped first: the controller plans
+    what-ifs in threads of their own."""
+    if kept <= 0:
+        return
+    for old in list(memo)[: max(0, len(memo) - kept + 1)]:
+        memo.pop(old, None)
+    memo[key] = value
+
+
 _ROUTINGS: dict[tuple[object, ...], HolderRouting] = {}
 _ROUTINGS_KEPT = 4
 
@@ -392,11 +399,7 @@ def _base_parts(
     out = (holds, routing, home, Placement(v_p2l, v_master), v_expert)
     for a in (holds, home, v_p2l, v_master, v_expert):
         a.setflags(write=False)
-    # the oldest go; list() copies the keys in one step, and pop tolerates a key another
-    # thread dropped first (the controller plans what-ifs in threads of their own)
-    for old in list(_BASES)[: max(0, len(_BASES) - _BASES_KEPT + 1)]:
-        _BASES.pop(old, None)
-    _BASES[key] = out
+    _remember(_BASES, key, out, _BASES_KEPT)
     return out
 
 

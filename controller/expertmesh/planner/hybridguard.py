@@ -70,10 +70,6 @@ class GuardCosts:
         got = self.built.get(holds.tobytes())
         return got is not None and self._key(got) in self.seen
 
-    def bound(self, holds: np.ndarray) -> float:
-        """:func:`guard_bound` of holder sets ``holds`` [D, E] (once per holder sets)."""
-        return float(self.bounds_of([holds])[0])
-
     def bounds_of(self, cands: list[np.ndarray]) -> np.ndarray:
         """[C] :func:`guard_bound` of each of ``cands`` (holder sets [D, E]), those not
         bounded before in one batch (the same floats as one by one)."""
