@@ -9,7 +9,7 @@ import pytest
 from expertmesh.planner.costmodel import CostSettings, TransferEncoding, replica_streams
 from expertmesh.planner.migration import align_placement, plan_migration
 from expertmesh.planner.model import ModelSpec
-from expertmesh.planner.plan import LayerPlan
+from expertmesh.planner.plan import LayerPlan, TransferKind
 from expertmesh.planner.policy import PolicyContext, make_policy
 from expertmesh.planner.topology import Topology
 from expertmesh.planner.traffic import even_traffic
@@ -81,7 +81,12 @@ def test_engine_memo_aligns_and_migrates_as_the_planner_does():
             assert np.array_equal(got.phy2log, want.phy2log)
             assert np.array_equal(got.master, want.master)
     for old in (ps[0], ps[2], qs[0], ps[0]):  # one new placement from several old ones
-        assert _migration(world, old, ps[1]).migration == plan_migration(old, ps[1], TOPO, MODEL)
+        got = _migration(world, old, ps[1])  # the memo's transfers, as arrays
+        want = plan_migration(old, ps[1], TOPO, MODEL).transfers  # the planner's, in order
+        assert got.src.tolist() == [t.src_rank for t in want]
+        assert got.dst.tolist() == [t.dst_rank for t in want]
+        assert got.expert.tolist() == [t.expert for t in want]
+        assert got.master.tolist() == [t.kind == TransferKind.MASTER for t in want]
     assert world.memo.hits > 0
 
 

@@ -19,8 +19,8 @@ from expertmesh.planner.costmodel import (
     replica_streams,
     transfer_seconds,
 )
-from expertmesh.planner.migration import migration_moves, plan_migration
-from expertmesh.planner.plan import Migration, Placement
+from expertmesh.planner.migration import migration_moves
+from expertmesh.planner.plan import Placement
 from expertmesh.planner.policy import Policy
 
 if TYPE_CHECKING:
@@ -39,18 +39,10 @@ class _Moves:
     order: source and destination rank, expert, and whether the transfer moves a master
     (:func:`migration_moves`: what the cost needs, without the :class:`Migration`)."""
 
-    old: Placement
-    new: Placement
-    world: _World
     src: np.ndarray
     dst: np.ndarray
     expert: np.ndarray
     master: np.ndarray
-
-    @property
-    def migration(self) -> Migration:
-        """The :class:`Migration` itself (built when asked: the simulator does not)."""
-        return plan_migration(self.old, self.new, self.world.topology, self.world.model)
 
 
 def _migration(world: _World, old: Placement, new: Placement) -> _Moves:
@@ -60,7 +52,7 @@ def _migration(world: _World, old: Placement, new: Placement) -> _Moves:
     got = world.memo.get(key)
     if got is None:
         moves = migration_moves(old, new, world.topology, world.model)
-        got = _Moves(old, new, world, *moves)
+        got = _Moves(*moves)
         world.memo.put(key, got)
     return got  # type: ignore[return-value]
 
