@@ -400,7 +400,7 @@ def even_traffic_steps(
     level = _check_even(loads.shape[1], placement, topology, domain, remote)
     cp = _copies(placement, topology, loads.shape[2])  # replicas: no one-copy split, no sum
     if loads.dtype.kind in "iu" and cp.total.max(initial=0) <= 1 and int(loads.sum()) < _EXACT:
-        one = _one_copy_split(loads, placement, topology, top_k)
+        one = _one_copy_split(loads, cp, topology, top_k)
         if one is not None:
             return one
     dc_tokens = _dc_sums(loads, topology) / top_k  # [T, D]: _dc_tokens of each step
@@ -414,16 +414,16 @@ _EXACT = 2**53
 
 
 def _one_copy_split(
-    loads: np.ndarray, placement: Placement, topology: Topology, top_k: int
+    loads: np.ndarray, cp: _Copies, topology: Topology, top_k: int
 ) -> list[TokenTraffic] | None:
     """:func:`even_traffic_steps` of integer ``loads`` [T, R, E] (total below 2**53) on a
-    placement with at most one copy of each expert (static EP), else ``None``. Every split
+    placement with :func:`_copies` ``cp``, at most one copy of each expert (static EP), else
+    ``None``. Every split
     sends ``loads[t, r, e]`` whole to the one copy of ``e``, so each float of
     :func:`_even_split` is a sum of whole tokens, exact in any order: summed here from a
     [T, R, R] rank-to-rank matrix with a few passes and small matrix products (the same
     floats, instead of dozens of passes over [T, R, E])."""
-    num_steps, num_ranks, num_experts = loads.shape
-    cp = _copies(placement, topology, num_experts)
+    num_steps, num_ranks = loads.shape[:2]
     if cp.total.size and cp.total.max() > 1:
         return None
     if (cp.total == 0).any() and (loads.sum(axis=1)[:, cp.total == 0] > 0).any():
