@@ -19,7 +19,8 @@ from expertmesh.planner import (
     make_policy,
     plan_trace,
 )
-from expertmesh.planner.migration import _occurrence, align_placement, plan_migration
+from expertmesh.planner.align import _occurrence
+from expertmesh.planner.migration import align_placement, plan_migration
 from expertmesh.planner.policy import Policy, PolicyContext
 from expertmesh.planner.refs import (
     best_kept_ref,

@@ -194,24 +194,6 @@ class StepCost:
     bottleneck: str = ""
 
 
-def _port_add(
-    port: np.ndarray, ranks: np.ndarray, shell: np.ndarray, col: int, nbytes: float | np.ndarray
-) -> None:
-    """Add ``nbytes`` (one value or [N]) to the node (shell 1) or NIC (shell >= 2) column
-    ``col`` (out or in) of ``port`` [R, 4] for ``ranks`` [N]. One ``bincount`` over
-    (rank, fabric) bins: each bin adds its bytes in the same order as one ``bincount`` per
-    fabric would (the same floats)."""
-    nb = np.asarray(nbytes, dtype=np.float64)
-    if nb.shape != ranks.shape:
-        nb = np.full(ranks.shape, nb)
-    num_ranks = port.shape[0]
-    fabric = np.minimum(shell, 2)  # 0 same rank (no port), 1 node fabric, 2 NIC
-    sums = np.bincount(ranks * 3 + fabric, weights=nb, minlength=3 * num_ranks)
-    sums = sums.reshape(num_ranks, 3)
-    port[:, col] += sums[:, 1]
-    port[:, col + 2] += sums[:, 2]
-
-
 def replica_streams(
     placement: Placement,
     topology: Topology,

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from expertmesh.planner.align import _check_pair, _occurrence, align_placement  # noqa: F401
+from expertmesh.planner.align import _check_pair, align_placement
 from expertmesh.planner.model import ModelSpec
 from expertmesh.planner.plan import Migration, Placement, Transfer, TransferKind
 from expertmesh.planner.topology import Topology
