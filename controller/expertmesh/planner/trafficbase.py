@@ -1,0 +1,222 @@
+"""What every token-traffic view shares: :class:`TokenTraffic` and its helpers.
+
+The cost model never needs who sends to whom rank by rank (an ``[R, R]``
+matrix is 64M cells at 8,000 ranks); it needs, per rank, how many top-k
+assignments it computes and how many it sends and receives over each fabric,
+and, per ordered DC pair, how many assignments cross. :class:`TokenTraffic`
+holds exactly that. Its builders live in :mod:`expertmesh.planner.traffic`
+(exact from route rows, quota's weighted split) and
+:mod:`expertmesh.planner.evensplit` (the even split); this module holds what
+they share: per-DC token totals, the memo of a read-only load, DC pairs,
+sums by rank / node / DC (:func:`level_sums`) and per-rank shell sums.
+
+Shells: traffic between a rank and a destination is classed by how far apart
+they are: 0 same rank, 1 same node, 2 same DC (other node), 3 other DC.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Literal, cast
+
+import numpy as np
+
+from expertmesh.planner.topology import Topology
+
+__all__ = ["Domain", "TokenTraffic", "level_sums"]
+
+Domain = Literal["rank", "node", "dc", "global"]
+_LEVEL = {"rank": 0, "node": 1, "dc": 2, "global": 3}
+
+
+@dataclass(frozen=True, eq=False)
+class TokenTraffic:
+    """Aggregated token streams of one layer at one step (counts are top-k assignments).
+
+    - ``rank_tokens``: [R] float64 assignments each rank computes.
+    - ``rank_out``: [R, 3] float64 assignments each rank sends to other ranks of its node,
+      of its DC on other nodes, and of other DCs (shells 1, 2, 3).
+    - ``rank_in``: [R, 3] float64 the same, received.
+    - ``pair_src``, ``pair_dst``: [P] int64 DC indices (``src != dst``); ``pair_tokens``: [P]
+      float64 assignments from DC ``src`` to experts computed in DC ``dst``.
+    - ``dc_tokens``: [D] float64 tokens (not assignments) that originate in each DC; the
+      cost model's hierarchical-dispatch estimate needs them.
+    - ``pair_crossings``: [P] float64 tokens that cross each pair under hierarchical dispatch
+      when they are known exactly (a runtime that sees token ids), else ``None`` and the
+      cost model estimates them (docs/cost-model.md).
+    """
+
+    rank_tokens: np.ndarray
+    rank_out: np.ndarray
+    rank_in: np.ndarray
+    pair_src: np.ndarray
+    pair_dst: np.ndarray
+    pair_tokens: np.ndarray
+    dc_tokens: np.ndarray
+    pair_crossings: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        r = self.rank_tokens.shape[0]
+        if self.rank_out.shape != (r, 3) or self.rank_in.shape != (r, 3):
+            raise ValueError(f"rank_out and rank_in must be [{r}, 3]")
+        p = self.pair_src.shape[0]
+        if self.pair_dst.shape != (p,) or self.pair_tokens.shape != (p,):
+            raise ValueError("pair_src, pair_dst and pair_tokens must have the same length")
+        if self.pair_crossings is not None and self.pair_crossings.shape != (p,):
+            raise ValueError("pair_crossings must match pair_tokens")
+        if p and (self.pair_src == self.pair_dst).any():
+            raise ValueError("a DC pair needs two different DCs")
+
+    @property
+    def num_ranks(self) -> int:
+        return int(self.rank_tokens.shape[0])
+
+    @property
+    def cross_dc_assignments(self) -> float:
+        return float(self.pair_tokens.sum())
+
+
+def _dc_tokens(load: np.ndarray, topology: Topology, top_k: int) -> np.ndarray:
+    stats = _load_stats(load)
+    key = ("dc_tokens", topology, top_k)
+    if stats is not None and key in stats.memo:
+        return cast(np.ndarray, stats.memo[key])
+    out = _dc_sums(load[None], topology)[0] / top_k
+    if stats is not None:
+        out.flags.writeable = False
+        stats.memo[key] = out
+    return out
+
+
+def _dc_sums(loads: np.ndarray, topology: Topology) -> np.ndarray:
+    """[T, D] the assignments from each DC in each step of ``loads`` [T, R, E]: one
+    ``bincount`` over (step, DC) bins, each adding its ranks in order (one step's sums are
+    those of a ``bincount`` over DCs alone)."""
+    num_steps, num_dcs = loads.shape[0], topology.num_dcs
+    per_rank = loads.sum(axis=2, dtype=np.float64)  # [T, R]
+    key = np.arange(num_steps)[:, None] * num_dcs + topology.rank_dc  # [T, R] (step, DC)
+    sums = np.bincount(key.ravel(), weights=per_rank.ravel(), minlength=num_steps * num_dcs)
+    return sums.reshape(num_steps, num_dcs)
+
+
+@dataclass(eq=False)
+class _LoadStats:
+    """What the traffic functions derive from one read-only load (the simulator's step
+    loads, asked for by every policy): ``memo`` maps a key to a read-only result."""
+
+    load: np.ndarray
+    memo: dict[tuple[object, ...], object]
+
+
+#: the last few read-only loads' :class:`_LoadStats` (held, so their ids stay theirs)
+_LOADS: list[_LoadStats] = []
+_LOADS_KEPT = 4
+
+
+def _load_stats(load: np.ndarray) -> _LoadStats | None:
+    """The memo of ``load`` when it is read-only (a writable load may change between calls:
+    nothing is kept), else ``None``."""
+    if load.flags.writeable:
+        return None
+    for st in _LOADS:
+        if st.load is load:
+            return st
+    st = _LoadStats(load, {})
+    _LOADS.append(st)
+    if len(_LOADS) > _LOADS_KEPT:
+        _LOADS.pop(0)
+    return st
+
+
+def _pairs(dense: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Nonzero off-diagonal cells of a [D, D] matrix as (src, dst, value)."""
+    np.fill_diagonal(dense, 0.0)
+    src, dst = np.nonzero(dense > 0)
+    return src.astype(np.int64), dst.astype(np.int64), dense[src, dst]
+
+
+def level_sums(x: np.ndarray, topology: Topology) -> list[np.ndarray]:
+    """[R, E] -> sums over rank, node, DC and everything: [R, E], [Nn, E], [D, E], [1, E]."""
+    (r_starts, r_at, r_len), (n_starts, n_at, n_len) = _level_index(topology)
+    node = np.zeros((topology.num_nodes, x.shape[1]))
+    if x.shape[0]:
+        node[r_at] += _run_sums(x, r_starts, r_len)
+    if n_starts.size == topology.num_dcs == node.shape[0]:
+        dc = node.copy()  # one node per DC: 0.0 + (0.0 + s) is 0.0 + s, the same floats
+    else:
+        dc = np.zeros((topology.num_dcs, x.shape[1]))
+        if node.shape[0]:
+            dc[n_at] += _run_sums(node, n_starts, n_len)
+    return [x, node, dc, dc.sum(axis=0, keepdims=True)]
+
+
+#: longest run :func:`_run_sums` sums without ``reduceat``: numpy's ``reduceat`` adds a
+#: run as ``x[start] + pairwise(rest)``, and its pairwise sum of fewer than 8 numbers
+#: is the plain loop a reduction over a middle axis makes
+_SHORT_RUN = 8
+
+
+def _run_sums(x: np.ndarray, starts: np.ndarray, length: int) -> np.ndarray:
+    """``np.add.reduceat(x, starts, axis=0)`` for ``x`` [N, E] and run ``starts`` [G], the
+    same floats. ``length``: the length every run has, when they do (equal nodes), else 0;
+    runs of at most 8 are summed as ``x[first] + (x[second] + ...)`` over a [G, p, E]
+    view, without ``reduceat``'s column-by-column loop (several times faster)."""
+    if not 0 < length <= _SHORT_RUN:
+        return np.add.reduceat(x, starts, axis=0)
+    v = x.reshape(starts.size, length, x.shape[1])
+    if length == 1:
+        return v[:, 0].copy()
+    out: np.ndarray = v[:, 0] + v[:, 1:].sum(axis=1)
+    return out
+
+
+def _node_is_dc(topology: Topology) -> bool:
+    """Every DC is one node and node ``i`` is DC ``i`` (``rank_node`` equals ``rank_dc``):
+    sums and counts by node are then those by DC, the same floats."""
+    got = _NODE_IS_DC.get(topology)
+    if got is None:
+        got = _NODE_IS_DC[topology] = topology.num_nodes == topology.num_dcs and bool(
+            np.array_equal(topology.rank_node, topology.rank_dc)
+        )
+    return got
+
+
+#: per topology: :func:`_node_is_dc`
+_NODE_IS_DC: weakref.WeakKeyDictionary[Topology, bool] = weakref.WeakKeyDictionary()
+
+
+def _node_dc(topology: Topology) -> np.ndarray:
+    """[Nn] DC of each node."""
+    return np.repeat(np.arange(topology.num_dcs), [d.nodes for d in topology.dcs])
+
+
+#: per topology: the row runs of :func:`level_sums` (rank -> node, node -> DC)
+_LEVELS: weakref.WeakKeyDictionary[Topology, tuple[tuple[np.ndarray, np.ndarray, int], ...]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _level_index(topology: Topology) -> tuple[tuple[np.ndarray, np.ndarray, int], ...]:
+    """``(starts, index[starts], length)`` of the sorted rank -> node and node -> DC indices;
+    ``length``: the length of every run when they are equal, else 0."""
+    got = _LEVELS.get(topology)
+    if got is None:
+        runs = []
+        for index in (topology.rank_node, _node_dc(topology)):
+            starts = np.flatnonzero(np.r_[True, index[1:] != index[:-1]]) if index.size else index
+            n = int(index.size)
+            p = n // starts.size if starts.size else 0
+            even = p > 0 and np.array_equal(starts, np.arange(0, n, p))
+            runs.append((starts, index[starts], p if even else 0))
+        got = _LEVELS[topology] = tuple(runs)
+    return got
+
+
+def _shell_sums(rank: np.ndarray, in_shell: np.ndarray, num_ranks: int) -> np.ndarray:
+    """[R, 3] what each rank receives over shells 1, 2, 3: the sums of ``in_shell`` [C, 4]
+    rows by ``rank`` [C]. One ``bincount`` over (rank, shell) bins, each adding its values
+    in row order as one ``bincount`` per shell would (the same floats)."""
+    key = (rank.astype(np.int64) * 4)[:, None] + np.arange(4)
+    sums = np.bincount(key.ravel(), weights=in_shell.ravel(), minlength=4 * num_ranks)
+    return np.ascontiguousarray(sums.reshape(num_ranks, 4)[:, 1:])
