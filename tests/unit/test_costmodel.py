@@ -561,3 +561,47 @@ def _assert_steps_are_even_traffic(loads, pl, topo):
                           "pair_tokens", "dc_tokens"):  # fmt: skip
                     a, b = getattr(g, f), getattr(want, f)
                     assert a.shape == b.shape and np.array_equal(a, b), (domain, remote, t, f)
+
+
+@pytest.mark.parametrize("per_update", [1, 4])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_replica_streams_memo_is_by_value(seed, per_update):
+    # the memo serves a placement whose slots are permuted within ranks (the simulator's
+    # alignment) the streams computed for it; every field equals a fresh computation of
+    # each, to the bit, and the shared arrays are read-only; other master ranks: a miss
+    from expertmesh.planner import costmodel
+
+    topo, pl, _ = _random_case(seed)
+    model = ModelSpec(num_experts=6, top_k=2, hidden=1000, ffn_hidden=10, training=True)
+    cs = CostSettings(microbatches_per_update=per_update)
+    enc = TransferEncoding()
+    sizes = (enc.refresh_bytes(model) / per_update, enc.gradient_bytes(model) / per_update)
+    rng = np.random.default_rng(seed)
+    slots = pl.slots_per_rank
+    perm = np.stack([rng.permutation(slots) for _ in range(pl.num_ranks)])  # new slot -> old
+    where = np.argsort(perm, axis=1)  # old slot -> new
+    r, s = np.divmod(pl.master, slots)
+    shuffled = Placement(np.take_along_axis(pl.phy2log, perm, 1), r * slots + where[r, s])
+    fields = [f.name for f in dataclasses.fields(ExpertStreams)]
+    got = replica_streams(pl, topo, model, cs)
+    for p in (pl, shuffled):
+        fresh = costmodel._replica_streams(p, p.master_rank(), topo, cs, sizes)
+        again = replica_streams(p, topo, model, cs)
+        assert again is got
+        for f in fields:
+            np.testing.assert_array_equal(getattr(again, f), getattr(fresh, f))
+            assert not getattr(again, f).flags.writeable
+    moved = pl.master.copy()
+    e = int(np.flatnonzero(pl.phy2log.ravel()[pl.master] >= 0)[0])
+    other = (int(pl.master_rank()[e]) + 1) % pl.num_ranks
+    free = np.flatnonzero(pl.phy2log[other] < 0)
+    if free.size:
+        p2l = pl.phy2log.copy()
+        p2l[other, free[0]] = e
+        moved[e] = other * slots + free[0]
+        elsewhere = Placement(p2l, moved)
+        fresh = costmodel._replica_streams(elsewhere, elsewhere.master_rank(), topo, cs, sizes)
+        mine = replica_streams(elsewhere, topo, model, cs)
+        assert mine is not got
+        for f in fields:
+            np.testing.assert_array_equal(getattr(mine, f), getattr(fresh, f))

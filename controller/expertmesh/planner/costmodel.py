@@ -208,6 +208,9 @@ def replica_streams(
     once per update, amortized over ``microbatches_per_update`` trace steps. Copies of one
     expert in one remote DC share one WAN crossing per direction (the first relays the
     others inside the DC); every participant's port carries one copy per direction.
+    Memoized by value, read-only: the same streams for the same experts on each rank,
+    whatever their slots, and the same master ranks (a policy's model and the simulator
+    cost the same placement, slots permuted by the alignment).
     """
     settings = settings or CostSettings()
     encoding = encoding or TransferEncoding()
@@ -217,11 +220,50 @@ def replica_streams(
     per = float(settings.microbatches_per_update)
     w = encoding.refresh_bytes(model) / per
     g = encoding.gradient_bytes(model) / per
+    p2l = placement.phy2log
+    mrank = placement.master_rank()
+    # what the streams depend on: each rank's experts (not their slots: every port bin sums
+    # copies of one value, the WAN keys are sorted), the masters' ranks, the bytes
+    key = (w, g, settings.microbatches_per_update == 1, p2l.shape, p2l.dtype.str,
+           np.sort(p2l, axis=1).tobytes(), mrank.dtype.str, mrank.tobytes())  # fmt: skip
+    memo = _SYNCS.get(topology)
+    if memo is None:
+        memo = _SYNCS[topology] = {}
+    got = memo.get(key)
+    if got is None:
+        got = _replica_streams(placement, mrank, topology, settings, (w, g))
+        for a in (got.pair_src, got.pair_dst, got.pair_tail, got.pair_background,
+                  got.port_tail, got.port_background):  # fmt: skip
+            a.flags.writeable = False  # shared by every caller with these copies
+        for old in list(memo)[: max(0, len(memo) - _SYNCS_KEPT + 1)]:
+            memo.pop(old, None)
+        memo[key] = got
+    return got
+
+
+#: per topology, :func:`replica_streams` of the last few placements by value (the
+#: simulator asks again for the placement a policy's own model costed, slots permuted)
+_SYNCS: weakref.WeakKeyDictionary[Topology, dict[tuple[object, ...], ExpertStreams]] = (
+    weakref.WeakKeyDictionary()
+)
+_SYNCS_KEPT = 8
+
+
+def _replica_streams(
+    placement: Placement,
+    mrank: np.ndarray,
+    topology: Topology,
+    settings: CostSettings,
+    sizes: tuple[float, float],
+) -> ExpertStreams:
+    """:func:`replica_streams` of ``placement`` (masters on ranks ``mrank`` [E]) when
+    training, with ``sizes``: the weight and gradient bytes of one sync per step."""
+    w, g = sizes
+    num_ranks = placement.num_ranks
     flat = placement.phy2log.ravel()
     slot = np.flatnonzero(flat >= 0)  # every copy, rank by rank
     cr = slot // placement.slots_per_rank
     ce = flat[slot].astype(np.int64)
-    mrank = placement.master_rank()
     m = mrank[ce]
     keep = cr != m  # replicas on another rank than their master
     if not keep.any():
