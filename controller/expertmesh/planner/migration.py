@@ -27,9 +27,6 @@ so every old copy stays readable as a source during all rounds.
 
 from __future__ import annotations
 
-import bisect
-from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +34,7 @@ import numpy as np
 from expertmesh.planner.align import _check_pair, align_placement
 from expertmesh.planner.model import ModelSpec
 from expertmesh.planner.plan import Migration, Placement, Transfer, TransferKind
+from expertmesh.planner.smallrounds import small_rounds
 from expertmesh.planner.topology import Topology
 
 __all__ = ["align_placement", "migration_moves", "plan_migration"]
@@ -230,9 +228,9 @@ class _Scheduler:
         return src, rnd
 
     def run_small(self, hold_e: np.ndarray, hold_r: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`run_arrays` in plain Python (:class:`_SmallRounds`), for few jobs on a
+        """:meth:`run_arrays` in plain Python (:func:`_small`), for few jobs on a
         topology without per-pair links (every other DC equally near)."""
-        return _SmallRounds(self.jobs, self.topo, hold_e, hold_r).run()
+        return _small(self.jobs, self.topo, hold_e, hold_r)
 
     def _levels(self, holders: _Holders) -> np.ndarray:
         """[J] 0, 1 or 2: where the nearest holders of each job's expert are."""
@@ -341,187 +339,26 @@ class _Scheduler:
         return pj, ps
 
 
-class _SmallRounds:
-    """:meth:`_Scheduler.run_arrays` element by element: the same rounds, passes,
-    proposals and acceptance rule, without dozens of numpy calls per pass (a re-plan
-    moves a few experts). Only where every other DC is equally near (no per-pair links).
-    ``tests/unit/test_migration.py`` checks that the two agree."""
+def _ranks(topology: Topology) -> tuple[list[int], list[int], int, int]:
+    """``(node [R], DC [R], nodes, DCs)`` of ``topology``'s ranks, as the small scheduler
+    reads them."""
+    return (
+        topology.rank_node.tolist(), topology.rank_dc.tolist(), topology.num_nodes,
+        topology.num_dcs,
+    )  # fmt: skip
 
-    def __init__(
-        self, jobs: _Jobs, topology: Topology, hold_e: np.ndarray, hold_r: np.ndarray
-    ) -> None:
-        # what _Scheduler.__init__ derives from the jobs, element by element (the same ints)
-        self.n, self.num_dcs = int(jobs.expert.size), topology.num_dcs
-        num_nodes = topology.num_nodes
-        e = self.e = jobs.expert.tolist()
-        dst = self.dst = jobs.dst.tolist()
-        self.fixed = jobs.fixed_src.tolist()
-        node, dc = self.node, self.dc = topology.rank_node.tolist(), topology.rank_dc.tolist()
-        self.dnode, self.ddc = [node[d] for d in dst], [dc[d] for d in dst]
-        self.nkey = [x * num_nodes + y for x, y in zip(e, self.dnode, strict=True)]
-        self.dkey = [x * self.num_dcs + y for x, y in zip(e, self.ddc, strict=True)]
-        # priority: masters, experts with more jobs, expert, destination (a stable sort)
-        master, fanout = jobs.master.tolist(), Counter(e)
-        order = sorted(range(self.n), key=lambda i: (not master[i], -fanout[e[i]], e[i], dst[i]))
-        self.prio = [0] * self.n
-        for p, i in enumerate(order):
-            self.prio[i] = p
-        self.fixed_level = [
-            (2 if dc[f] != self.ddc[i] else 1 if node[f] != self.dnode[i] else 0) if f >= 0 else 0
-            for i, f in enumerate(self.fixed)
-        ]
-        # holders of the jobs' experts only: expert -> ranks, ascending, with multiplicity
-        wanted = np.unique(jobs.expert)
-        he, hr = np.asarray(hold_e, dtype=np.int64), np.asarray(hold_r, dtype=np.int64)
-        sel = _member(wanted, he)
-        he, hr = he[sel], hr[sel]
-        o = np.lexsort((hr, he))
-        self.holders: dict[int, list[int]] = {x: [] for x in wanted.tolist()}
-        for x, r in zip(he[o].tolist(), hr[o].tolist(), strict=True):
-            self.holders[x].append(r)
-        # nodes and DCs holding each expert (kept up to date as copies land)
-        self.nodes = {x: {self.node[r] for r in rs} for x, rs in self.holders.items()}
-        self.dcs = {x: {self.dc[r] for r in rs} for x, rs in self.holders.items()}
-        self.busy_src: set[int] = set()
-        self.busy_dst: set[int] = set()
-        self.entries: tuple[set[int], set[int], set[int]] = (set(), set(), set())
 
-    def run(self) -> tuple[np.ndarray, np.ndarray]:
-        """``(src [J], round [J])`` as :meth:`_Scheduler.run_arrays` gives them."""
-        n, e, dst, fixed, prio = self.n, self.e, self.dst, self.fixed, self.prio
-        src, rnd = [-1] * n, [-1] * n
-        k = 0
-        while -1 in rnd:
-            level = self._levels()
-            order_key = [(2 - level[i]) * n + prio[i] for i in range(n)]
-            pending = [i for i in range(n) if rnd[i] < 0]
-            fixed_j = [i for i in pending if fixed[i] >= 0]
-            by_level: list[list[int]] = [[], [], []]
-            for i in pending:
-                if fixed[i] < 0:
-                    by_level[level[i]].append(i)
-            by_level[0].sort(key=lambda i: (self.nkey[i], prio[i]))
-            self.busy_src, self.busy_dst = set(), set()
-            self.entries = (set(), set(), set())
-            progress = False
-            for _ in range(MAX_PASSES):
-                props = self._propose(fixed_j, by_level)
-                if not props:
-                    break
-                acc = self._accept(props, order_key)
-                if not acc:
-                    break
-                for i, r in acc:
-                    self.busy_src.add(r)
-                    self.busy_dst.add(dst[i])
-                    src[i], rnd[i] = r, k
-                progress = True
-            if not progress:  # cannot happen: a round's first proposal always fits
-                raise RuntimeError("migration scheduler made no progress")
-            for i in range(n):
-                if rnd[i] == k:
-                    bisect.insort(self.holders[e[i]], dst[i])
-                    self.nodes[e[i]].add(self.node[dst[i]])
-                    self.dcs[e[i]].add(self.dc[dst[i]])
-            k += 1
-        return np.array(src, dtype=np.int64), np.array(rnd, dtype=np.int64)
-
-    def _levels(self) -> list[int]:
-        """[J] 0, 1 or 2: where the nearest holders of each job's expert are."""
-        nodes, dcs = self.nodes, self.dcs
-        out = []
-        for i, x in enumerate(self.e):
-            if self.fixed[i] >= 0:
-                out.append(self.fixed_level[i])
-            else:
-                out.append(0 if self.dnode[i] in nodes[x] else 1 if self.ddc[i] in dcs[x] else 2)
-        return out
-
-    def _propose(self, fixed_j: list[int], by_level: list[list[int]]) -> list[tuple[int, int]]:
-        """One pass of proposals ``(job, src)``, as :meth:`_Scheduler._propose`."""
-        dst, fixed, busy_dst, prio = self.dst, self.fixed, self.busy_dst, self.prio
-        node, dc, dnode, ddc = self.node, self.dc, self.dnode, self.ddc
-        nkey, dkey, e = self.nkey, self.dkey, self.e
-        props = [
-            (i, fixed[i])
-            for i in fixed_j
-            if dst[i] not in busy_dst and fixed[i] not in self.busy_src
-        ]
-        # level 0: the q-th job of a node entry takes its q-th free holder in that node
-        jobs = [i for i in by_level[0] if dst[i] not in busy_dst]
-        props += self._pair(jobs, nkey, lambda r, i: node[r] == dnode[i])
-        # level 1: one job per node entry this round, a free holder in the job's DC
-        jobs = [i for i in by_level[1] if dst[i] not in busy_dst and nkey[i] not in self.entries[0]]
-        jobs = sorted(self._best(jobs, nkey), key=lambda i: (dkey[i], prio[i]))
-        props += self._pair(jobs, dkey, lambda r, i: dc[r] == ddc[i])
-        # level 2: one job per DC entry this round, a free holder anywhere
-        jobs = [i for i in by_level[2] if dst[i] not in busy_dst and dkey[i] not in self.entries[1]]
-        jobs = sorted(self._best(jobs, dkey), key=lambda i: (e[i], prio[i]))
-        props += self._pair(jobs, e, lambda r, i: True)
-        return props
-
-    def _best(self, jobs: list[int], key: list[int]) -> list[int]:
-        """:meth:`_Scheduler._best_per`: the highest-priority job of each key."""
-        best: dict[int, int] = {}
-        for i in jobs:
-            b = best.get(key[i])
-            if b is None or self.prio[i] < self.prio[b]:
-                best[key[i]] = i
-        return list(best.values())
-
-    def _pair(
-        self, jobs: list[int], key: list[int], near: Callable[[int, int], bool]
-    ) -> list[tuple[int, int]]:
-        """:func:`_pair_sorted`: ``jobs`` sorted by ``key`` (ties in the order to pair
-        them); the q-th job of a key takes the q-th free holder of its expert, by rank,
-        that is ``near(rank, job)`` (in its node, in its DC, or anywhere)."""
-        out = []
-        q, last = 0, None
-        for i in jobs:
-            q = q + 1 if key[i] == last else 0
-            last = key[i]
-            free = [r for r in self.holders[self.e[i]] if r not in self.busy_src and near(r, i)]
-            if q < len(free):
-                out.append((i, free[q]))
-        return out
-
-    def _accept(self, props: list[tuple[int, int]], order_key: list[int]) -> list[tuple[int, int]]:
-        """:meth:`_Scheduler._accept`: the proposals that pass the round's entries (node,
-        DC, DC pair), in priority order, each accepted when it is the first of every group
-        it belongs to (a rejected one still counts as first); adds the accepted entries."""
-        nkey, dkey, dst, entries = self.nkey, self.dkey, self.dst, self.entries
-        rows = []
-        for i, r in props:
-            cn, cd = self.node[r] != self.dnode[i], self.dc[r] != self.ddc[i]
-            pair = self.dc[r] * self.num_dcs + self.ddc[i]
-            if (cn and nkey[i] in entries[0]) or (
-                cd and (dkey[i] in entries[1] or pair in entries[2])
-            ):
-                continue
-            rows.append((order_key[i], i, r, cn, cd, pair))
-        rows.sort()
-        seen: tuple[set[int], ...] = (set(), set(), set(), set(), set())  # src, dst, node, DC, pair
-        acc = []
-        for _, i, r, cn, cd, pair in rows:
-            ok = r not in seen[0] and dst[i] not in seen[1]
-            seen[0].add(r)
-            seen[1].add(dst[i])
-            if cn:
-                ok = ok and nkey[i] not in seen[2]
-                seen[2].add(nkey[i])
-            if cd:
-                ok = ok and dkey[i] not in seen[3] and pair not in seen[4]
-                seen[3].add(dkey[i])
-                seen[4].add(pair)
-            if ok:
-                acc.append((i, r, cn, cd, pair))
-        for i, _, cn, cd, pair in acc:
-            if cn:
-                entries[0].add(nkey[i])
-            if cd:
-                entries[1].add(dkey[i])
-                entries[2].add(pair)
-        return [(i, r) for i, r, _, _, _ in acc]
+def _small(
+    jobs: _Jobs, topology: Topology, hold_e: np.ndarray, hold_r: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """:meth:`_Scheduler.run_arrays` element by element
+    (:func:`~expertmesh.planner.smallrounds.small_rounds`): the same ``(src [J], round
+    [J])`` for few jobs where every other DC is equally near (no per-pair links)."""
+    src, rnd = small_rounds(
+        (jobs.expert.tolist(), jobs.dst.tolist(), jobs.fixed_src.tolist(), jobs.master.tolist()),
+        _ranks(topology), (hold_e.tolist(), hold_r.tolist()), MAX_PASSES,
+    )  # fmt: skip
+    return np.array(src, dtype=np.int64), np.array(rnd, dtype=np.int64)
 
 
 def _jobs_and_local_copies(
@@ -609,7 +446,7 @@ def _scheduled(
         wanted = np.zeros(num_experts + 1, dtype=bool)
         wanted[jobs.expert] = True
         r, s = np.nonzero(wanted[old.phy2log])
-        src, rnd = _SmallRounds(jobs, topology, old.phy2log[r, s], r).run()
+        src, rnd = _small(jobs, topology, old.phy2log[r, s], r)
     else:
         r, s = np.nonzero(old.phy2log >= 0)
         src, rnd = _Scheduler(jobs, topology, num_experts).run(old.phy2log[r, s], r)
@@ -641,11 +478,61 @@ def migration_moves(
     topology, model)``, in its order, without building them or their rounds' seconds
     (the simulator costs a migration from these). ``old`` and ``new`` are not checked:
     pass placements :func:`align_placement` has checked (its ``old`` and its result)."""
+    fast = _replica_moves(old, new, topology)
+    if fast is not None:
+        return fast
     num_experts = new.master.shape[0]
     e, src, dst, master = _scheduled(old, new, topology, model, num_experts, columns=(0, 1, 2, 6))[
         0
     ]
     return src, dst, e, master
+
+
+def _replica_moves(
+    old: Placement, new: Placement, topology: Topology
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """:func:`migration_moves` in plain Python where :func:`_scheduled` would run the small
+    scheduler on replica jobs alone: no per-pair links, at most :data:`SMALL_JOBS` slots
+    change, no master changes rank, and every changed slot is a link transfer (its rank
+    neither held its expert nor gets it twice: no local copy). ``None`` otherwise. A
+    re-plan that adds and drops a few replicas (``quota``, every step) is this case:
+    :func:`_jobs_and_local_copies`' job columns and :func:`_scheduled`'s merge with the
+    local copies are then dozens of numpy calls on a dozen elements."""
+    old_p2l, new_p2l = old.phy2log, new.phy2log
+    num_slots = new_p2l.shape[1]
+    if topology.pairs:
+        return None
+    if (
+        not np.array_equal(old.master, new.master)
+        and ((old.master // num_slots) != (new.master // num_slots)).any()
+    ):
+        return None
+    dr, ds = np.nonzero((new_p2l >= 0) & (new_p2l != old_p2l))  # by rank, then slot
+    n = dr.size
+    if n > SMALL_JOBS:
+        return None
+    de = new_p2l[dr, ds]
+    e, r = de.tolist(), dr.tolist()
+    if any(x in row for x, row in zip(e, old_p2l[dr].tolist(), strict=True)):
+        return None  # a local copy from one the rank holds
+    if len(set(zip(r, e, strict=True))) != n:
+        return None  # a rank gets two copies of one expert: the second is a local copy
+    # the holders of the jobs' experts (a table over experts, its last entry for the -1)
+    wanted = np.zeros(new.master.shape[0] + 1, dtype=bool)
+    wanted[de] = True
+    hr, hs = np.nonzero(wanted[old_p2l])
+    src, rnd = small_rounds(
+        (e, r, [-1] * n, [False] * n), _ranks(topology),
+        (old_p2l[hr, hs].tolist(), hr.tolist()), MAX_PASSES,
+    )  # fmt: skip
+    slot = ds.tolist()
+    order = sorted(range(n), key=lambda i: (rnd[i], r[i], slot[i]))  # plan_migration's order
+    return (
+        np.array([src[i] for i in order], dtype=np.int64),
+        np.array([r[i] for i in order], dtype=np.int64),
+        np.array([e[i] for i in order], dtype=np.int64),
+        np.zeros(n, dtype=bool),
+    )
 
 
 def plan_migration(

@@ -1,0 +1,104 @@
+"""migration_moves: the transfers of plan_migration as arrays, whichever path computes them
+(the plain-Python replica path, the small scheduler, the numpy one)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import expertmesh.planner.migration as mig_mod
+from expertmesh.planner import ModelSpec, Placement, Topology, TransferKind
+from expertmesh.planner.migration import align_placement, migration_moves, plan_migration
+from tests.unit.test_migration import cases
+
+
+def _from_plan(old: Placement, new: Placement, topo: Topology, model: ModelSpec):
+    mig = plan_migration(old, new, topo, model)
+    t = mig.transfers
+    return (
+        [x.src_rank for x in t],
+        [x.dst_rank for x in t],
+        [x.expert for x in t],
+        [x.kind == TransferKind.MASTER for x in t],
+    )
+
+
+def _check(old: Placement, new: Placement, topo: Topology, model: ModelSpec) -> None:
+    got = migration_moves(old, new, topo, model)
+    assert [a.dtype for a in got] == [np.dtype(np.int64)] * 3 + [np.dtype(bool)]
+    assert [a.tolist() for a in got] == list(_from_plan(old, new, topo, model))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(), st.booleans())
+def test_moves_are_plan_migrations_transfers(case, relabel):
+    topo, old, new = case
+    model = ModelSpec(num_experts=int(new.master.size), hidden=8, ffn_hidden=8)
+    _check(old, align_placement(old, new, topo, relabel_ranks=relabel), topo, model)
+
+
+def _scale_replan(seed: int, masters: bool) -> tuple[Topology, ModelSpec, Placement, Placement]:
+    """The scale run's EP group (8 DCs x 8 ranks, 256 experts, 4 + 2 slots) and a re-plan
+    that adds and drops replicas of hot experts (and with ``masters`` moves two masters)."""
+    topo = Topology.generate(8, 8)
+    model = ModelSpec(num_experts=256)
+    rng = np.random.default_rng(seed)
+    p2l = np.full((64, 6), -1, dtype=np.int32)
+    p2l[:, :4] = np.arange(256).reshape(64, 4)
+    spare = np.argwhere(p2l < 0)
+    take = rng.choice(len(spare), size=int(rng.integers(1, 40)), replace=False)
+    p2l[spare[take, 0], spare[take, 1]] = rng.integers(0, 256, size=3)[
+        rng.integers(0, 3, take.size)
+    ]
+    old = Placement(phy2log=p2l, master=(np.arange(256) // 4) * 6 + np.arange(256) % 4)
+    p2l = p2l.copy()
+    drop = rng.choice(len(spare), size=int(rng.integers(0, 20)), replace=False)
+    p2l[spare[drop, 0], spare[drop, 1]] = -1
+    add = rng.choice(len(spare), size=int(rng.integers(1, 30)), replace=False)
+    p2l[spare[add, 0], spare[add, 1]] = rng.integers(0, 256, size=4)[rng.integers(0, 4, add.size)]
+    master = old.master.copy()
+    if masters:
+        for e in rng.integers(0, 256, size=2):
+            r, s = spare[int(rng.integers(len(spare)))]
+            if p2l[r, s] < 0:
+                p2l[r, s] = e
+                master[e] = r * 6 + s
+    return topo, model, old, align_placement(old, Placement(phy2log=p2l, master=master), topo)
+
+
+@pytest.mark.parametrize("seed", range(16))
+@pytest.mark.parametrize("masters", [False, True])
+def test_moves_on_the_scale_group_every_path(seed, masters):
+    topo, model, old, new = _scale_replan(seed, masters)
+    _check(old, new, topo, model)
+    want = [a.tolist() for a in migration_moves(old, new, topo, model)]
+    saved = mig_mod.SMALL_JOBS
+    try:
+        mig_mod.SMALL_JOBS = -1  # no plain-Python path: the numpy scheduler
+        assert mig_mod._replica_moves(old, new, topo) is None
+        assert [a.tolist() for a in migration_moves(old, new, topo, model)] == want
+    finally:
+        mig_mod.SMALL_JOBS = saved
+
+
+def test_the_replica_path_runs_on_a_replica_replan():
+    # a re-plan that only adds replicas on other ranks takes the plain-Python path; one
+    # that also moves a master or copies inside a rank does not
+    fast = [
+        c
+        for c in map(lambda s: _scale_replan(s, False), range(16))
+        if mig_mod._replica_moves(*c[2:], c[0]) is not None
+    ]
+    assert len(fast) >= 8
+    topo, model, old, new = fast[0]
+    p2l = new.phy2log.copy()
+    r, s = np.argwhere(p2l < 0)[0]
+    p2l[r, s] = p2l[r, 0]  # a second copy of an expert the rank holds: a local copy
+    local = Placement(phy2log=p2l, master=new.master)
+    assert mig_mod._replica_moves(old, local, topo) is None
+    _check(old, local, topo, model)
+    _, _, old_m, moved = _scale_replan(3, masters=True)
+    if (old_m.master // 6 != moved.master // 6).any():
+        assert mig_mod._replica_moves(old_m, moved, topo) is None
