@@ -27,6 +27,7 @@ from expertmesh.planner.trafficbase import (
     Domain,
     TokenTraffic,
     _dc_tokens,
+    _level_index,
     _node_is_dc,
     _pairs,
     _shell_sums,
@@ -183,13 +184,18 @@ def quota_traffic(
     num_experts = load.shape[1]
     rep_expert, rep_rank, rep_tokens = solution.replicas
     master_rank = solution.placement.master_rank()
-    demand = load.sum(axis=0)
     rep_sum = np.bincount(rep_expert, weights=rep_tokens, minlength=num_experts)
     c_exp = np.concatenate([rep_expert, np.arange(num_experts)])
     c_rank = np.concatenate([rep_rank, master_rank])
-    need = np.concatenate([rep_tokens, demand - rep_sum]).astype(np.float64)
     hot = np.zeros(num_experts, bool)
     hot[rep_expert] = True
+    runs = _whole_runs(topology)
+    if runs is not None and load.dtype.kind in "iu" and rep_tokens.dtype.kind in "iu":
+        got = _quota_whole(load, (c_rank, c_exp, rep_tokens, rep_sum, hot), topology, top_k, runs)
+        if got is not None:
+            return got
+    demand = load.sum(axis=0)
+    need = np.concatenate([rep_tokens, demand - rep_sum]).astype(np.float64)
     left = load.astype(np.float64)
     # own rank first, for every copy of an expert with replicas (a cold master takes all)
     own = np.where(hot[c_exp], np.minimum(need, left[c_rank, c_exp]), 0.0)
@@ -197,3 +203,111 @@ def quota_traffic(
     rest = left.sum(axis=0)  # [E]
     weight = (need - own) / np.where(rest > 0, rest, 1.0)[c_exp]
     return weighted_traffic(load, left, (c_rank, c_exp, weight, own), topology, top_k)
+
+
+#: whole-token totals below this are exact in float64 whatever the order of summation
+_EXACT = 2**53
+
+#: [3, 1] the shells 1, 2, 3 as offsets of (rank, shell) bins
+_SHELL_COL = np.arange(3).reshape(3, 1)
+
+
+def _whole_runs(topology: Topology) -> tuple[int, int] | None:
+    """``(ranks per node, nodes per DC)`` when rank ``r`` lies in node ``r // ranks per
+    node`` and node ``n`` in DC ``n // nodes per DC`` (``nodes per DC`` 0: one node per DC,
+    node ``i`` is DC ``i``), else ``None``: sums by node and DC are then reshaped sums."""
+    if topology not in _RUNS:
+        (_, r_at, r_len), (_, n_at, n_len) = _level_index(topology)
+        got: tuple[int, int] | None = None
+        if r_len and np.array_equal(r_at, np.arange(topology.num_nodes)):
+            if _node_is_dc(topology):
+                got = (r_len, 0)
+            elif n_len and np.array_equal(n_at, np.arange(topology.num_dcs)):
+                got = (r_len, n_len)
+        _RUNS[topology] = got
+    return _RUNS[topology]
+
+
+#: per topology: :func:`_whole_runs`
+_RUNS: weakref.WeakKeyDictionary[Topology, tuple[int, int] | None] = weakref.WeakKeyDictionary()
+
+
+def _quota_whole(
+    load: np.ndarray,
+    copies: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    topology: Topology,
+    top_k: int,
+    runs: tuple[int, int],
+) -> TokenTraffic | None:
+    """:func:`quota_traffic` of an integer load and whole replica tokens on a topology of
+    :func:`_whole_runs` ``runs``: :func:`weighted_traffic` of the same copies, the same
+    floats, in fewer array operations; ``None`` when the load's total reaches 2**53.
+
+    What sources have, and have left, is whole tokens, so its sums (by node, DC, expert)
+    are exact in any order: reshaped sums of the load, less what copies keep. The weighted
+    sums (the copies' weights are fractions) are :func:`weighted_traffic`'s, the same calls
+    on the same arrays; what copies take by shell is its [C, 4] array, filled column by
+    column, and summed by (rank, shell) over a [3, C] copy (each bin adds its copies in
+    the same order: the same floats)."""
+    c_rank, c_exp, rep_tokens, rep_sum, hot = copies
+    num_ranks, num_experts = load.shape
+    num_nodes, num_dcs = topology.num_nodes, topology.num_dcs
+    per_node, per_dc = runs
+    left = load.astype(np.float64)
+    node = left.reshape(num_nodes, per_node, num_experts).sum(axis=1)  # of the load so far
+    demand = node.sum(axis=0)  # [E] load.sum(axis=0)
+    if not float(demand.sum()) < _EXACT:  # (non-negative counts: a sum is exact below)
+        return None
+    dc = node.reshape(num_dcs, per_dc, num_experts).sum(axis=1) if per_dc else node
+    dc_sums = dc.sum(axis=1)  # [D] assignments from each DC
+    need = np.concatenate([rep_tokens, demand - rep_sum])
+    flat = left.reshape(-1)  # a view: writes go to left
+    cell = c_rank * num_experts + c_exp
+    # own rank first, for every copy of an expert with replicas (a cold master takes all)
+    own = np.where(hot[c_exp], np.minimum(need, flat[cell]), 0.0)
+    np.subtract.at(flat, cell, own)
+    c_node = topology.rank_node[c_rank]
+    node_cell = c_node * num_experts + c_exp
+    np.subtract.at(node.reshape(-1), node_cell, own)  # node sums of what is left
+    dc_cell = node_cell
+    if per_dc:
+        dc_cell = topology.rank_dc[c_rank] * num_experts + c_exp
+        np.subtract.at(dc.reshape(-1), dc_cell, own)
+    rest = demand - np.bincount(c_exp, weights=own, minlength=num_experts)  # left.sum(axis=0)
+    c_w = (need - own) / np.where(rest > 0, rest, 1.0)[c_exp]
+    # what reaches each copy's rank, node, DC, everything: weighted_traffic's at[j]
+    at_rank, at_node = flat[cell], node.reshape(-1)[node_cell]
+    at_dc = dc.reshape(-1)[dc_cell] if per_dc else at_node  # one node a DC: the same sums
+    by_shell = np.empty((4, cell.size))  # weighted_traffic's in_shell, transposed
+    np.multiply(at_rank, c_w, out=by_shell[0])
+    by_shell[0] += own
+    np.subtract(at_node, at_rank, out=by_shell[1])
+    np.subtract(at_dc, at_node, out=by_shell[2])
+    np.subtract(rest[c_exp], at_dc, out=by_shell[3])
+    by_shell[1:] *= c_w
+    in_shell = np.ascontiguousarray(by_shell.T)  # [C, 4]
+    # weight of the copies in each rank, node, DC and everywhere
+    g0 = np.bincount(cell, weights=c_w, minlength=num_ranks * num_experts)
+    g1 = np.bincount(node_cell, weights=c_w, minlength=num_nodes * num_experts)
+    g1 = g1.reshape(num_nodes, num_experts)
+    g2 = g1
+    if per_dc:
+        g2 = np.bincount(dc_cell, weights=c_w, minlength=num_dcs * num_experts)
+        g2 = g2.reshape(num_dcs, num_experts)
+    g_all = np.bincount(c_exp, weights=c_w, minlength=num_experts)
+    reach0 = np.einsum("re,re->r", left, g0.reshape(num_ranks, num_experts))
+    reach1 = np.einsum("re,re->r", left, g1[topology.rank_node])
+    reach2 = np.einsum("re,re->r", left, g2[topology.rank_dc]) if per_dc else reach1
+    rank_out = np.empty((num_ranks, 3))
+    np.subtract(reach1, reach0, out=rank_out[:, 0])
+    np.subtract(reach2, reach1, out=rank_out[:, 1])
+    np.subtract(left @ g_all, reach2, out=rank_out[:, 2])
+    rank_tokens = np.bincount(c_rank, weights=in_shell.sum(axis=1), minlength=num_ranks)
+    key = c_rank * 3 + _SHELL_COL  # [3, C] (rank, shell) bins of shells 1, 2, 3
+    rank_in = np.bincount(key.ravel(), weights=by_shell[1:].ravel(), minlength=3 * num_ranks)
+    dense = dc @ g2.T  # [D, D] what sources of DC s send to copies in DC x
+    ps, pd, pt = _pairs(dense)
+    return TokenTraffic(
+        rank_tokens, rank_out, rank_in.reshape(num_ranks, 3), ps, pd, pt,
+        _dc_tokens(load, topology, top_k, dc_sums),
+    )  # fmt: skip

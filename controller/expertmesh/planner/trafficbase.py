@@ -77,12 +77,17 @@ class TokenTraffic:
         return float(self.pair_tokens.sum())
 
 
-def _dc_tokens(load: np.ndarray, topology: Topology, top_k: int) -> np.ndarray:
+def _dc_tokens(
+    load: np.ndarray, topology: Topology, top_k: int, sums: np.ndarray | None = None
+) -> np.ndarray:
+    """[D] tokens from each DC (:func:`_dc_sums` / ``top_k``), memoized with a read-only
+    load. ``sums``: the caller's [D] assignments from each DC, when it has them (sums of
+    whole tokens: the same floats), else summed here."""
     stats = _load_stats(load)
     key = ("dc_tokens", topology, top_k)
     if stats is not None and key in stats.memo:
         return cast(np.ndarray, stats.memo[key])
-    out = _dc_sums(load[None], topology)[0] / top_k
+    out = (_dc_sums(load[None], topology)[0] if sums is None else sums) / top_k
     if stats is not None:
         out.flags.writeable = False
         stats.memo[key] = out
@@ -130,10 +135,14 @@ def _load_stats(load: np.ndarray) -> _LoadStats | None:
 
 
 def _pairs(dense: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Nonzero off-diagonal cells of a [D, D] matrix as (src, dst, value)."""
-    np.fill_diagonal(dense, 0.0)
-    src, dst = np.nonzero(dense > 0)
-    return src.astype(np.int64), dst.astype(np.int64), dense[src, dst]
+    """Nonzero off-diagonal cells of a [D, D] matrix as (src, dst, value), row by row (its
+    diagonal is zeroed)."""
+    n = dense.shape[0]
+    flat = dense.reshape(-1)  # a view of a contiguous matrix, else a copy (the same cells)
+    flat[:: n + 1] = 0.0
+    at = np.flatnonzero(flat > 0)
+    src, dst = np.divmod(at, max(n, 1))
+    return src.astype(np.int64, copy=False), dst.astype(np.int64, copy=False), flat[at]
 
 
 def level_sums(x: np.ndarray, topology: Topology) -> list[np.ndarray]:
