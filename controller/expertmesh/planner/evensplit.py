@@ -17,7 +17,7 @@ Both are re-exported by :mod:`expertmesh.planner.traffic`.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -37,6 +37,7 @@ from expertmesh.planner.trafficbase import (
     _node_is_dc,
     _pairs,
     _shell_sums,
+    _whole_runs,
     level_sums,
 )
 
@@ -71,6 +72,7 @@ class _Copies:
     total: np.ndarray
     safe_total: np.ndarray
     gathered: dict[int, np.ndarray]
+    divisors: dict[tuple[int, bool], np.ndarray] = field(default_factory=dict)
 
     def k(self, j: int) -> np.ndarray:
         """[R, E] copies of each expert within level ``j`` of each source rank (read-only)."""
@@ -81,6 +83,19 @@ class _Copies:
             else:
                 self.gathered[j] = np.broadcast_to(self.total, self.gathered_shape)
         return self.gathered[j]
+
+    def divisor(self, level: int, local: bool) -> np.ndarray:
+        """[R, E] (read-only) what a load of whole tokens divides by for its per-copy shares
+        at ``level`` < 3 (:func:`_even_split`): where the source's domain holds the expert,
+        its copies there (``local``) or infinity, elsewhere infinity or every copy (the
+        safe total). A count over infinity is the exact zero ``np.where`` puts there."""
+        got = self.divisors.get((level, local))
+        if got is None:
+            k = self.k(level)
+            got = np.where(k > 0, k, np.inf) if local else np.where(k > 0, np.inf, self.safe_total)
+            got.flags.writeable = False
+            self.divisors[(level, local)] = got
+        return got
 
     @property
     def gathered_shape(self) -> tuple[int, int]:
@@ -182,6 +197,11 @@ def even_traffic_steps(
         one = _one_copy_split(loads, cp, topology, top_k)
         if one is not None:
             return one
+    runs = _whole_runs(topology)
+    if loads.dtype.kind in "iu" and runs is not None and remote == "spread" and level in (1, 2):
+        whole = _whole_loads(loads, topology, top_k, runs)
+        if whole is not None:
+            return _even_split(whole, placement, topology, level, remote)
     dc_tokens = _dc_sums(loads, topology) / top_k  # [T, D]: _dc_tokens of each step
     lf = loads.astype(np.float64)  # [T, R, E]
     many = _Loads(lf, None, _level_sums_steps(lf, topology), dc_tokens)
@@ -190,6 +210,30 @@ def even_traffic_steps(
 
 #: whole-token totals below this are exact in float64 whatever the order of summation
 _EXACT = 2**53
+
+
+def _whole_loads(
+    loads: np.ndarray, topology: Topology, top_k: int, runs: tuple[int, int]
+) -> _Loads | None:
+    """:class:`_Loads` of integer token counts ``loads`` [T, R, E] (``lf``: the counts
+    themselves, ``whole``) on a topology of :func:`_whole_runs` ``runs``, else ``None``
+    when their total reaches 2**53. Sums of whole tokens below 2**53 are exact in any
+    order: summed by node over a reshaped view (integers), by DC, everything and DC totals
+    from those, the floats of :func:`_level_sums_steps` and :func:`_dc_sums` with one pass
+    over the loads instead of three."""
+    num_steps, _, num_experts = loads.shape
+    per_node, per_dc = runs
+    by_node = loads.reshape(num_steps, topology.num_nodes, per_node, num_experts).sum(axis=2)
+    if not int(by_node.sum()) < _EXACT:
+        return None
+    node = by_node.astype(np.float64)  # [T, Nn, E]
+    dc = (
+        node.reshape(num_steps, topology.num_dcs, per_dc, num_experts).sum(axis=2)
+        if per_dc
+        else node
+    )
+    every = dc.sum(axis=1, keepdims=True)  # [T, 1, E]
+    return _Loads(loads, None, [loads, node, dc, every], dc.sum(axis=2) / top_k, whole=True)
 
 
 def _one_copy_split(
@@ -276,12 +320,16 @@ def _check_even(num_ranks: int, placement: Placement, topology: Topology, domain
 class _Loads:
     """The loads of ``T`` steps as an even split needs them: ``lf`` [T, R, E] float64,
     ``per_expert`` [T, E] their sums over ranks (``None``: summed when needed), ``lsum`` their :func:`level_sums`
-    ([T, groups at level j, E] each) and ``dc_tokens`` [T, D] (:func:`_dc_tokens`)."""
+    ([T, groups at level j, E] each) and ``dc_tokens`` [T, D] (:func:`_dc_tokens`).
+    ``whole``: ``lf`` and ``lsum[0]`` are the integer token counts themselves (non-negative,
+    as :func:`~expertmesh.planner.plan.check_load` has them) and every sum is exact
+    (:func:`_whole_loads`): only for a split at the node or DC level that spreads."""
 
     lf: np.ndarray
     per_expert: np.ndarray | None
     lsum: list[np.ndarray]
     dc_tokens: np.ndarray
+    whole: bool = False
 
 
 def _even_split(
@@ -304,16 +352,23 @@ def _even_split(
 
     # [R, E] does r's domain hold e? ("global": no locality, everything spreads)
     local = k(level) > 0 if level < 3 else None
-    # "global": every load is non-local, the same floats as ``lf`` (not modified below)
-    nonlocal_load = lf if local is None else np.where(local, 0.0, lf)  # [T, R, E]
-    w_nl = nonlocal_load / safe_total  # per-copy share of a spread (r, e)
+    if loads.whole:  # the same shares of the counts, with no float copy or masked copy
+        nonlocal_load = None
+        w_nl = lf / cp.divisor(level, False)  # 0 where local, as below
+    else:
+        # "global": every load is non-local, the same floats as ``lf`` (not modified below)
+        nonlocal_load = lf if local is None else np.where(local, 0.0, lf)  # [T, R, E]
+        w_nl = nonlocal_load / safe_total  # per-copy share of a spread (r, e)
 
     # ---- what each source sends, by shell: cumulative copies reached up to shell j ----
     rank_out = np.zeros((num_steps, num_ranks, 3))
     same = _node_is_dc(topology)  # k(1) and k(2) are equal: so are their reaches
     if local is not None:
         # per local copy (faster than np.divide(..., where=local), a masked loop)
-        w_loc = np.where(local, lf / np.where(local, k(level), 1.0), 0.0)
+        if loads.whole:
+            w_loc = lf / cp.divisor(level, True)  # 0 where not local, as np.where puts
+        else:
+            w_loc = np.where(local, lf / np.where(local, k(level), 1.0), 0.0)
         reach: list[np.ndarray | float] = []
         for j in range(level + 1):
             reach.append(reach[1] if j == 2 and same else np.einsum("tre,re->tr", w_loc, k(j)))
@@ -335,6 +390,7 @@ def _even_split(
         for j in range(max(1, inside + 1), 4):
             rank_out[:, :, j - 1] += reach[j] - reach[j - 1]
     else:
+        assert nonlocal_load is not None  # whole loads: spreads only
         shell = _shell(topology, np.arange(num_ranks)[:, None], mrank[None, :])  # [R, E]
         for j in (1, 2, 3):
             rank_out[:, :, j - 1] += np.where(shell == j, nonlocal_load, 0.0).sum(axis=2)
@@ -346,10 +402,16 @@ def _even_split(
         # sources inside the copy's domain are all local: their load splits over its copies
         kq = cnt[level][qg[level], ce]
         at = [_cells(lsum[j], qg[j], ce) for j in range(level + 1)]  # lsum[j][:, qg[j], ce]
+        at[0] = at[0].astype(np.float64, copy=False)  # whole: the counts' floats
         for j in range(level + 1):
             inner = at[j] - (at[j - 1] if j else 0.0)
             in_shell[:, :, j] += inner / np.where(kq > 0, kq, 1.0)
-    nsum = lsum if level == 3 else _level_sums_steps(nonlocal_load, topology)
+    if level == 3:
+        nsum = lsum
+    elif nonlocal_load is None:
+        nsum = _nonlocal_sums(lsum, cnt, level, topology)
+    else:
+        nsum = _level_sums_steps(nonlocal_load, topology)
     if remote == "spread":
         at = [_cells(nsum[j], qg[j], ce) if j >= inside else ce for j in range(4)]
         for j in range(inside + 1, 4):
@@ -384,6 +446,25 @@ def _even_split(
         ps, pd, pt = _pairs(dense[t])
         out.append(TokenTraffic(rank_tokens[t], rank_out[t], rank_in[t], ps, pd, pt, dc_tokens[t]))
     return out
+
+
+def _nonlocal_sums(
+    lsum: list[np.ndarray], count: list[np.ndarray], level: int, topology: Topology
+) -> list[np.ndarray]:
+    """:func:`_level_sums_steps` of the non-local load at ``level`` (1 node, 2 DC) from the
+    whole :func:`_whole_loads` sums ``lsum``: whether a source's domain holds an expert
+    depends on its group at ``level`` alone, so its group's sums are all local or all not
+    (exact zeros); the levels above sum those (exact: whole tokens). Entries below
+    ``level`` (never read by a spread) are the level's."""
+    masked = np.where(count[level] > 0, 0.0, lsum[level])  # [T, groups at level, E]
+    runs = _whole_runs(topology)
+    per_dc = runs[1] if runs is not None else 0
+    dc = masked
+    if level == 1 and per_dc:
+        num_steps, _, num_experts = masked.shape
+        dc = masked.reshape(num_steps, topology.num_dcs, per_dc, num_experts).sum(axis=2)
+    every = dc.sum(axis=1, keepdims=True)
+    return [masked, masked, dc, every]
 
 
 def _cells(x: np.ndarray, group: np.ndarray, expert: np.ndarray) -> np.ndarray:

@@ -27,10 +27,10 @@ from expertmesh.planner.trafficbase import (
     Domain,
     TokenTraffic,
     _dc_tokens,
-    _level_index,
     _node_is_dc,
     _pairs,
     _shell_sums,
+    _whole_runs,
     level_sums,
 )
 
@@ -210,26 +210,6 @@ _EXACT = 2**53
 
 #: [3, 1] the shells 1, 2, 3 as offsets of (rank, shell) bins
 _SHELL_COL = np.arange(3).reshape(3, 1)
-
-
-def _whole_runs(topology: Topology) -> tuple[int, int] | None:
-    """``(ranks per node, nodes per DC)`` when rank ``r`` lies in node ``r // ranks per
-    node`` and node ``n`` in DC ``n // nodes per DC`` (``nodes per DC`` 0: one node per DC,
-    node ``i`` is DC ``i``), else ``None``: sums by node and DC are then reshaped sums."""
-    if topology not in _RUNS:
-        (_, r_at, r_len), (_, n_at, n_len) = _level_index(topology)
-        got: tuple[int, int] | None = None
-        if r_len and np.array_equal(r_at, np.arange(topology.num_nodes)):
-            if _node_is_dc(topology):
-                got = (r_len, 0)
-            elif n_len and np.array_equal(n_at, np.arange(topology.num_dcs)):
-                got = (r_len, n_len)
-        _RUNS[topology] = got
-    return _RUNS[topology]
-
-
-#: per topology: :func:`_whole_runs`
-_RUNS: weakref.WeakKeyDictionary[Topology, tuple[int, int] | None] = weakref.WeakKeyDictionary()
 
 
 def _quota_whole(

@@ -229,3 +229,23 @@ def _shell_sums(rank: np.ndarray, in_shell: np.ndarray, num_ranks: int) -> np.nd
     key = (rank.astype(np.int64) * 4)[:, None] + np.arange(4)
     sums = np.bincount(key.ravel(), weights=in_shell.ravel(), minlength=4 * num_ranks)
     return np.ascontiguousarray(sums.reshape(num_ranks, 4)[:, 1:])
+
+
+def _whole_runs(topology: Topology) -> tuple[int, int] | None:
+    """``(ranks per node, nodes per DC)`` when rank ``r`` lies in node ``r // ranks per
+    node`` and node ``n`` in DC ``n // nodes per DC`` (``nodes per DC`` 0: one node per DC,
+    node ``i`` is DC ``i``), else ``None``: sums by node and DC are then reshaped sums."""
+    if topology not in _RUNS:
+        (_, r_at, r_len), (_, n_at, n_len) = _level_index(topology)
+        got: tuple[int, int] | None = None
+        if r_len and np.array_equal(r_at, np.arange(topology.num_nodes)):
+            if _node_is_dc(topology):
+                got = (r_len, 0)
+            elif n_len and np.array_equal(n_at, np.arange(topology.num_dcs)):
+                got = (r_len, n_len)
+        _RUNS[topology] = got
+    return _RUNS[topology]
+
+
+#: per topology: :func:`_whole_runs`
+_RUNS: weakref.WeakKeyDictionary[Topology, tuple[int, int] | None] = weakref.WeakKeyDictionary()

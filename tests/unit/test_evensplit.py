@@ -1,0 +1,62 @@
+"""even_traffic_steps' whole-token path (planner/evensplit.py: _whole_loads, integer shares,
+_nonlocal_sums) gives the same floats, bit for bit, as the float path it replaces and as
+even_traffic step by step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from expertmesh.planner import Placement, Topology
+from expertmesh.planner import evensplit as es
+from expertmesh.planner.traffic import TokenTraffic, even_traffic, even_traffic_steps
+
+FIELDS = ("rank_tokens", "rank_out", "rank_in", "pair_src", "pair_dst", "pair_tokens", "dc_tokens")
+
+
+def _bits(t: TokenTraffic) -> list[tuple[str, tuple[int, ...], bytes]]:
+    return [(np.asarray(getattr(t, f)).dtype.str, np.shape(getattr(t, f)),
+             np.ascontiguousarray(getattr(t, f)).tobytes()) for f in FIELDS]  # fmt: skip
+
+
+def _placement(rng: np.random.Generator, ranks: int, experts: int) -> Placement:
+    """Masters in order (``experts / ranks`` a rank) and a replica or two of a few experts
+    in the two spare slots of random ranks."""
+    per = experts // ranks
+    p2l = np.full((ranks, per + 2), -1, np.int64)
+    p2l[:, :per] = np.arange(experts).reshape(ranks, per)
+    for r in rng.choice(ranks, size=ranks // 2, replace=False):
+        p2l[r, per : per + 2] = rng.choice(experts, size=2, replace=False)
+    master = np.arange(experts) // per * (per + 2) + np.arange(experts) % per
+    return Placement(phy2log=p2l, master=master)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), nodes=st.sampled_from([1, 2]),
+       domain=st.sampled_from(["node", "dc"]))  # fmt: skip
+def test_whole_path_equals_float_path(seed, nodes, domain):
+    topo = Topology.generate(3, 4, nodes_per_dc=nodes, masters=2, spare=2)
+    rng = np.random.default_rng(seed)
+    placement = _placement(rng, 12, 24)
+    loads = rng.integers(0, 60, size=(5, 12, 24)) * (rng.random((5, 1, 24)) < 0.8)
+    fast = even_traffic_steps(loads, placement, topo, 2, domain=domain)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(es, "_whole_runs", lambda topology: None)
+        slow = even_traffic_steps(loads, placement, topo, 2, domain=domain)
+    assert [_bits(t) for t in fast] == [_bits(t) for t in slow]
+    one = [even_traffic(x, placement, topo, 2, domain=domain) for x in loads]
+    assert [_bits(t) for t in fast] == [_bits(t) for t in one]
+
+
+def test_an_expert_without_a_copy_must_have_no_load():
+    topo = Topology.generate(2, 4, masters=2, spare=2)
+    rng = np.random.default_rng(3)
+    placement = _placement(rng, 8, 16)
+    p2l = placement.phy2log.copy()
+    p2l[p2l == 5] = -1  # expert 5 has no copy, and load
+    loads = rng.integers(1, 9, size=(2, 8, 16))
+    with pytest.raises(ValueError, match="no copy"):
+        even_traffic_steps(loads, Placement(phy2log=p2l, master=placement.master), topo, 2,
+                           domain="dc")  # fmt: skip
