@@ -39,7 +39,6 @@ No file I/O, no printing: the caller passes a ``progress`` callback.
 
 from __future__ import annotations
 
-import copy
 import itertools
 import logging
 import time
@@ -76,6 +75,7 @@ from expertmesh.sim.costing import (
     _pkey,
     _sync_streams,
 )
+from expertmesh.sim.history import _History
 
 __all__ = [
     "COLUMNS",
@@ -191,31 +191,6 @@ class SimResult:
         return a.mean_seconds / b.mean_seconds
 
 
-class _History:
-    """Last ``w`` loads of one layer, oldest first, as a contiguous view (double buffer)."""
-
-    def __init__(self, w: int) -> None:
-        self.w, self.n, self.pos = w, 0, 0
-        self.buf: np.ndarray | None = None
-
-    def push(self, load: np.ndarray) -> None:
-        if self.w == 0:
-            return
-        if self.buf is None:
-            self.buf = np.zeros((2 * self.w, *load.shape), dtype=load.dtype)
-        buf = self.buf
-        buf[self.pos] = load
-        buf[self.pos + self.w] = load
-        self.pos = (self.pos + 1) % self.w
-        self.n = min(self.n + 1, self.w)
-
-    def view(self, shape: tuple[int, ...]) -> np.ndarray:
-        if self.buf is None or self.n == 0:
-            return np.zeros((0, *shape), dtype=np.int64)
-        end = self.pos + self.w
-        return self.buf[end - self.n : end]
-
-
 class _Memo:
     """The last few results of a pure function of placements, keyed by their arrays' bytes:
     policies that reach the same placement from the same one (``quota`` and ``hybrid``
@@ -256,9 +231,10 @@ class _World:
 def _context(
     world: _World, t: int, key: tuple[int, int], load: np.ndarray, prev: LayerPlan | None
 ) -> PolicyContext:
-    """Step ``t``'s context for layer ``key[1]`` with history window ``key[0]``. Its load and
-    history are checked once per step, not once per policy or window (``PolicyContext``
-    scans both): another window's context of the layer has checked this load, and a
+    """Step ``t``'s context for layer ``key[1]`` with history window ``key[0]``. Its load is
+    checked once per step, not once per policy or window (``PolicyContext`` scans it):
+    another window's context of the layer has checked this load. Its history is never
+    scanned (``PolicyContext`` checks an empty one; the window goes in unchecked): a
     history holds only loads checked at their own steps. A policy's own previous plan (the
     engine's, of this topology and model) goes into a copy."""
     base = world.contexts.get(key)
@@ -266,19 +242,20 @@ def _context(
         history = world.hist[key].view(world.shape)
         seen = next((c for (_, layer), c in world.contexts.items() if layer == key[1]), None)
         if seen is None:
-            base = PolicyContext(
+            seen = PolicyContext(
                 topology=world.topology, model=world.model, step=t, layer=key[1],
-                load=load, history=history,
+                load=load, history=history[:0],
             )  # fmt: skip
-        else:
-            base = _unchecked(seen, "history", history)
+        base = _unchecked(seen, "history", history)
         world.contexts[key] = base
     return base if prev is None else _unchecked(base, "previous", prev)
 
 
 def _unchecked(ctx: PolicyContext, name: str, value: object) -> PolicyContext:
-    """A copy of ``ctx`` with field ``name`` set to ``value``, not checked again."""
-    out = copy.copy(ctx)
+    """A copy of ``ctx`` (``copy.copy``'s: a new object with its fields) with field ``name``
+    set to ``value``, not checked again."""
+    out: PolicyContext = object.__new__(type(ctx))
+    out.__dict__.update(ctx.__dict__)
     object.__setattr__(out, name, value)
     return out
 

@@ -1,0 +1,48 @@
+"""The simulator's history windows (sim/history.py): a view of back-to-back loads, or the
+double buffer, give the same window (values, shape, dtype, strides) at every step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from expertmesh.sim.history import _History
+
+
+def _windows(w: int, loads: list[np.ndarray]) -> list[np.ndarray]:
+    h = _History(w)
+    out = []
+    for x in loads:
+        out.append(h.view((3, 4)).copy())
+        v = h.view((3, 4))
+        assert v.flags.c_contiguous and v.shape[1:] == (3, 4)
+        h.push(x)
+    out.append(h.view((3, 4)))
+    return out
+
+
+@pytest.mark.parametrize("w", [0, 1, 3, 5])
+@pytest.mark.parametrize("layers", [1, 2])
+@pytest.mark.parametrize("brk", [None, 4])
+def test_a_view_of_the_loads_is_the_double_buffer(w, layers, brk):
+    trace = np.arange(12 * layers * 3 * 4, dtype=np.int64).reshape(12, layers, 3, 4)
+    views = [trace[t, 0] for t in range(12)]  # a dense source's steps of layer 0
+    if brk is not None:  # a load from elsewhere: the window goes on in the buffer
+        views[brk] = views[brk].copy()
+    copies = [v.copy() for v in views]  # fresh arrays: always the double buffer
+    got, want = _windows(w, views), _windows(w, copies)
+    for t, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert a.shape == b.shape and a.dtype == b.dtype and a.strides == b.strides, t
+        assert np.array_equal(a, b), t
+        assert np.array_equal(b, trace[max(0, t - w) : t, 0] if w else trace[:0, 0]), t
+
+
+def test_back_to_back_loads_are_not_copied():
+    trace = np.arange(10 * 3 * 4, dtype=np.int64).reshape(10, 1, 3, 4)
+    h = _History(4)
+    for t in range(10):
+        h.push(trace[t, 0])
+    v = h.view((3, 4))
+    assert np.shares_memory(v, trace) and not v.flags.writeable
+    assert np.array_equal(v, trace[6:10, 0])
+    assert h.buf is None
