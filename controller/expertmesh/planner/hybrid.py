@@ -271,17 +271,17 @@ def _plan_hybrid(
     plain = _holds(num_dcs, mdc, (empty, empty))
     # nothing can beat the running plan when every candidate's bound is above the bar:
     # the pair choices, plain EP and the fills of every pair choice (the fills build on
-    # the fastest pair choice, unknown unless they are scored)
+    # the fastest pair choice, unknown unless they are scored); all bounded in one batch
     bar = (1.0 - cfg.min_gain) * keep_cost
-    if guard.above([*pair_holds, plain], bar) and guard.above(
-        (h for reps in pair_sets for h in _fills(inp, mdc, reps, cfg.fill)), bar
-    ):
+    fill_sets = [list(_fills(inp, mdc, reps, cfg.fill)) for reps in pair_sets]
+    every_fill = [h for fills in fill_sets for h in fills]
+    guard.bounds_of([*pair_holds, plain, *every_fill])
+    if guard.above([*pair_holds, plain], bar) and guard.above(every_fill, bar):
         return _kept(
             _evened(inp, keep, keep_cost, guard) if cfg.even_dcs else keep, keep, keep_cost
         )
     pair_costs = guard.scores(pair_holds)  # the fastest of them exactly: fills build on it
-    best = pair_sets[int(np.argmin(pair_costs))]
-    fills = list(_fills(inp, mdc, best, cfg.fill))
+    fills = fill_sets[int(np.argmin(pair_costs))]
     candidates = [*pair_holds, *fills, plain]
     # a candidate above the bar to beat, or above a faster one, cannot be the answer
     bar = min(bar, *pair_costs)

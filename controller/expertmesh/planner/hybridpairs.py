@@ -107,6 +107,10 @@ class DcPairs:
         o_group = np.concatenate([np.arange(self.num_groups), self.group])
         o_j = np.concatenate([np.zeros(self.num_groups, np.int64), self.j])
         self.order = np.lexsort((o_j, o_group))
+        # every option row's inputs, j = 0 rows first (as ``o_group``), scored in one pass
+        self.o_x = np.concatenate([self.x0, self.xj])
+        self.o_copy = np.concatenate([np.zeros(self.num_groups), self.copy])
+        self.o_j, self.o_group = o_j, o_group
         o_exp = np.concatenate([np.full(self.num_groups, -1), self.expert])
         self.rows = {
             "group": o_group[self.order],
@@ -153,10 +157,10 @@ class DcPairs:
         return self._options((rev_x, rev_j, rev_c))
 
     def _options(self, rev: tuple[np.ndarray, np.ndarray, np.ndarray]) -> dict[str, np.ndarray]:
-        gids = np.arange(self.num_groups)
-        cost0 = self._score(self.x0, 0, 0.0, gids, rev)
-        costj = self._score(self.xj, self.j, self.copy, self.group, rev)
-        return {**self.rows, "cost": np.concatenate([cost0, costj])[self.order]}
+        # the j = 0 rows (no copy: x0, j 0, copy 0.0) and the prefixes in one pass of
+        # element-wise operations: each row's floats as scored alone
+        cost = self._score(self.o_x, self.o_j, self.o_copy, self.o_group, rev)
+        return {**self.rows, "cost": cost[self.order]}
 
     def _score(
         self,
