@@ -521,10 +521,20 @@ def step_cost(
     disp = np.bincount(inv_f, weights=xb, minlength=nkeys)  # bytes per key, dispatch phase
     comb = np.bincount(inv_r, weights=xb, minlength=nkeys)  # bytes per key, combine phase
 
-    def link_phase(nbytes: np.ndarray) -> float:
-        # the busiest loaded pair: max over nbytes > 0 of lat + nbytes / bw (0 if none)
-        t = np.max(lat + nbytes / bw, where=nbytes > 0, initial=-np.inf)
-        return float(t) if t > -np.inf else 0.0
+    if q:
+        gtail = np.bincount(inv_e, weights=streams.pair_tail, minlength=nkeys)
+        gback = np.bincount(inv_e, weights=streams.pair_background, minlength=nkeys)
+    # each phase's busiest loaded pair: max over nbytes > 0 of lat + nbytes / bw (0 if
+    # none), in one pass: dispatch, combine and (training, with expert bytes) dispatch
+    # backward, combine's links plus the replica gradients
+    rows = 3 if train and q else 2
+    phase_bytes = np.empty((rows, nkeys))
+    phase_bytes[0] = disp
+    phase_bytes[1] = comb
+    if rows == 3:
+        np.add(comb, gtail, out=phase_bytes[2])
+    busiest = np.max(lat + phase_bytes / bw, axis=1, where=phase_bytes > 0, initial=-np.inf)
+    links = [t if t > -np.inf else 0.0 for t in busiest.tolist()]
 
     # ---- rank ports [R, 4] (tokens in bytes per phase): node out, in, NIC out, in ----
     out_t, in_t = traffic.rank_out * tb, traffic.rank_in * tb  # [R, 3]
@@ -556,8 +566,8 @@ def step_cost(
     msg = settings.message_seconds * chunks  # every communication phase pays it
     # a port's time is its busier direction's, so dispatch and combine load the ports alike
     ports = port_phase(tok.max(axis=0).tolist()) if num_ranks else 0.0
-    comb_link = link_phase(comb)
-    dispatch = max(link_phase(disp), ports) + msg
+    comb_link = links[1]
+    dispatch = max(links[0], ports) + msg
     combine = max(comb_link, ports) + msg
 
     # ---- compute ----
@@ -573,14 +583,11 @@ def step_cost(
     phases = {"dispatch": dispatch, "compute_fwd": compute_fwd, "combine": combine}
     chain = _pipe((dispatch, compute_fwd, combine), chunks)
     swapped = tok[:, _SWAP]  # [R, 4] each port column's opposite direction
-    if q:
-        gtail = np.bincount(inv_e, weights=streams.pair_tail, minlength=nkeys)
-        gback = np.bincount(inv_e, weights=streams.pair_background, minlength=nkeys)
     if train:
         compute_bwd = 2.0 * compute_fwd
         # dispatch backward runs the combine direction; replica gradients share its links
         # and the ports carry the combine (each port's opposite direction) plus the tail
-        tail_link = link_phase(comb + gtail) if q else comb_link  # + 0.0: the same bytes
+        tail_link = links[2] if q else comb_link  # + 0.0: the same bytes
         tail_ports = ports
         if not no_streams and num_ranks:
             tail_ports = port_phase((swapped + pt).max(axis=0).tolist())

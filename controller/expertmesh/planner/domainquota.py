@@ -124,15 +124,38 @@ def sum_rows(x: np.ndarray, group: np.ndarray, num_groups: int) -> np.ndarray:
     bool rows of groups in order, each of the same size (a topology's DCs), are summed as
     integers (exact, so the same floats in any order) over a [G, size, E] view."""
     num_rows, num_cols = x.shape
-    if x.dtype.kind in "biu" and num_groups and num_rows % num_groups == 0:
+    if x.dtype.kind in "biu" and group.size == num_rows and _in_order(group, num_groups):
         size = num_rows // num_groups
-        if np.array_equal(group, np.repeat(np.arange(num_groups), size)):
-            return (
-                x.reshape(num_groups, size, num_cols).sum(axis=1, dtype=np.int64).astype(np.float64)
-            )
+        return x.reshape(num_groups, size, num_cols).sum(axis=1, dtype=np.int64).astype(np.float64)
     keys = (group[:, None] * num_cols + np.arange(num_cols)[None, :]).ravel()
     flat = np.bincount(keys, weights=x.ravel().astype(np.float64), minlength=num_groups * num_cols)
     return flat.reshape(num_groups, num_cols)
+
+
+def _int_rows(x: np.ndarray, group: np.ndarray, num_groups: int) -> np.ndarray:
+    """:func:`sum_rows` of integer ``x`` as int64 (the same integers, without the round
+    trip through floats where the groups are in order)."""
+    num_rows, num_cols = x.shape
+    if x.dtype.kind in "biu" and group.size == num_rows and _in_order(group, num_groups):
+        return x.reshape(num_groups, num_rows // num_groups, num_cols).sum(axis=1, dtype=np.int64)
+    return sum_rows(x, group, num_groups).astype(np.int64)
+
+
+def _in_order(group: np.ndarray, num_groups: int) -> bool:
+    """Whether ``group`` [R] is ``num_groups`` groups of one size, in order (a topology's
+    ``rank_dc``), memoized by value."""
+    key = (num_groups, group.dtype.str, group.tobytes())
+    got = _IN_ORDER.get(key)
+    if got is None:
+        num_rows = group.size
+        got = bool(num_groups and num_rows % num_groups == 0) and bool(
+            np.array_equal(group, np.repeat(np.arange(num_groups), num_rows // num_groups))
+        )
+        _remember(_IN_ORDER, key, got, 16)
+    return got
+
+
+_IN_ORDER: dict[tuple[object, ...], bool] = {}
 
 
 def remote_holder(holds: np.ndarray, rank_dc: np.ndarray) -> np.ndarray:
@@ -328,7 +351,7 @@ def domain_quota(
     rank_dc = topology.rank_dc
     holds, routing, home, vmasters, v_expert_or_empty = _base_parts(base, topology)
     v_dc, v_expert = routing.v_dc, routing.v_expert
-    local = sum_rows(load, rank_dc, topology.num_dcs).astype(np.int64)  # [D, E] d's tokens
+    local = _int_rows(load, rank_dc, topology.num_dcs)  # [D, E] d's tokens
     inflow = _inflow(load, routing, local)
     to_v = routing.to_v  # [R, E] the own DC's copy, else the remote holder's
     demand = local[v_dc, v_expert] + inflow
@@ -552,21 +575,24 @@ def domain_traffic(
         w * c_inflow,
     )
     rank_tokens = np.bincount(c_rank, weights=c_amount, minlength=num_ranks)
-    rank_in = np.stack(
-        [np.bincount(c_rank, weights=x, minlength=num_ranks) for x in shells], axis=1
-    )
+    rank_in = np.empty((num_ranks, 3))  # np.stack of the shells' sums, without its overhead
+    for i, x in enumerate(shells):
+        rank_in[:, i] = np.bincount(c_rank, weights=x, minlength=num_ranks)
     # what each local source sends: the weights of its DC's copies by shell
     g_rank = np.bincount(cell, weights=w, minlength=num_ranks * num_experts)
     g_rank = g_rank.reshape(num_ranks, num_experts)  # _scatter(c_rank, c_exp, w, ...)
     g_node = _scatter(node, c_exp, w, (topology.num_nodes, num_experts))
     reach_rank = np.einsum("re,re->r", left, g_rank)
     reach_node = np.einsum("re,re->r", left, g_node[topology.rank_node])
-    if np.array_equal(topology.rank_node, rank_dc):  # one node per DC: the same floats
+    if _node_is_dc(topology):  # one node per DC: the same floats
         reach_dc = reach_node
     else:
         g_dc = _scatter(c_dc, c_exp, w, (num_dcs, num_experts))
         reach_dc = np.einsum("re,re->r", left, g_dc[rank_dc])
-    rank_out = np.stack([reach_node - reach_rank, reach_dc - reach_node, sent], axis=1)
+    rank_out = np.empty((num_ranks, 3))  # np.stack of the three, without its overhead
+    np.subtract(reach_node, reach_rank, out=rank_out[:, 0])
+    np.subtract(reach_dc, reach_node, out=rank_out[:, 1])
+    rank_out[:, 2] = sent
     pair = _pairs(lf, sol, routing, rank_dc)
     flat = np.flatnonzero(pair)
     ps, pd = np.divmod(flat, num_dcs)
@@ -604,6 +630,16 @@ def _runs(topology: Topology) -> tuple[int, int] | None:
     return _RUNS[topology]
 
 
+def _node_is_dc(topology: Topology) -> bool:
+    """Whether every rank's node is its DC's index (one node per DC), once per topology."""
+    got = _NODE_IS_DC.get(topology)
+    if got is None:
+        got = _NODE_IS_DC[topology] = bool(np.array_equal(topology.rank_node, topology.rank_dc))
+    return got
+
+
+#: :func:`_node_is_dc` of every topology alive
+_NODE_IS_DC: weakref.WeakKeyDictionary[Topology, bool] = weakref.WeakKeyDictionary()
 #: :func:`_runs` of every topology alive
 _RUNS: weakref.WeakKeyDictionary[Topology, tuple[int, int] | None] = weakref.WeakKeyDictionary()
 
