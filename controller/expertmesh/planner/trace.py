@@ -526,8 +526,8 @@ def _systematic_sample(
     some_empty = float(seg.min()) <= 0.0  # an arc of length 0 or 1 (q rounded)
     seg_counts = rng.multinomial(n, seg)  # [R, K] tokens per segment
     cum, at = buf.counts, buf.at  # tokens before each segment
-    np.cumsum(seg_counts, axis=1, out=cum)
-    cum -= seg_counts
+    np.cumsum(seg_counts[:, :-1], axis=1, out=cum[:, 1:])
+    cum[:, 0] = 0
     at.reshape(-1)[flat.reshape(-1)] = cum.reshape(-1)  # [R, K] tokens before each arc
     # the next item's ``at`` (item 0 starts at 0) minus its own
     counts, a1 = buf.counts, at.reshape(-1)
@@ -556,6 +556,7 @@ def generate_trace(settings: TraceSettings) -> SyntheticTrace:
     streams = np.random.SeedSequence(s.seed).spawn(s.num_layers)
     memo = _Memo(expert_rank, ref_ranks, s.num_experts)  # shared by every calibration
     buffers: dict[int, _Buffers] = {}  # the sampler's arrays, shared by every step
+    per_expert = np.empty((s.num_steps, s.num_layers, s.num_experts), dtype=np.int64)
     for layer, seq in enumerate(streams):
         rng = np.random.default_rng(seq)
         perm = rng.permutation(s.num_experts)
@@ -572,8 +573,9 @@ def generate_trace(settings: TraceSettings) -> SyntheticTrace:
                     perm, expert_rank, ref_ranks, s.top_k, s.imbalance, memo=memo
                 )
             exponent[t, layer], expected[t, layer] = exp_t, imb_t
-            _sample(rng, pi, s.tokens_per_rank, s.num_ranks, load[t, layer], buffers=buffers)
-    realized = static_imbalance(load)
+            step = _sample(rng, pi, s.tokens_per_rank, s.num_ranks, load[t, layer], buffers=buffers)
+            np.sum(step, axis=0, out=per_expert[t, layer])  # while the step is in cache
+    realized = _rank_imbalance(per_expert, s.num_ranks)  # static_imbalance(load)
     meta: dict[str, Any] = {
         "format": "expertmesh-trace/1",
         "num_steps": s.num_steps,
@@ -595,8 +597,13 @@ def generate_trace(settings: TraceSettings) -> SyntheticTrace:
 
 def static_imbalance(load: np.ndarray) -> np.ndarray:
     """[T, L] max/mean rank load of trace ``load`` [T, L, R, E] under static EP."""
-    num_ranks, num_experts = load.shape[2], load.shape[3]
-    per_expert = load.sum(axis=2)  # [T, L, E]
+    return _rank_imbalance(load.sum(axis=2), load.shape[2])
+
+
+def _rank_imbalance(per_expert: np.ndarray, num_ranks: int) -> np.ndarray:
+    """:func:`static_imbalance` of a trace whose tokens per expert are ``per_expert``
+    [T, L, E] (its load summed over source ranks) and with ``num_ranks`` ranks."""
+    num_experts = per_expert.shape[2]
     cum = np.zeros((*per_expert.shape[:2], num_experts + 1))
     np.cumsum(per_expert, axis=2, out=cum[..., 1:])
     expert_rank = _expert_rank(num_ranks, num_experts)  # sorted
