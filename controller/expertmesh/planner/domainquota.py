@@ -544,9 +544,13 @@ def domain_traffic(
     num_ranks, num_experts = load.shape
     rank_dc, holds = topology.rank_dc, sol.holds
     num_dcs = holds.shape[0]
-    lf = load.astype(np.float64)
     routing = holder_routing(holds, rank_dc)
-    left = np.where(routing.here, lf, 0.0)  # [R, E] tokens for a copy in the source's DC
+    if load.dtype.kind in "iub":  # token counts (>= 0): no float copy of the whole load
+        lf = load  # _pairs' bincounts take its weights as floats
+        left = np.multiply(load, routing.here, dtype=np.float64)  # where(here, load, 0.0)
+    else:
+        lf = load.astype(np.float64)
+        left = np.where(routing.here, lf, 0.0)  # [R, E] tokens for a copy in the source's DC
     # tokens each rank sends out of its DC (sums of integers: exact, in any order)
     sent = lf.sum(axis=1) - left.sum(axis=1)
     # copies: homes (they compute what the replicas leave) and replicas
@@ -648,7 +652,7 @@ def _pairs(
     lf: np.ndarray, sol: DomainSolution, routing: HolderRouting, rank_dc: np.ndarray
 ) -> np.ndarray:
     """[D * D] tokens from DC ``a`` to DC ``b`` (``a * D + b``) of the route of ``sol`` on
-    ``lf`` [R, E] (floats of its integer load): an expert held in one DC gets every other
+    ``lf`` [R, E] (its integer load, or floats of it): an expert held in one DC gets every other
     DC's tokens (``sol.local``, no [R, E] pass), one held in more goes source by source.
     Sums of integers: exact in any order (the same floats as summing every cell)."""
     num_dcs = sol.holds.shape[0]

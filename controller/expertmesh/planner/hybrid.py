@@ -445,8 +445,7 @@ def _guard_cost(inp: _Inputs, cand: Placement) -> float:
             previous, cand, topology, model, encoding=cfg.encoding, scale=1.0 / cfg.period
         )
     if cfg.inside == "quota":
-        before = previous.holds() if previous is not None else None
-        return compose(inp.load, cand, topology, model, cfg, before=before, extra=migrate)[2]
+        return compose(inp.load, cand, topology, model, cfg, before=previous, extra=migrate)[2]
     traffic = even_traffic(inp.estimate, cand, topology, model.top_k, domain="dc", remote="spread")
     return modeled_step(
         topology, model, traffic, cand, settings=cfg.cost, encoding=cfg.encoding, extra=migrate
@@ -460,14 +459,15 @@ def compose(
     model: ModelSpec,
     cfg: HybridSettings,
     *,
-    before: np.ndarray | None = None,
+    before: np.ndarray | Placement | None = None,
     extra: ExpertStreams | None = None,
     domain: Topology | None = None,
     plain: bool = True,
 ) -> tuple[DomainSolution, TokenTraffic, float]:
     """``quota`` inside every domain over ``base`` (:func:`~expertmesh.planner.domainquota.domain_quota`)
     on ``load`` [R, E], or no replicas when the cost model says they do not pay: the
-    replicas' copies (from their home; ``before`` [R, E] bool: copies already in place),
+    replicas' copies (from their home; ``before`` [R, E] bool, or the placement that holds
+    them: copies already in place),
     the time those copies take to land beyond the dispatch (they must arrive before their
     tokens compute), and their sync, against the compute they save. ``domain``: the DCs
     merged into domains (:func:`~expertmesh.planner.domainquota.merge_dcs`; ``None``: each
@@ -515,7 +515,7 @@ def choose_domain(
     model: ModelSpec,
     cfg: HybridSettings,
     *,
-    before: np.ndarray | None = None,
+    before: np.ndarray | Placement | None = None,
     known: float | None = None,
 ) -> int:
     """Domain size in DCs (:func:`~expertmesh.planner.domainquota.domain_sizes`) whose
@@ -564,16 +564,22 @@ def _same_holds(a: Placement, b: Placement) -> bool:
 
 def _replica_copies(
     sol: DomainSolution,
-    before: np.ndarray | None,
+    before: np.ndarray | Placement | None,
     topology: Topology,
     model: ModelSpec,
     encoding: TransferEncoding,
 ) -> ExpertStreams:
     """Background streams of the replicas of ``sol`` not already in place (``before`` [R, E]
-    bool, ``None``: none), each copied from its home in the same DC this step."""
+    bool, or the placement that holds them, ``None``: none), each copied from its home in
+    the same DC this step."""
     v, rank, _ = sol.replicas
     e = sol.v_expert[v]
-    new = np.ones(v.size, bool) if before is None else ~before[rank, e]
+    if before is None:
+        new = np.ones(v.size, bool)
+    elif isinstance(before, Placement):  # its holds()[rank, e], from the replicas' ranks alone
+        new = ~(before.phy2log[rank] == e[:, None]).any(axis=1)
+    else:
+        new = ~before[rank, e]
     nbytes = np.full(int(new.sum()), encoding.copy_bytes(model, master=False))
     return migration_streams(sol.home[v[new]], rank[new], nbytes, topology)
 
@@ -653,7 +659,7 @@ class HybridPolicy(Policy):
         t = ctx.topology
         if not replan and self.cfg.inside == "split":
             return cast(Placement, prev)
-        before = prev.holds() if prev is not None else None
+        before = prev  # what it holds is in place (compose reads it rank by rank)
         # between re-plans the base is last microbatch's holder sets, nothing moved
         base = None
         if replan:
@@ -676,7 +682,7 @@ class HybridPolicy(Policy):
         ctx: PolicyContext,
         scored: tuple[np.ndarray, float | None],
         base: Placement,
-        before: np.ndarray | None,
+        before: Placement | None,
     ) -> int:
         """The domain size of this re-plan (:func:`choose_domain`; ``scored``: the estimate
         [R, E] and the cost of ``base`` in a DC's domain if the guard scored it), scored
