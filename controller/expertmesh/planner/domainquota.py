@@ -479,9 +479,10 @@ def domain_route(load: np.ndarray, sol: DomainSolution, topology: Topology) -> n
     rep_v = sol.replicas[0]
     is_hot = np.zeros(sol.v_dc.size, bool)
     is_hot[rep_v] = True
-    cold = ~is_hot[v]
+    hot_rows = is_hot[v]
+    cold = ~hot_rows
     src_c, v_c, tok_c = src[cold], v[cold], tok[cold]
-    src, v, tok = src[~cold], v[~cold], tok[~cold]
+    src, v, tok = src[hot_rows], v[hot_rows], tok[hot_rows]
     blocks = []
     hot = np.unique(rep_v)  # [K] by expert, then DC: sorted by DC for the blocks
     hot = hot[np.argsort(sol.v_dc[hot], kind="stable")]
@@ -520,8 +521,9 @@ def _route_block(
     rep_v, rep_rank, rep_tokens = sol.replicas
     rep = col[rep_v] >= 0
     ranks = np.unique(np.concatenate([src[mine], rep_rank[rep], sol.home[block]]))  # [R']
-    sub = np.zeros((ranks.size, block.size), np.int64)  # [R', K]
-    np.add.at(sub, (np.searchsorted(ranks, src[mine]), col[v[mine]]), tok[mine])
+    cell = np.searchsorted(ranks, src[mine]) * block.size + col[v[mine]]
+    sub = np.bincount(cell, weights=tok[mine], minlength=ranks.size * block.size)  # np.add.at's
+    sub = sub.astype(np.int64).reshape(ranks.size, block.size)  # [R', K] (integers: exact)
     rows = route_locality(
         sub,
         np.searchsorted(ranks, sol.home[block]),
@@ -767,12 +769,28 @@ def merge_dcs(topology: Topology, size: int) -> Topology | None:
     returned topology; the same ranks, nodes and numbering), or ``None`` when ``size`` does
     not divide the DC count or the DCs of a domain have different ranks per node. What
     :func:`domain_quota` balances inside when the domain is a group of DCs; links are those
-    of ``topology`` (the caller costs traffic on ``topology`` itself)."""
+    of ``topology`` (the caller costs traffic on ``topology`` itself). Built once per
+    topology and size (a frozen topology: its derived arrays are computed once too)."""
+    if size == 1:
+        return topology
+    known = _MERGED.get(topology)
+    if known is None:
+        known = _MERGED[topology] = {}
+    if size not in known:
+        known[size] = _merged(topology, size)
+    return known[size]
+
+
+#: :func:`merge_dcs` of every topology alive, by size
+_MERGED: weakref.WeakKeyDictionary[Topology, dict[int, Topology | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _merged(topology: Topology, size: int) -> Topology | None:
     num_dcs = topology.num_dcs
     if size < 1 or num_dcs % size:
         return None
-    if size == 1:
-        return topology
     merged = []
     for i in range(0, num_dcs, size):
         group = topology.dcs[i : i + size]
