@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from expertmesh.planner import Placement, Topology
 from expertmesh.planner import evensplit as es
 from expertmesh.planner.traffic import TokenTraffic, even_traffic, even_traffic_steps
+from expertmesh.planner.trafficbase import _pairs, _pairs_steps
 
 FIELDS = ("rank_tokens", "rank_out", "rank_in", "pair_src", "pair_dst", "pair_tokens", "dc_tokens")
 
@@ -40,7 +41,7 @@ def test_whole_path_equals_float_path(seed, nodes, domain):
     topo = Topology.generate(3, 4, nodes_per_dc=nodes, masters=2, spare=2)
     rng = np.random.default_rng(seed)
     placement = _placement(rng, 12, 24)
-    loads = rng.integers(0, 60, size=(5, 12, 24)) * (rng.random((5, 1, 24)) < 0.8)
+    loads = rng.integers(0, 60, size=(11, 12, 24)) * (rng.random((11, 1, 24)) < 0.8)  # 2 chunks
     fast = even_traffic_steps(loads, placement, topo, 2, domain=domain)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(es, "_whole_runs", lambda topology: None)
@@ -60,3 +61,16 @@ def test_an_expert_without_a_copy_must_have_no_load():
     with pytest.raises(ValueError, match="no copy"):
         even_traffic_steps(loads, Placement(phy2log=p2l, master=placement.master), topo, 2,
                            domain="dc")  # fmt: skip
+
+
+def test_pairs_of_steps_are_pairs_of_each_step():
+    rng = np.random.default_rng(5)
+    dense = rng.random((6, 4, 4)) * (rng.random((6, 4, 4)) < 0.5)
+    dense[2] = 0.0  # a step without pairs
+    dense[4] = np.diag([1.0, 2.0, 3.0, 4.0])  # the diagonal is no pair
+    got = _pairs_steps(dense.copy())
+    want = [_pairs(d.copy()) for d in dense]
+    assert len(got) == 6 and [len(g[0]) for g in got][2] == 0
+    for g, w in zip(got, want, strict=True):
+        for a, b in zip(g, w, strict=True):
+            assert a.dtype == b.dtype and a.tobytes() == b.tobytes()

@@ -35,7 +35,7 @@ from expertmesh.planner.trafficbase import (
     _load_stats,
     _LoadStats,
     _node_is_dc,
-    _pairs,
+    _pairs_steps,
     _shell_sums,
     _whole_runs,
     level_sums,
@@ -199,9 +199,14 @@ def even_traffic_steps(
             return one
     runs = _whole_runs(topology)
     if loads.dtype.kind in "iu" and runs is not None and remote == "spread" and level in (1, 2):
-        whole = _whole_loads(loads, topology, top_k, runs)
-        if whole is not None:
-            return _even_split(whole, placement, topology, level, remote)
+        out: list[TokenTraffic] = []
+        for first in range(0, loads.shape[0], _WHOLE_STEPS):
+            whole = _whole_loads(loads[first : first + _WHOLE_STEPS], topology, top_k, runs)
+            if whole is None:
+                break
+            out += _even_split(whole, placement, topology, level, remote)
+        else:
+            return out
     dc_tokens = _dc_sums(loads, topology) / top_k  # [T, D]: _dc_tokens of each step
     lf = loads.astype(np.float64)  # [T, R, E]
     many = _Loads(lf, None, _level_sums_steps(lf, topology), dc_tokens)
@@ -210,6 +215,10 @@ def even_traffic_steps(
 
 #: whole-token totals below this are exact in float64 whatever the order of summation
 _EXACT = 2**53
+
+#: steps split together on the whole-token path (:func:`even_traffic_steps`): its [T, R, E]
+#: shares stay in cache between the division and the einsums that read them
+_WHOLE_STEPS = 8
 
 
 def _whole_loads(
@@ -272,11 +281,10 @@ def _one_copy_split(
     sums = np.bincount(key.ravel(), weights=sent[3].ravel(), minlength=num_steps * topology.num_dcs)
     dc_tokens = sums.reshape(num_steps, topology.num_dcs) / top_k
     dense = dc.T @ m @ dc  # [T, D, D] source DC -> destination DC
-    out = []
-    for t in range(num_steps):
-        ps, pd, pt = _pairs(dense[t])
-        out.append(TokenTraffic(rank_tokens[t], rank_out[t], rank_in[t], ps, pd, pt, dc_tokens[t]))
-    return out
+    return [
+        TokenTraffic(rank_tokens[t], rank_out[t], rank_in[t], ps, pd, pt, dc_tokens[t])
+        for t, (ps, pd, pt) in enumerate(_pairs_steps(dense))
+    ]
 
 
 def _rank_to_rank(x: np.ndarray, cp: _Copies) -> np.ndarray:
@@ -352,8 +360,9 @@ def _even_split(
 
     # [R, E] does r's domain hold e? ("global": no locality, everything spreads)
     local = k(level) > 0 if level < 3 else None
-    if loads.whole:  # the same shares of the counts, with no float copy or masked copy
+    if loads.whole:  # the same shares of the counts, with no masked copy
         nonlocal_load = None
+        lf = lf.astype(np.float64)  # the counts' floats (lsum[0] stays the counts)
         w_nl = lf / cp.divisor(level, False)  # 0 where local, as below
     else:
         # "global": every load is non-local, the same floats as ``lf`` (not modified below)
@@ -441,11 +450,10 @@ def _even_split(
         dense = [np.zeros((topology.num_dcs, topology.num_dcs)) for _ in range(num_steps)]
         for t in range(num_steps):
             np.add.at(dense[t].T, mdc, nl_dc[t].T)  # dense[s, mdc[e]] += nl_dc[s, e]
-    out = []
-    for t in range(num_steps):
-        ps, pd, pt = _pairs(dense[t])
-        out.append(TokenTraffic(rank_tokens[t], rank_out[t], rank_in[t], ps, pd, pt, dc_tokens[t]))
-    return out
+    return [
+        TokenTraffic(rank_tokens[t], rank_out[t], rank_in[t], ps, pd, pt, dc_tokens[t])
+        for t, (ps, pd, pt) in enumerate(_pairs_steps(np.stack(dense)))
+    ]
 
 
 def _nonlocal_sums(

@@ -16,6 +16,7 @@ they are: 0 same rank, 1 same node, 2 same DC (other node), 3 other DC.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from dataclasses import dataclass
 from typing import Literal, cast
@@ -143,6 +144,24 @@ def _pairs(dense: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     at = np.flatnonzero(flat > 0)
     src, dst = np.divmod(at, max(n, 1))
     return src.astype(np.int64, copy=False), dst.astype(np.int64, copy=False), flat[at]
+
+
+def _pairs_steps(dense: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """:func:`_pairs` of each ``dense[t]`` ([T, D, D]): one pass over every step, each
+    step's cells a slice of the whole (the same cells and values, in order)."""
+    num_steps, n = dense.shape[0], dense.shape[1]
+    flat = dense.reshape(num_steps, n * n)  # a view of a contiguous array, else a copy
+    flat[:, :: n + 1] = 0.0
+    at = np.flatnonzero(flat > 0)
+    step, cell = np.divmod(at, max(n * n, 1))
+    src, dst = np.divmod(cell, max(n, 1))
+    src, dst, val = (
+        src.astype(np.int64, copy=False),
+        dst.astype(np.int64, copy=False),
+        flat.reshape(-1)[at],
+    )
+    ends = np.searchsorted(step, np.arange(num_steps + 1)).tolist()
+    return [(src[a:b], dst[a:b], val[a:b]) for a, b in itertools.pairwise(ends)]
 
 
 def level_sums(x: np.ndarray, topology: Topology) -> list[np.ndarray]:
