@@ -102,3 +102,22 @@ def test_the_replica_path_runs_on_a_replica_replan():
     _, _, old_m, moved = _scale_replan(3, masters=True)
     if (old_m.master // 6 != moved.master // 6).any():
         assert mig_mod._replica_moves(old_m, moved, topo) is None
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(), st.booleans())
+def test_align_with_old_checked_is_the_same_alignment(case, relabel):
+    # old_checked skips old's value checks only (the simulator's previous placement, made
+    # or checked by an earlier alignment): the same placement; a bad new still raises
+    topo, old, new = case
+    want = align_placement(old, new, topo, relabel_ranks=relabel)
+    got = align_placement(old, new, topo, relabel_ranks=relabel, old_checked=True)
+    assert np.array_equal(got.phy2log, want.phy2log)
+    assert np.array_equal(got.master, want.master)
+    bad = Placement(phy2log=new.phy2log, master=(new.master + 1) % new.phy2log.size)
+    if not (bad.phy2log.ravel()[bad.master] == np.arange(bad.master.size)).all():
+        with pytest.raises(ValueError, match="new"):
+            align_placement(old, bad, topo, old_checked=True)
+        with pytest.raises(ValueError, match="old"):
+            align_placement(bad, old, topo)
+        align_placement(bad, old, topo, old_checked=True)  # old's values: not checked

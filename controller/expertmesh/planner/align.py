@@ -16,8 +16,11 @@ __all__ = ["align_placement"]
 # ---------------------------------------------------------------- validation
 
 
-def _check_pair(old: Placement, new: Placement, topology: Topology) -> tuple[int, int, int]:
-    """Validate two placements of the same shape on ``topology``; returns ``(R, S, E)``."""
+def _check_pair(
+    old: Placement, new: Placement, topology: Topology, check_old: bool = True
+) -> tuple[int, int, int]:
+    """Validate two placements of the same shape on ``topology`` (``old``'s values only with
+    ``check_old``: its shapes always); returns ``(R, S, E)``."""
     if old.phy2log.ndim != 2 or old.phy2log.shape != new.phy2log.shape:
         raise ValueError(
             f"old and new phy2log must both be [R, S], got {old.phy2log.shape} and "
@@ -33,7 +36,7 @@ def _check_pair(old: Placement, new: Placement, topology: Topology) -> tuple[int
                          f"{new.master.shape}")  # fmt: skip
     num_experts = int(new.master.shape[0])
     experts = np.arange(num_experts)
-    for name, p in (("old", old), ("new", new)):
+    for name, p in (("old", old), ("new", new)) if check_old else (("new", new),):
         if p.phy2log.size and (p.phy2log.min() < -1 or p.phy2log.max() >= num_experts):
             raise ValueError(f"{name} phy2log holds an expert id outside [-1, {num_experts})")
         m = p.master
@@ -165,7 +168,12 @@ def _choose_masters(
 
 
 def align_placement(
-    old: Placement, new: Placement, topology: Topology, relabel_ranks: bool = False
+    old: Placement,
+    new: Placement,
+    topology: Topology,
+    relabel_ranks: bool = False,
+    *,
+    old_checked: bool = False,
 ) -> Placement:
     """Lay ``new`` over ``old`` so every copy that can stay in its slot stays.
 
@@ -176,6 +184,8 @@ def align_placement(
       keeps most copies (an assignment problem; masters staying break ties). Ranks
       never trade across DCs, and nodes only with nodes of the same DC, so per-rank,
       per-node and per-DC contents, everything a policy balances, are unchanged.
+    - ``old_checked``: ``old`` has been checked already (a result of this function, or a
+      ``new`` it checked): only its shapes are checked again, not its values.
 
     Returns a placement with, on every rank, the same multiset of experts as ``new``
     (or as the ``new`` rank relabeled onto it), slots permuted so that each rank keeps
@@ -183,7 +193,7 @@ def align_placement(
     chosen by :func:`_choose_masters` (old rank when it still holds the expert and has
     room in its ``masters_per_rank`` budget, else the policy's rank).
     """
-    _, num_slots, _ = _check_pair(old, new, topology)
+    _, num_slots, _ = _check_pair(old, new, topology, check_old=not old_checked)
     new_p2l, master = new.phy2log, new.master.astype(np.int64)
     if relabel_ranks:
         num_ranks = new_p2l.shape[0]

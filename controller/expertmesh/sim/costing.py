@@ -4,7 +4,7 @@ under a policy's encoding, their background streams and the microbatch's replica
 and a placement's replica sync streams (:func:`~expertmesh.planner.costmodel.replica_streams`,
 memoized by value). Moved out of :mod:`expertmesh.sim.engine`, which calls these for each
 planned layer-step; the memo is the engine's ``_World.memo`` (placements keyed by
-:func:`_pkey`)."""
+:func:`_pkey`, once per placement object: ``_Memo.key``)."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ class _Moves:
 def _migration(world: _World, old: Placement, new: Placement) -> _Moves:
     """The transfers of :func:`plan_migration` from ``old`` to ``new`` (placements
     :func:`align_placement` checked), memoized by value."""
-    key = ("migration", _pkey(old), _pkey(new))
+    key = ("migration", world.memo.key(old), world.memo.key(new))
     got = world.memo.get(key)
     if got is None:
         moves = migration_moves(old, new, world.topology, world.model)
@@ -77,7 +77,8 @@ def _fanout_seconds(
     """Seconds the microbatch's new replicas take to arrive, all sent at once (``mode``
     ``"all"``: every replica transfer; ``"in_dc"``: those inside one DC; ``"in_domain"``:
     those inside one domain of the policy's ``copy_domain`` [R]); ``nbytes`` [M] of each
-    transfer of ``moves``."""
+    transfer of ``moves``. Memoized by value (``quota`` and ``hybrid`` often fan out the
+    same replicas)."""
     topology, src, dst = world.topology, moves.src, moves.dst
     replica = ~moves.master
     if mode == "in_dc":
@@ -88,9 +89,14 @@ def _fanout_seconds(
         replica &= dom[src] == dom[dst]
     if not replica.any():
         return 0.0
-    return transfer_seconds(
-        _moved(world, src[replica], dst[replica], nbytes[replica], 1.0), topology
-    )
+    if not replica.all():
+        src, dst, nbytes = src[replica], dst[replica], nbytes[replica]
+    key = ("fanout", src.tobytes(), dst.tobytes(), nbytes.tobytes())
+    got = world.memo.get(key)
+    if got is None:
+        got = transfer_seconds(_moved(world, src, dst, nbytes, 1.0), topology)
+        world.memo.put(key, got)
+    return cast(float, got)
 
 
 def _sync_streams(
@@ -99,7 +105,7 @@ def _sync_streams(
     cached = st.streams[layer]
     if cached is not None and cached[0] is placement:
         return cached[1]
-    key = ("replica_streams", st.encoding, _pkey(placement))
+    key = ("replica_streams", st.encoding, world.memo.key(placement))
     got = world.memo.get(key)
     if got is None:
         got = replica_streams(placement, world.topology, world.model, world.cost, st.encoding)

@@ -42,6 +42,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol, cast
@@ -201,6 +202,20 @@ class _Memo:
         self.kept = kept
         self.items: dict[tuple[object, ...], object] = {}
         self.hits = 0
+        self.keys: weakref.WeakKeyDictionary[Placement, tuple[object, ...]] = (
+            weakref.WeakKeyDictionary()
+        )
+        #: placements :func:`align_placement` has checked or made (a result of it is valid)
+        self.checked: weakref.WeakSet[Placement] = weakref.WeakSet()
+
+    def key(self, p: Placement) -> tuple[object, ...]:
+        """:func:`_pkey` of ``p``, computed once per placement object: the engine takes a
+        placement it holds to be unmodified (it tells a policy's unchanged placement by
+        identity), and the memo's keys then share their bytes (hashed once)."""
+        got = self.keys.get(p)
+        if got is None:
+            got = self.keys[p] = _pkey(p)
+        return got
 
     def get(self, key: tuple[object, ...]) -> object | None:
         got = self.items.get(key)
@@ -457,7 +472,7 @@ def _even_splits(
     for i, (_, _, layers) in enumerate(pending):
         for layer, p in enumerate(layers):
             if isinstance(p.traffic, _EvenSplit):
-                key = (_pkey(p.traffic.placement), p.traffic.split)
+                key = (world.memo.key(p.traffic.placement), p.traffic.split)
                 jobs.setdefault(key, []).append((i, layer))
     if not jobs:
         return pending
@@ -562,7 +577,11 @@ def _plan(st: _PolicyState, world: _World, t: int, layer: int, load: np.ndarray)
         solve += route_seconds
         traffic = traffic_from_route(route, load, topology, model.top_k)
     clock = _lap(parts, "traffic", clock, route_seconds)
-    changed = prev is not None and not np.array_equal(prev.placement.phy2log, placement.phy2log)
+    changed = (
+        prev is not None
+        and placement is not prev.placement
+        and not np.array_equal(prev.placement.phy2log, placement.phy2log)
+    )
     streams = _sync_streams(st, world, layer, placement)
     clock = _lap(parts, "replica streams", clock)
     mig_bytes = 0.0
@@ -638,12 +657,17 @@ def _lap(parts: dict[str, float], part: str, since: float, minus: float = 0.0) -
 
 def _aligned(world: _World, prev: Placement, placement: Placement, relabel: bool) -> Placement:
     """:func:`align_placement` of ``placement`` to ``prev``, memoized by value."""
-    key = ("align", relabel, _pkey(prev), _pkey(placement))
-    got = world.memo.get(key)
+    memo = world.memo
+    key = ("align", relabel, memo.key(prev), memo.key(placement))
+    got = cast(Placement | None, memo.get(key))
     if got is None:
-        got = align_placement(prev, placement, world.topology, relabel)
-        world.memo.put(key, got)
-    return got  # type: ignore[return-value]
+        # ``prev`` is checked when an alignment made it or checked it as ``new`` before
+        old_checked = prev in memo.checked
+        got = align_placement(prev, placement, world.topology, relabel, old_checked=old_checked)
+        memo.put(key, got)
+        memo.checked.add(placement)
+        memo.checked.add(got)
+    return got
 
 
 def _fast_traffic(
