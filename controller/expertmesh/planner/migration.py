@@ -513,7 +513,7 @@ def _replica_moves(
         return None
     de = new_p2l[dr, ds]
     e, r = de.tolist(), dr.tolist()
-    if any(x in row for x, row in zip(e, old_p2l[dr].tolist(), strict=True)):
+    if (old_p2l[dr] == de[:, None]).any():
         return None  # a local copy from one the rank holds
     if len(set(zip(r, e, strict=True))) != n:
         return None  # a rank gets two copies of one expert: the second is a local copy
@@ -525,14 +525,12 @@ def _replica_moves(
         (e, r, [-1] * n, [False] * n), _ranks(topology),
         (old_p2l[hr, hs].tolist(), hr.tolist()), MAX_PASSES,
     )  # fmt: skip
-    slot = ds.tolist()
-    order = sorted(range(n), key=lambda i: (rnd[i], r[i], slot[i]))  # plan_migration's order
-    return (
-        np.array([src[i] for i in order], dtype=np.int64),
-        np.array([r[i] for i in order], dtype=np.int64),
-        np.array([e[i] for i in order], dtype=np.int64),
-        np.zeros(n, dtype=bool),
-    )
+    # plan_migration's order: by round, then rank and slot (the jobs' order already)
+    src_a, dst, expert = np.array(src, dtype=np.int64), dr, de.astype(np.int64)
+    if any(rnd):  # more than one round
+        o = np.argsort(np.array(rnd), kind="stable")
+        src_a, dst, expert = src_a[o], dst[o], expert[o]
+    return src_a, dst, expert, np.zeros(n, dtype=bool)
 
 
 def plan_migration(

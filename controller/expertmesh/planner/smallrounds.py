@@ -63,16 +63,19 @@ class _Rounds:
             for i, f in enumerate(fixed)
         ]
         # holders of the jobs' experts: expert -> ranks, ascending, with multiplicity
+        # and the nodes and DCs holding each (kept up to date as copies land)
         holders: dict[int, list[int]] = {x: [] for x in fanout}
+        nodes: dict[int, set[int]] = {x: set() for x in fanout}
+        dcs: dict[int, set[int]] = {x: set() for x in fanout}
         for x, r in zip(*holds, strict=True):
             h = holders.get(x)
             if h is not None:
                 h.append(r)
+                nodes[x].add(node[r])
+                dcs[x].add(dc[r])
         for h in holders.values():
             h.sort()
-        self.holders = holders
-        self.nodes = {x: {node[r] for r in rs} for x, rs in holders.items()}
-        self.dcs = {x: {dc[r] for r in rs} for x, rs in holders.items()}
+        self.holders, self.nodes, self.dcs = holders, nodes, dcs
 
     def run(self, max_passes: int) -> tuple[list[int], list[int]]:
         """``(src [J], round [J])``: rounds until every job has one."""
@@ -107,16 +110,19 @@ class _Rounds:
                     if dst[i] not in busy_dst and fixed[i] not in busy_src
                 ]
                 # level 0: the q-th job of a node entry takes its q-th free holder there
-                jobs = [i for i in by_level[0] if dst[i] not in busy_dst]
-                self._pair(props, jobs, nkey, busy_src, (self.node, dnode))
+                if by_level[0]:
+                    jobs = [i for i in by_level[0] if dst[i] not in busy_dst]
+                    self._pair(props, jobs, nkey, busy_src, (self.node, dnode))
                 # level 1: one job per node entry this round, a free holder in its DC
-                jobs = self._best(by_level[1], nkey, entries[0], busy_dst)
-                jobs.sort(key=lambda i: dkey[i] * n + prio[i])
-                self._pair(props, jobs, dkey, busy_src, (self.dc, ddc))
+                if by_level[1]:
+                    jobs = self._best(by_level[1], nkey, entries[0], busy_dst)
+                    jobs.sort(key=lambda i: dkey[i] * n + prio[i])
+                    self._pair(props, jobs, dkey, busy_src, (self.dc, ddc))
                 # level 2: one job per DC entry this round, a free holder anywhere
-                jobs = self._best(by_level[2], dkey, entries[1], busy_dst)
-                jobs.sort(key=lambda i: e[i] * n + prio[i])
-                self._pair(props, jobs, e, busy_src, None)
+                if by_level[2]:
+                    jobs = self._best(by_level[2], dkey, entries[1], busy_dst)
+                    jobs.sort(key=lambda i: e[i] * n + prio[i])
+                    self._pair(props, jobs, e, busy_src, None)
                 if not props:
                     break
                 acc = self._accept(props, okey, entries)

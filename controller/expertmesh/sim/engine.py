@@ -105,6 +105,10 @@ COST_PARTS = ("traffic", "replica streams", "migration", "step cost")
 #: with at most this many load cells stacked at once
 BATCH_CELLS = 1 << 20
 
+#: the route of a plan costed without route rows (read-only, shared)
+_NO_ROUTE = np.zeros((0, 4), np.int64)
+_NO_ROUTE.flags.writeable = False
+
 COLUMNS = (
     "policy", "step", "seconds", "imbalance", "cross_dc_token_bytes", "cross_dc_weight_bytes",
     "migration_bytes", "replicas", "solve_seconds", "exposed_seconds", "bottleneck",
@@ -284,6 +288,10 @@ class _PolicyState:
         self.changed_at = [0] * num_layers
         self.last_held: list[np.ndarray | None] = [None] * num_layers
         self.streams: list[tuple[Placement, ExpertStreams] | None] = [None] * num_layers
+        #: each layer's last placement and its replica count
+        self.replicas: list[tuple[Placement, int] | None] = [None] * num_layers
+        #: the policy's history window (read once: the engine's windows are made for it)
+        self.window = policy.history_window()
         split = getattr(policy, "even_split", None) or EVEN_SPLITS.get(name)
         self.split = tuple(split) if split is not None else None
         enc = getattr(policy, "transfer_encoding", None)
@@ -366,7 +374,7 @@ def simulate(
 
 def _add_history(world: _World, st: _PolicyState) -> None:
     """The history windows ``st``'s policy reads, one per layer (shared by equal windows)."""
-    w = st.policy.history_window()
+    w = st.window
     for layer in range(len(st.prev)):
         world.hist.setdefault((w, layer), _History(w))
 
@@ -555,7 +563,7 @@ def _plan(st: _PolicyState, world: _World, t: int, layer: int, load: np.ndarray)
     """Plan one layer of one step for one policy: place, align, route, migrate; the traffic
     and expert streams its cost needs (``load``: the layer's [R, E] load)."""
     topology, model = world.topology, world.model
-    w = st.policy.history_window()
+    w = st.window
     parts = st.run.cost_parts
     prev = st.prev[layer]
     ctx = _context(world, t, (w, layer), load, prev)
@@ -567,7 +575,7 @@ def _plan(st: _PolicyState, world: _World, t: int, layer: int, load: np.ndarray)
         placement = _aligned(world, prev.placement, placement, relabel)
     clock = time.process_time()
     solve = clock - t0
-    route = np.zeros((0, 4), np.int64)
+    route = _NO_ROUTE
     route_seconds = 0.0
     traffic = _fast_traffic(st, ctx, placement)
     if traffic is None:  # the policy's route rows (timed: routing is part of planning)
@@ -597,7 +605,12 @@ def _plan(st: _PolicyState, world: _World, t: int, layer: int, load: np.ndarray)
             fanout = _fanout_seconds(world, st.microbatch, st.policy, moves, nbytes)
     _lap(parts, "migration", clock)
     st.prev[layer] = LayerPlan(placement=placement, route=route, migration=Migration())
-    replicas = int((placement.phy2log >= 0).sum()) - model.num_experts
+    counted = st.replicas[layer]
+    if counted is not None and counted[0] is placement:
+        replicas = counted[1]
+    else:
+        replicas = int((placement.phy2log >= 0).sum()) - model.num_experts
+        st.replicas[layer] = (placement, replicas)
     return _Planned(traffic, streams, place_seconds, fanout, solve, mig_bytes, replicas)
 
 
