@@ -272,3 +272,32 @@ def test_row_sums_by_dc_take_the_integer_path_and_give_the_same_floats(seed, dcs
             np.add.at(want, g, x.astype(np.float64))
             got = sum_rows(x, g, dcs)
             assert got.dtype == np.float64 and np.array_equal(got, want)
+
+
+def test_memos_by_identity_serve_only_what_cannot_change():
+    # rehome of a plan of masters only (each DC's copies its masters') is one read-only
+    # base per masters, whatever the replicas: the same object, whose parts domain_quota
+    # finds by identity; holder sets that can still change are never served by identity
+    from expertmesh.planner.domainquota import holder_routing
+
+    topo = Topology.generate(2, 4, masters=2, spare=2)
+    num_experts = 2 * topo.num_ranks
+    masters = static_placement(topo.num_ranks, topo.slots_per_rank, num_experts, 2)
+    rng = np.random.default_rng(5)
+    load = rng.integers(0, 50, size=(topo.num_ranks, num_experts))
+    p2l = masters.phy2log.copy()
+    p2l[0, 2] = p2l[1, 0]  # a replica of rank 1's first master on rank 0 (same DC)
+    with_replica = Placement(p2l, masters.master.copy())
+    a, b = rehome(masters, load, topo), rehome(with_replica, load, topo)
+    assert a is b and not a.phy2log.flags.writeable and not a.master.flags.writeable
+    want = np.full_like(masters.phy2log, -1)
+    want.reshape(-1)[masters.master] = np.arange(num_experts)
+    assert np.array_equal(a.phy2log, want) and np.array_equal(a.master, masters.master)
+    sol, again = domain_quota(load, a, topo), domain_quota(load, b, topo)
+    assert np.array_equal(sol.placement.phy2log, again.placement.phy2log)
+    holds = dc_holds(masters, topo)  # writable: looked up by value every time
+    first = holder_routing(holds, topo.rank_dc)
+    holds[1, 0] = True  # DC 1 now holds expert 0 too
+    second = holder_routing(holds, topo.rank_dc)
+    assert second.v_dc.size == first.v_dc.size + 1
+    assert np.array_equal(second.v_dc, holder_routing(holds.copy(), topo.rank_dc).v_dc)

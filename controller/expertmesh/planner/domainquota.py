@@ -30,17 +30,25 @@ heaviest first onto the least-loaded of its holders. ``refs.domain_quota_ref`` i
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
+from expertmesh.planner.domaintopo import (
+    _frozen,
+    _in_order,
+    _level_sums,
+    _node_is_dc,
+    _remember,
+    domain_sizes,
+    merge_dcs,
+)
 from expertmesh.planner.plan import Placement, check_load
 from expertmesh.planner.quota import balance_demand
 from expertmesh.planner.routing import route_locality
-from expertmesh.planner.topology import DC, Topology
-from expertmesh.planner.traffic import TokenTraffic, level_sums
+from expertmesh.planner.topology import Topology
+from expertmesh.planner.traffic import TokenTraffic
 
 __all__ = [
     "DomainSolution",
@@ -139,23 +147,6 @@ def _int_rows(x: np.ndarray, group: np.ndarray, num_groups: int) -> np.ndarray:
     if x.dtype.kind in "biu" and group.size == num_rows and _in_order(group, num_groups):
         return x.reshape(num_groups, num_rows // num_groups, num_cols).sum(axis=1, dtype=np.int64)
     return sum_rows(x, group, num_groups).astype(np.int64)
-
-
-def _in_order(group: np.ndarray, num_groups: int) -> bool:
-    """Whether ``group`` [R] is ``num_groups`` groups of one size, in order (a topology's
-    ``rank_dc``), memoized by value."""
-    key = (num_groups, group.dtype.str, group.tobytes())
-    got = _IN_ORDER.get(key)
-    if got is None:
-        num_rows = group.size
-        got = bool(num_groups and num_rows % num_groups == 0) and bool(
-            np.array_equal(group, np.repeat(np.arange(num_groups), num_rows // num_groups))
-        )
-        _remember(_IN_ORDER, key, got, 16)
-    return got
-
-
-_IN_ORDER: dict[tuple[object, ...], bool] = {}
 
 
 def remote_holder(holds: np.ndarray, rank_dc: np.ndarray) -> np.ndarray:
@@ -282,9 +273,14 @@ def holder_routing(holds: np.ndarray, rank_dc: np.ndarray) -> HolderRouting:
     sets stay fixed between re-plans, so every microbatch's :func:`domain_quota` and
     :func:`domain_traffic` until the next one share them (a pure function of its inputs,
     keyed by their bytes)."""
+    last = _LAST_ROUTING[0]
+    if last is not None and last[0] is holds and last[1] is rank_dc:
+        return last[2]  # the same read-only holder sets as last time (a base's)
     key = (holds.shape, holds.tobytes(), rank_dc.tobytes())
     hit = _ROUTINGS.get(key)
     if hit is not None:
+        if _frozen(holds):
+            _LAST_ROUTING[0] = (holds, rank_dc, hit)
         return hit
     v_dc, v_expert, vid, first = _virtual(holds)
     here = holds[rank_dc]  # [R, E]
@@ -313,22 +309,16 @@ def holder_routing(holds: np.ndarray, rank_dc: np.ndarray) -> HolderRouting:
     for a in out:
         a.setflags(write=False)
     _remember(_ROUTINGS, key, out, _ROUTINGS_KEPT)
+    if _frozen(holds):
+        _LAST_ROUTING[0] = (holds, rank_dc, out)
     return out
 
 
+#: the last frozen holder sets :func:`holder_routing` saw, with ``rank_dc`` and routing
+_LAST_ROUTING: list[tuple[np.ndarray, np.ndarray, HolderRouting] | None] = [None]
+
+
 #: :func:`holder_routing` of the last few holder sets (0: none kept)
-def _remember(memo: dict[Any, Any], key: Any, value: Any, kept: int) -> None:
-    """Keep ``value`` under ``key`` in ``memo``, at most ``kept`` entries, the oldest
-    dropped first (none kept when ``kept`` is 0). ``list()`` copies the keys in one step
-    and ``pop`` tolerates a key another thread dropped first: the controller plans
-    what-ifs in threads of their own."""
-    if kept <= 0:
-        return
-    for old in list(memo)[: max(0, len(memo) - kept + 1)]:
-        memo.pop(old, None)
-    memo[key] = value
-
-
 _ROUTINGS: dict[tuple[object, ...], HolderRouting] = {}
 _ROUTINGS_KEPT = 4
 
@@ -392,6 +382,9 @@ def _base_parts(
     expert twice in a DC."""
     rank_dc = topology.rank_dc
     p2l, master = base.phy2log, base.master
+    last = _LAST_BASE[0]
+    if last is not None and last[0] is base and last[1] is rank_dc:
+        return last[2]  # the same frozen base (its arrays read-only, their own) as last time
     key = (
         p2l.shape,
         p2l.dtype.str,
@@ -402,6 +395,7 @@ def _base_parts(
     )
     hit = _BASES.get(key)
     if hit is not None:
+        _note_base(base, rank_dc, hit)
         return hit
     num_slots = base.phy2log.shape[1]
     num_experts = int(base.master.size)
@@ -423,7 +417,28 @@ def _base_parts(
     for a in (holds, home, v_p2l, v_master, v_expert):
         a.setflags(write=False)
     _remember(_BASES, key, out, _BASES_KEPT)
+    _note_base(base, rank_dc, out)
     return out
+
+
+def _note_base(
+    base: Placement,
+    rank_dc: np.ndarray,
+    parts: tuple[np.ndarray, HolderRouting, np.ndarray, Placement, np.ndarray],
+) -> None:
+    """Remember ``parts`` as :func:`_base_parts` of ``base`` by identity when ``base``
+    cannot change (:func:`_frozen` arrays, ``rank_dc`` a topology's cached one)."""
+    if _frozen(base.phy2log) and _frozen(base.master):
+        _LAST_BASE[0] = (base, rank_dc, parts)
+
+
+#: the last frozen base :func:`_base_parts` saw, with its ``rank_dc`` and parts
+_LAST_BASE: list[
+    tuple[
+        Placement, np.ndarray, tuple[np.ndarray, HolderRouting, np.ndarray, Placement, np.ndarray]
+    ]
+    | None
+] = [None]
 
 
 #: :func:`_base_parts` of the last few bases (a pure function of its inputs)
@@ -609,47 +624,6 @@ def domain_traffic(
     )  # fmt: skip
 
 
-def _level_sums(left: np.ndarray, topology: Topology, *, exact: bool) -> list[np.ndarray]:
-    """:func:`~expertmesh.planner.traffic.level_sums` of ``left`` [R, E] (its [R, E], node
-    and DC entries). ``exact``: ``left`` holds integers, so its sums are exact in any order
-    (the same floats): with every node of the same ranks and every DC of the same nodes,
-    consecutive (:func:`_runs`), one reshaped sum per level."""
-    runs = _runs(topology) if exact else None
-    if runs is None:
-        return level_sums(left, topology)[:3]
-    per_node, per_dc = runs
-    node = left.reshape(-1, per_node, left.shape[1]).sum(axis=1)
-    dc = node if per_dc == 1 else node.reshape(-1, per_dc, node.shape[1]).sum(axis=1)
-    return [left, node, dc]
-
-
-def _runs(topology: Topology) -> tuple[int, int] | None:
-    """``(ranks per node, nodes per DC)`` when every node has as many ranks and every DC as
-    many nodes, numbered DC by DC and node by node; else ``None`` (once per topology)."""
-    if topology not in _RUNS:
-        nodes = {d.nodes for d in topology.dcs}
-        per_node = {d.ranks_per_node for d in topology.dcs}
-        rank_node, rank_dc = topology.rank_node, topology.rank_dc
-        ordered = bool(np.all(np.diff(rank_node) >= 0) and np.all(np.diff(rank_dc) >= 0))
-        same = len(nodes) == 1 and len(per_node) == 1 and rank_node.size > 0
-        _RUNS[topology] = (per_node.pop(), nodes.pop()) if same and ordered else None
-    return _RUNS[topology]
-
-
-def _node_is_dc(topology: Topology) -> bool:
-    """Whether every rank's node is its DC's index (one node per DC), once per topology."""
-    got = _NODE_IS_DC.get(topology)
-    if got is None:
-        got = _NODE_IS_DC[topology] = bool(np.array_equal(topology.rank_node, topology.rank_dc))
-    return got
-
-
-#: :func:`_node_is_dc` of every topology alive
-_NODE_IS_DC: weakref.WeakKeyDictionary[Topology, bool] = weakref.WeakKeyDictionary()
-#: :func:`_runs` of every topology alive
-_RUNS: weakref.WeakKeyDictionary[Topology, tuple[int, int] | None] = weakref.WeakKeyDictionary()
-
-
 def _pairs(
     lf: np.ndarray, sol: DomainSolution, routing: HolderRouting, rank_dc: np.ndarray
 ) -> np.ndarray:
@@ -758,55 +732,23 @@ def _masters_dcs_only(
 
 def _masters_kept(placement: Placement) -> Placement:
     """``placement`` with every slot but the masters' emptied (what :func:`rehome` keeps
-    when :func:`_masters_dcs_only`)."""
-    keep = np.zeros(placement.phy2log.shape, bool)
-    keep.reshape(-1)[placement.master] = True
-    return Placement(np.where(keep, placement.phy2log, -1).astype(np.int32), placement.master)
+    when :func:`_masters_dcs_only`), read-only and memoized by what it is made of (the
+    masters' slots and what they hold): between re-plans every microbatch's base is the
+    same object, which :func:`_base_parts` and :func:`holder_routing` know at once."""
+    p2l, master = placement.phy2log, placement.master
+    key = (p2l.shape, p2l.dtype.str, master.dtype.str, master.tobytes(),
+           p2l.reshape(-1)[master].tobytes())  # fmt: skip
+    got = _KEPT.get(key)
+    if got is None:
+        keep = np.zeros(p2l.shape, bool)
+        keep.reshape(-1)[master] = True
+        got = Placement(np.where(keep, p2l, -1).astype(np.int32), master.copy())
+        got.phy2log.setflags(write=False)
+        got.master.setflags(write=False)
+        _remember(_KEPT, key, got, _KEPT_KEPT)
+    return got
 
 
-def merge_dcs(topology: Topology, size: int) -> Topology | None:
-    """``topology`` with every ``size`` consecutive DCs merged into one domain (a DC of the
-    returned topology; the same ranks, nodes and numbering), or ``None`` when ``size`` does
-    not divide the DC count or the DCs of a domain have different ranks per node. What
-    :func:`domain_quota` balances inside when the domain is a group of DCs; links are those
-    of ``topology`` (the caller costs traffic on ``topology`` itself). Built once per
-    topology and size (a frozen topology: its derived arrays are computed once too)."""
-    if size == 1:
-        return topology
-    known = _MERGED.get(topology)
-    if known is None:
-        known = _MERGED[topology] = {}
-    if size not in known:
-        known[size] = _merged(topology, size)
-    return known[size]
-
-
-#: :func:`merge_dcs` of every topology alive, by size
-_MERGED: weakref.WeakKeyDictionary[Topology, dict[int, Topology | None]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _merged(topology: Topology, size: int) -> Topology | None:
-    num_dcs = topology.num_dcs
-    if size < 1 or num_dcs % size:
-        return None
-    merged = []
-    for i in range(0, num_dcs, size):
-        group = topology.dcs[i : i + size]
-        if len({d.ranks_per_node for d in group}) != 1:
-            return None
-        nodes = sum(d.nodes for d in group)
-        merged.append(DC(f"domain{i // size:04d}", nodes, group[0].ranks_per_node))
-    return Topology(
-        tuple(merged), topology.masters_per_rank, topology.spare_per_rank,
-        topology.intra_node, topology.intra_dc, topology.inter_dc,
-    )  # fmt: skip
-
-
-def domain_sizes(topology: Topology) -> list[int]:
-    """Candidate domain sizes in DCs: 1, 2, 4, ... and every DC, those :func:`merge_dcs`
-    can build."""
-    n = topology.num_dcs
-    sizes = sorted({*(2**i for i in range(n.bit_length()) if 2**i <= n), n})
-    return [k for k in sizes if merge_dcs(topology, k) is not None]
+#: :func:`_masters_kept` of the last few placements
+_KEPT: dict[tuple[object, ...], Placement] = {}
+_KEPT_KEPT = 8

@@ -1,0 +1,139 @@
+"""What :mod:`expertmesh.planner.domainquota` derives once per topology or keeps between
+calls: the domains of consecutive DCs (:func:`merge_dcs`, :func:`domain_sizes`), whether a
+topology's nodes are its DCs, the sums of a load by node and DC, and the small memo helpers
+(moved out of ``domainquota``, which re-exports the public names)."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import numpy as np
+
+from expertmesh.planner.topology import DC, Topology
+from expertmesh.planner.traffic import level_sums
+
+__all__ = ["domain_sizes", "merge_dcs"]
+
+
+def _in_order(group: np.ndarray, num_groups: int) -> bool:
+    """Whether ``group`` [R] is ``num_groups`` groups of one size, in order (a topology's
+    ``rank_dc``), memoized by value."""
+    key = (num_groups, group.dtype.str, group.tobytes())
+    got = _IN_ORDER.get(key)
+    if got is None:
+        num_rows = group.size
+        got = bool(num_groups and num_rows % num_groups == 0) and bool(
+            np.array_equal(group, np.repeat(np.arange(num_groups), num_rows // num_groups))
+        )
+        _remember(_IN_ORDER, key, got, 16)
+    return got
+
+
+_IN_ORDER: dict[tuple[object, ...], bool] = {}
+
+
+def _remember(memo: dict[Any, Any], key: Any, value: Any, kept: int) -> None:
+    """Keep ``value`` under ``key`` in ``memo``, at most ``kept`` entries, the oldest
+    dropped first (none kept when ``kept`` is 0). ``list()`` copies the keys in one step
+    and ``pop`` tolerates a key another thread dropped first: the controller plans
+    what-ifs in threads of their own."""
+    if kept <= 0:
+        return
+    for old in list(memo)[: max(0, len(memo) - kept + 1)]:
+        memo.pop(old, None)
+    memo[key] = value
+
+
+def _frozen(a: np.ndarray) -> bool:
+    """Whether ``a`` can no longer change: read-only and owning its data (not a view)."""
+    return not a.flags.writeable and a.base is None
+
+
+def _level_sums(left: np.ndarray, topology: Topology, *, exact: bool) -> list[np.ndarray]:
+    """:func:`~expertmesh.planner.traffic.level_sums` of ``left`` [R, E] (its [R, E], node
+    and DC entries). ``exact``: ``left`` holds integers, so its sums are exact in any order
+    (the same floats): with every node of the same ranks and every DC of the same nodes,
+    consecutive (:func:`_runs`), one reshaped sum per level."""
+    runs = _runs(topology) if exact else None
+    if runs is None:
+        return level_sums(left, topology)[:3]
+    per_node, per_dc = runs
+    node = left.reshape(-1, per_node, left.shape[1]).sum(axis=1)
+    dc = node if per_dc == 1 else node.reshape(-1, per_dc, node.shape[1]).sum(axis=1)
+    return [left, node, dc]
+
+
+def _runs(topology: Topology) -> tuple[int, int] | None:
+    """``(ranks per node, nodes per DC)`` when every node has as many ranks and every DC as
+    many nodes, numbered DC by DC and node by node; else ``None`` (once per topology)."""
+    if topology not in _RUNS:
+        nodes = {d.nodes for d in topology.dcs}
+        per_node = {d.ranks_per_node for d in topology.dcs}
+        rank_node, rank_dc = topology.rank_node, topology.rank_dc
+        ordered = bool(np.all(np.diff(rank_node) >= 0) and np.all(np.diff(rank_dc) >= 0))
+        same = len(nodes) == 1 and len(per_node) == 1 and rank_node.size > 0
+        _RUNS[topology] = (per_node.pop(), nodes.pop()) if same and ordered else None
+    return _RUNS[topology]
+
+
+def _node_is_dc(topology: Topology) -> bool:
+    """Whether every rank's node is its DC's index (one node per DC), once per topology."""
+    got = _NODE_IS_DC.get(topology)
+    if got is None:
+        got = _NODE_IS_DC[topology] = bool(np.array_equal(topology.rank_node, topology.rank_dc))
+    return got
+
+
+#: :func:`_node_is_dc` of every topology alive
+_NODE_IS_DC: weakref.WeakKeyDictionary[Topology, bool] = weakref.WeakKeyDictionary()
+#: :func:`_runs` of every topology alive
+_RUNS: weakref.WeakKeyDictionary[Topology, tuple[int, int] | None] = weakref.WeakKeyDictionary()
+
+
+def merge_dcs(topology: Topology, size: int) -> Topology | None:
+    """``topology`` with every ``size`` consecutive DCs merged into one domain (a DC of the
+    returned topology; the same ranks, nodes and numbering), or ``None`` when ``size`` does
+    not divide the DC count or the DCs of a domain have different ranks per node. What
+    :func:`domain_quota` balances inside when the domain is a group of DCs; links are those
+    of ``topology`` (the caller costs traffic on ``topology`` itself). Built once per
+    topology and size (a frozen topology: its derived arrays are computed once too)."""
+    if size == 1:
+        return topology
+    known = _MERGED.get(topology)
+    if known is None:
+        known = _MERGED[topology] = {}
+    if size not in known:
+        known[size] = _merged(topology, size)
+    return known[size]
+
+
+#: :func:`merge_dcs` of every topology alive, by size
+_MERGED: weakref.WeakKeyDictionary[Topology, dict[int, Topology | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _merged(topology: Topology, size: int) -> Topology | None:
+    num_dcs = topology.num_dcs
+    if size < 1 or num_dcs % size:
+        return None
+    merged = []
+    for i in range(0, num_dcs, size):
+        group = topology.dcs[i : i + size]
+        if len({d.ranks_per_node for d in group}) != 1:
+            return None
+        nodes = sum(d.nodes for d in group)
+        merged.append(DC(f"domain{i // size:04d}", nodes, group[0].ranks_per_node))
+    return Topology(
+        tuple(merged), topology.masters_per_rank, topology.spare_per_rank,
+        topology.intra_node, topology.intra_dc, topology.inter_dc,
+    )  # fmt: skip
+
+
+def domain_sizes(topology: Topology) -> list[int]:
+    """Candidate domain sizes in DCs: 1, 2, 4, ... and every DC, those :func:`merge_dcs`
+    can build."""
+    n = topology.num_dcs
+    sizes = sorted({*(2**i for i in range(n.bit_length()) if 2**i <= n), n})
+    return [k for k in sizes if merge_dcs(topology, k) is not None]
