@@ -53,10 +53,8 @@ def try_quota(items: Items, recv: Receivers, quota: int) -> tuple[int, Pieces, W
     """The rule for one domain at ``quota`` (``quota._fit`` and ``quota._walk`` for one
     domain): ``(shortfall, pieces, receivers that take some)``; 0 shortfall: feasible."""
     pieces = sorted([(quota - a if a - quota < m else -m, e) for a, m, e in items if a > quota])
-    ends, total = [], 0
-    for neg, _ in pieces:
-        total -= neg
-        ends.append(total)
+    ends = list(itertools.accumulate([-neg for neg, _ in pieces]))
+    total = ends[-1] if ends else 0
     num = len(ends)
     walked: Walked = []
     u = k = 0
@@ -189,19 +187,28 @@ def segments(pieces: Pieces, walked: Walked) -> list[tuple[int, int, int]]:
     """``(expert, rank, tokens)`` of one domain's replicas at a feasible ``T``: every
     piece's overlap with each receiver's stretch of the line, in line order
     (``quota._replicas``)."""
-    out: list[tuple[int, int, int]] = []
+    out: tuple[list[int], list[int], list[int]] = ([], [], [])
+    _cut(pieces, walked, out)
+    return list(zip(*out, strict=True))
+
+
+def _cut(pieces: Pieces, walked: Walked, out: tuple[list[int], list[int], list[int]]) -> None:
+    """:func:`segments`, appended to ``out``: its expert, rank and tokens lists."""
+    exps, ranks, toks = out
     num = len(walked)
-    j, end = 0, 0
+    j = end = 0
     for neg, e in pieces:
-        start, end = end, end - neg
+        start = end
+        end -= neg
         while walked[j][2] <= start:
             j += 1
         for i in range(j, num):
             r, a, b = walked[i]
             if a >= end:
                 break
-            out.append((e, r, (end if end < b else b) - (start if start > a else a)))
-    return out
+            exps.append(e)
+            ranks.append(r)
+            toks.append((end if end < b else b) - (start if start > a else a))
 
 
 class Layout(NamedTuple):
@@ -300,8 +307,9 @@ def solve_domains(
         )
     lower = np.minimum(lower, upper)
     quota = upper.tolist()
-    made: list[tuple[int, int, int]] = []
+    rep: tuple[list[int], list[int], list[int]] = ([], [], [])  # expert, rank, tokens
     m, dem, free = base.tolist(), demand.tolist(), lay.free
+    by_demand, by_m = dem.__getitem__, m.__getitem__
     for d, low in enumerate(lower.tolist()):
         if low >= quota[d]:  # no rank above the bound: the static max, no replica
             continue
@@ -311,18 +319,17 @@ def solve_domains(
             if a <= low:
                 continue
             # stable: the experts ascending, so lower ids first on equal demand
-            for e in sorted(lay.experts_of[r], key=dem.__getitem__, reverse=True):
+            for e in sorted(lay.experts_of[r], key=by_demand, reverse=True):
                 x = dem[e]
                 if a <= low or not x:
                     break
                 items.append((a, x, e))
                 a -= x
         # receivers by M ascending, lower rank on ties (stable: the ranks ascending)
-        recv = [(r, m[r], free[r]) for r in sorted(lay.recv_of[d], key=m.__getitem__)]
+        recv = [(r, m[r], free[r]) for r in sorted(lay.recv_of[d], key=by_m)]
         quota[d], pieces, walked = search_one(items, recv, low, quota[d])
-        made.extend(segments(pieces, walked))
-    flat = np.fromiter(itertools.chain.from_iterable(made), np.int64, 3 * len(made))
-    cols = flat.reshape(-1, 3).T
+        _cut(pieces, walked, rep)
+    cols = tuple(np.array(x, dtype=np.int64) for x in rep)
     return np.array(quota, dtype=np.int64), lower, (cols[0], cols[1], cols[2])
 
 
