@@ -74,3 +74,28 @@ def test_pairs_of_steps_are_pairs_of_each_step():
     for g, w in zip(got, want, strict=True):
         for a, b in zip(g, w, strict=True):
             assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("order", ["in order", "shuffled", "uneven"])
+def test_one_copy_split_equals_the_float_path(order):
+    """Static EP (one copy an expert): the rank-to-rank path (experts in order, 4 a rank, or
+    shuffled, or 5 and 3 on two ranks) gives _even_split's floats, bit for bit, over more
+    than 8 steps."""
+    topo = Topology.generate(2, 4, nodes_per_dc=2, masters=4, spare=2)
+    rng = np.random.default_rng(7)
+    experts = np.arange(32) if order == "in order" else rng.permutation(32)
+    counts = [5, 3, 4, 4, 4, 4, 4, 4] if order == "uneven" else [4] * 8
+    p2l = np.full((8, 6), -1, np.int64)
+    master = np.empty(32, np.int64)
+    at = 0
+    for r, n in enumerate(counts):
+        p2l[r, :n] = experts[at : at + n]
+        master[experts[at : at + n]] = r * 6 + np.arange(n)
+        at += n
+    placement = Placement(phy2log=p2l, master=master)
+    loads = rng.integers(0, 40, size=(13, 8, 32))
+    fast = even_traffic_steps(loads, placement, topo, 2)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(es, "_one_copy_split", lambda *a: None)
+        slow = even_traffic_steps(loads, placement, topo, 2)
+    assert [_bits(t) for t in fast] == [_bits(t) for t in slow]
