@@ -76,67 +76,77 @@ def master_traffic(
     """``even_traffic(load, masters, topology, top_k, domain="rank")`` of a placement that
     holds one copy of each expert (its master): every assignment goes to the master.
 
-    The same floats: each count is a sum of whole tokens of ``load`` [R, E], exact in
-    float64 while the total is below 2**53, so any order of summation gives it (above,
-    ``even_traffic`` is called). Summed here in int64: first ``tok`` [R, R], each source
-    rank's tokens to the masters of each rank, then its node, DC and DC pair sums.
+    The same floats: each count is a sum of whole tokens of ``load`` [R, E] (non-negative,
+    as every load), exact in float64 while the total is below 2**53, so any order of
+    summation gives it (above, ``even_traffic`` is called). First ``tok`` [R, R] in
+    int64, each source rank's tokens to the masters of each rank; then, in float64, its
+    sums by DC with one small product each (``tok @ onehot``: rows by DC of the master,
+    ``onehot.T @ tok``: by DC of the source, and the DC pairs), and those by node alike.
     """
     num_ranks, num_experts = load.shape
     if masters.num_ranks != num_ranks or num_ranks != topology.num_ranks:
         raise ValueError("load, masters and topology disagree on the number of ranks")
-    if int((masters.phy2log >= 0).sum()) != num_experts:
+    if np.count_nonzero(masters.phy2log >= 0) != num_experts:
         raise ValueError("master_traffic needs a placement of masters only")
     load = load.astype(np.int64, copy=False)
     tok = _by_master_rank(load, masters.master_rank())  # [R src, R master]
-    row = tok.sum(axis=1)  # [R] each source's tokens
-    if int(row.sum()) >= _EXACT:  # the total of load, wrapped alike
+    if int(tok.sum()) >= _EXACT:  # the total of load, wrapped alike
         return even_traffic(load, masters, topology, top_k, domain="rank")
+    (node_of, node_hot, node_hot_t), (dc_of, dc_hot, dc_hot_t) = _groups(topology)
+    tokf = tok.astype(np.float64)
     rows = np.arange(num_ranks)
-    (node_at, node_of), (dc_at, dc_of) = _runs(topology)
-    # [R] each: what each source sends inside its own rank, node, DC and in all; what each
-    # master rank gets from its own rank, node, DC and in all
-    by_dc = np.add.reduceat(tok, dc_at, axis=0)  # [D, R] each DC's tokens to each master rank
-    sent_dc = np.add.reduceat(tok, dc_at, axis=1)[rows, dc_of]
-    came_dc = by_dc[dc_of, rows]
-    if node_at is dc_at:  # a node per DC
-        sent_node, came_node = sent_dc, came_dc
+    to_dc = tokf @ dc_hot  # [R, D] each source's tokens to the masters of each DC
+    from_dc = dc_hot_t @ tokf  # [D, R] each DC's tokens to each master rank
+    pair = dc_hot_t @ to_dc  # [D, D] src -> dst
+    # [R] each, for every source (sent) and master rank (came): its own rank's, node's,
+    # DC's and all tokens; the shells are the differences
+    levels = np.empty((2, num_ranks, 4))
+    sent, came = levels[0], levels[1]
+    sent[:, 0] = came[:, 0] = tokf.diagonal()
+    sent[:, 2] = to_dc[rows, dc_of]
+    sent[:, 3] = to_dc.sum(axis=1)
+    came[:, 2] = from_dc[dc_of, rows]
+    came[:, 3] = from_dc.sum(axis=0)
+    if node_hot is dc_hot:  # a node per DC
+        sent[:, 1] = sent[:, 2]
+        came[:, 1] = came[:, 2]
     else:
-        sent_node = np.add.reduceat(tok, node_at, axis=1)[rows, node_of]
-        came_node = np.add.reduceat(tok, node_at, axis=0)[node_of, rows]
-    sent = [tok.diagonal(), sent_node, sent_dc, row]
-    came = [sent[0], came_node, came_dc, tok.sum(axis=0)]
-    rank_out = np.empty((num_ranks, 3))
-    rank_in = np.empty((num_ranks, 3))
-    for j in (1, 2, 3):
-        rank_out[:, j - 1] = sent[j] - sent[j - 1]
-        rank_in[:, j - 1] = came[j] - came[j - 1]
-    dense = np.add.reduceat(by_dc, dc_at, axis=1).astype(np.float64)  # [D, D] src -> dst
-    np.fill_diagonal(dense, 0.0)
-    src, dst = np.nonzero(dense > 0)
-    dc_tokens = (
-        np.bincount(topology.rank_dc, weights=sent[3], minlength=topology.num_dcs) / top_k
-    )  # [D] tokens (not assignments) from each DC, as even_traffic's
+        sent[:, 1] = (tokf @ node_hot)[rows, node_of]
+        came[:, 1] = (node_hot_t @ tokf)[node_of, rows]
+    shells = np.empty((2, num_ranks, 3))
+    np.subtract(levels[:, :, 1:], levels[:, :, :-1], out=shells)
+    num_dcs = pair.shape[0]
+    dc_tokens = pair.sum(axis=1) / top_k  # [D] tokens (not assignments) from each DC
+    dense = pair.reshape(-1)
+    dense[:: num_dcs + 1] = 0.0  # within a DC
+    at = np.flatnonzero(dense > 0)
     return TokenTraffic(
-        came[3].astype(np.float64), rank_out, rank_in, src.astype(np.int64),
-        dst.astype(np.int64), dense[src, dst], dc_tokens,
+        came[:, 3].copy(), shells[0], shells[1], at // num_dcs, at % num_dcs, dense[at],
+        dc_tokens,
     )  # fmt: skip
 
 
 def _by_master_rank(load: np.ndarray, mrank: np.ndarray) -> np.ndarray:
     """[R, R] int64: ``load`` [R, E] summed over the experts of each master rank
-    (``mrank`` [E]); static EP's ``E / R`` consecutive experts a rank by a reshape."""
+    (``mrank`` [E]); static EP's ``E / R`` consecutive experts a rank by adding
+    neighbours: pairs while the count is even (two strided views each), then the rest."""
     num_ranks, num_experts = load.shape
     per = num_experts // num_ranks
     if (
         0 < per <= 8
         and per * num_ranks == num_experts
         and np.array_equal(mrank, _blocks(num_experts, per))
-    ):  # the slices of a [R, R, per] view added (a reduction over its last axis is slower)
-        view = load.reshape(num_ranks, num_ranks, per)
-        out: np.ndarray = view[:, :, 0].copy()
-        for i in range(1, per):
-            out += view[:, :, i]
-        return out
+    ):
+        out = load
+        while per % 2 == 0:
+            pairs = out.reshape(num_ranks, -1, 2)
+            out, per = pairs[:, :, 0] + pairs[:, :, 1], per // 2
+        if per > 1:  # the slices of a [R, R, per] view added
+            view = out.reshape(num_ranks, num_ranks, per)
+            out = view[:, :, 0].copy()
+            for i in range(1, per):
+                out += view[:, :, i]
+        return out.reshape(num_ranks, num_ranks)
     by_master = np.argsort(mrank, kind="stable")  # [E] experts by master rank
     bounds = np.searchsorted(mrank[by_master], np.arange(num_ranks + 1))  # [R + 1]
     cum = np.zeros((num_ranks, num_experts + 1), np.int64)  # [R, E + 1]
@@ -152,25 +162,31 @@ def _blocks(num_experts: int, per: int) -> np.ndarray:
     return out
 
 
-#: per topology: for its ranks' nodes and DCs (sorted, contiguous), where each run of
-#: ranks starts and the run of each rank
-_RUNS: weakref.WeakKeyDictionary[Topology, tuple[tuple[np.ndarray, np.ndarray], ...]] = (
-    weakref.WeakKeyDictionary()
-)
+#: per topology: for its ranks' nodes and DCs (sorted, contiguous), the run of each rank
+#: [R] and the one-hot [R, runs] float64 matrix of those runs and its transpose
+_GROUPS: weakref.WeakKeyDictionary[
+    Topology, tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]
+] = weakref.WeakKeyDictionary()
 
 
-def _runs(topology: Topology) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
-    """``(starts, run of each rank)`` of ``topology.rank_node`` and ``rank_dc``, made once
-    per topology (the DC's arrays twice, the same objects, when each DC is one node)."""
-    got = _RUNS.get(topology)
+def _groups(topology: Topology) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]:
+    """``(run of each rank, one-hot, its transpose)`` of ``topology.rank_node`` and
+    ``rank_dc``, made once per topology (the DC's arrays twice, the same objects, when
+    each DC is one node); read-only."""
+    got = _GROUPS.get(topology)
     if got is None:
-        runs = []
+        groups = []
         for index in (topology.rank_node, topology.rank_dc):
-            first = np.r_[True, index[1:] != index[:-1]]
-            runs.append((np.flatnonzero(first), np.cumsum(first) - 1))
-        if np.array_equal(runs[0][0], runs[1][0]):
-            runs[0] = runs[1]
-        got = _RUNS[topology] = tuple(runs)
+            run = np.cumsum(np.r_[True, index[1:] != index[:-1]]) - 1
+            hot = np.zeros((index.size, int(run[-1]) + 1 if index.size else 0))
+            hot[np.arange(index.size), run] = 1.0
+            arrays = (run, hot, np.ascontiguousarray(hot.T))
+            for a in arrays:
+                a.flags.writeable = False
+            groups.append(arrays)
+        if np.array_equal(groups[0][0], groups[1][0]):
+            groups[0] = groups[1]
+        got = _GROUPS[topology] = tuple(groups)
     return got
 
 
@@ -242,11 +258,13 @@ def shadow_floor(
         cross = crossings(traffic, model.top_k, settings.hierarchical)
     nbytes = cross * float(model.token_bytes)
     kept = dst != mdc  # [P] pairs whose tokens the shadow does not touch
-    a, b, n = src[kept], dst[kept], nbytes[kept]
-    # the busiest link among DC pairs a -> b carrying n bytes (0: none)
-    dispatch = msg + float((lat[a, b] + n / bw[a, b]).max(initial=0.0))
+    # the busiest link among the kept DC pairs src -> dst (0: none)
+    dispatch = msg + float((lat[src, dst] + nbytes / bw[src, dst]).max(where=kept, initial=0.0))
     # the combine runs each pair backwards (links alike both ways: the dispatch's time)
-    combine = dispatch if symmetric else msg + float((lat[b, a] + n / bw[b, a]).max(initial=0.0))
+    combine = dispatch
+    if not symmetric:
+        back_link = lat[dst, src] + nbytes / bw[dst, src]
+        combine = msg + float(back_link.max(where=kept, initial=0.0))
     col = load[:, expert].astype(np.float64)
     rank_tokens = traffic.rank_tokens + col
     rank_tokens[m] -= col.sum()
