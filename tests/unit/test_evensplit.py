@@ -99,3 +99,17 @@ def test_one_copy_split_equals_the_float_path(order):
         mp.setattr(es, "_one_copy_split", lambda *a: None)
         slow = even_traffic_steps(loads, placement, topo, 2)
     assert [_bits(t) for t in fast] == [_bits(t) for t in slow]
+
+
+@pytest.mark.parametrize("n", [5, 70])
+def test_pairs_row_by_row(n):
+    """_pairs with cached cell indices (small) and without (large): off-diagonal positive
+    cells, row by row, int64."""
+    rng = np.random.default_rng(n)
+    dense = rng.random((n, n)) * (rng.random((n, n)) < 0.3)
+    src, dst, val = _pairs(dense.copy())
+    want_src, want_dst = np.nonzero((dense > 0) & ~np.eye(n, dtype=bool))
+    assert src.dtype == dst.dtype == np.int64
+    np.testing.assert_array_equal(src, want_src)
+    np.testing.assert_array_equal(dst, want_dst)
+    np.testing.assert_array_equal(val, dense[want_src, want_dst])

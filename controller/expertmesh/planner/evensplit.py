@@ -217,8 +217,8 @@ def even_traffic_steps(
 _EXACT = 2**53
 
 #: steps split together on the whole-token path (:func:`even_traffic_steps`): its [T, R, E]
-#: shares stay in cache between the division and the einsums that read them
-_WHOLE_STEPS = 8
+#: shares (2 MB) stay in cache between the division and the einsums that read them
+_WHOLE_STEPS = 16
 
 
 def _whole_loads(

@@ -276,8 +276,14 @@ def _quota_whole(
         g2 = g2.reshape(num_dcs, num_experts)
     g_all = np.bincount(c_exp, weights=c_w, minlength=num_experts)
     reach0 = np.einsum("re,re->r", left, g0.reshape(num_ranks, num_experts))
-    reach1 = np.einsum("re,re->r", left, g1[topology.rank_node])
-    reach2 = np.einsum("re,re->r", left, g2[topology.rank_dc]) if per_dc else reach1
+    # each rank's row against its node's (DC's) weights, over a [groups, ranks, E] view: the
+    # same sum of E products a row as einsum("re,re->r", left, g1[rank_node]), no gather
+    by_node = left.reshape(num_nodes, per_node, num_experts)
+    reach1 = np.einsum("nre,ne->nr", by_node, g1).reshape(num_ranks)
+    reach2 = reach1
+    if per_dc:
+        by_dc = left.reshape(num_dcs, per_node * per_dc, num_experts)
+        reach2 = np.einsum("dre,de->dr", by_dc, g2).reshape(num_ranks)
     rank_out = np.empty((num_ranks, 3))
     np.subtract(reach1, reach0, out=rank_out[:, 0])
     np.subtract(reach2, reach1, out=rank_out[:, 1])

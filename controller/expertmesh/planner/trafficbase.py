@@ -141,9 +141,27 @@ def _pairs(dense: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     n = dense.shape[0]
     flat = dense.reshape(-1)  # a view of a contiguous matrix, else a copy (the same cells)
     flat[:: n + 1] = 0.0
-    at = np.flatnonzero(flat > 0)
-    src, dst = np.divmod(at, max(n, 1))
-    return src.astype(np.int64, copy=False), dst.astype(np.int64, copy=False), flat[at]
+    at = (flat > 0).nonzero()[0]
+    if n > _CELL_INDEX_MAX:
+        src, dst = np.divmod(at, n)
+        return src.astype(np.int64, copy=False), dst.astype(np.int64, copy=False), flat[at]
+    src, dst = _cell_index(n)
+    return src[at], dst[at], flat[at]
+
+
+def _cell_index(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """[n * n] int64 row and column of each cell of a C-ordered [n, n] matrix (cached)."""
+    got = _CELL_INDEX.get(n)
+    if got is None:
+        got = _CELL_INDEX[n] = np.divmod(np.arange(n * n, dtype=np.int64), max(n, 1))
+        for a in got:
+            a.flags.writeable = False
+    return got
+
+
+#: per matrix size up to :data:`_CELL_INDEX_MAX`: :func:`_cell_index`
+_CELL_INDEX: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+_CELL_INDEX_MAX = 64
 
 
 def _pairs_steps(dense: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
