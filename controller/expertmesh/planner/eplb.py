@@ -284,10 +284,12 @@ def _pack_sorted_heap(
         heap = [(0.0, p, 0) for p in range(num_packs)]  # (load, pack, items): a valid heap
         pk, rk = [0] * n, [0] * n
         for j, x in enumerate(ws[i].tolist()):
-            load, p, k = heapq.heappop(heap)
+            load, p, k = heap[0]  # the lightest pack (keys differ: p is unique)
             pk[j], rk[j] = p, k
-            if k + 1 < per_pack:
-                heapq.heappush(heap, (load + x, p, k + 1))
+            if k + 1 < per_pack:  # pop it and push it back heavier, in one sift
+                heapq.heapreplace(heap, (load + x, p, k + 1))
+            else:
+                heapq.heappop(heap)
         pack[i], rank[i] = pk, rk
     return pack, rank
 
