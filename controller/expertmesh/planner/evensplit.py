@@ -36,6 +36,7 @@ from expertmesh.planner.trafficbase import (
     _LoadStats,
     _node_is_dc,
     _pairs_steps,
+    _shell_key,
     _shell_sums,
     _whole_runs,
     level_sums,
@@ -73,6 +74,23 @@ class _Copies:
     safe_total: np.ndarray
     gathered: dict[int, np.ndarray]
     divisors: dict[tuple[int, bool], np.ndarray] = field(default_factory=dict)
+    steps: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+
+    def step_keys(self, num_steps: int) -> tuple[np.ndarray, np.ndarray]:
+        """[T * C] the (step, rank) of every copy in each of ``num_steps`` steps, and its
+        :func:`~expertmesh.planner.trafficbase._shell_key` (read-only, kept per step count:
+        the simulator splits a placement's steps in a few sizes)."""
+        got = self.steps.get(num_steps)
+        if got is None:
+            num_ranks = int(self.group[0].size)
+            step_rank = (np.arange(num_steps)[:, None] * num_ranks + self.rank).ravel()
+            got = (step_rank, _shell_key(step_rank))
+            for a in got:
+                a.flags.writeable = False
+            if len(self.steps) >= 4:
+                self.steps.pop(next(iter(self.steps)))
+            self.steps[num_steps] = got
+        return got
 
     def k(self, j: int) -> np.ndarray:
         """[R, E] copies of each expert within level ``j`` of each source rank (read-only)."""
@@ -450,11 +468,11 @@ def _even_split(
         for j in range(4):
             prev = nsum[j - 1][:, mg[j - 1], me] if j else 0.0
             in_shell[:, is_master, j] += nsum[j][:, mg[j], me] - prev
-    step_rank = (np.arange(num_steps)[:, None] * num_ranks + cr).ravel()  # [T * C]
+    step_rank, shell_key = cp.step_keys(num_steps)  # [T * C] (step, rank), its shell bins
     rank_tokens = np.bincount(
         step_rank, weights=in_shell.sum(axis=2).ravel(), minlength=num_steps * num_ranks
     ).reshape(num_steps, num_ranks)
-    rank_in = _shell_sums(step_rank, in_shell.reshape(-1, 4), num_steps * num_ranks)
+    rank_in = _shell_sums(step_rank, in_shell.reshape(-1, 4), num_steps * num_ranks, shell_key)
     rank_in = rank_in.reshape(num_steps, num_ranks, 3)
 
     # ---- DC pairs ----

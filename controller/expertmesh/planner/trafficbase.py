@@ -259,13 +259,22 @@ def _level_index(topology: Topology) -> tuple[tuple[np.ndarray, np.ndarray, int]
     return got
 
 
-def _shell_sums(rank: np.ndarray, in_shell: np.ndarray, num_ranks: int) -> np.ndarray:
+def _shell_sums(
+    rank: np.ndarray, in_shell: np.ndarray, num_ranks: int, key: np.ndarray | None = None
+) -> np.ndarray:
     """[R, 3] what each rank receives over shells 1, 2, 3: the sums of ``in_shell`` [C, 4]
     rows by ``rank`` [C]. One ``bincount`` over (rank, shell) bins, each adding its values
-    in row order as one ``bincount`` per shell would (the same floats)."""
-    key = (rank.astype(np.int64) * 4)[:, None] + np.arange(4)
-    sums = np.bincount(key.ravel(), weights=in_shell.ravel(), minlength=4 * num_ranks)
+    in row order as one ``bincount`` per shell would (the same floats). ``key``: the
+    caller's :func:`_shell_key` of ``rank``, when it keeps one."""
+    key = _shell_key(rank) if key is None else key
+    sums = np.bincount(key, weights=in_shell.ravel(), minlength=4 * num_ranks)
     return np.ascontiguousarray(sums.reshape(num_ranks, 4)[:, 1:])
+
+
+def _shell_key(rank: np.ndarray) -> np.ndarray:
+    """[C * 4] the (rank, shell) bin of every cell of a [C, 4] array by ``rank`` [C]."""
+    out: np.ndarray = ((rank.astype(np.int64) * 4)[:, None] + np.arange(4)).ravel()
+    return out
 
 
 def _whole_runs(topology: Topology) -> tuple[int, int] | None:
