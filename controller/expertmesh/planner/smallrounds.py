@@ -99,6 +99,12 @@ class _Rounds:
                     by_level[lv].append(i)
                 okey[i] = (2 - lv) * n + prio[i]
             by_level[0].sort(key=lambda i: nkey[i] * n + prio[i])
+            if not fixed_j and not by_level[1] and not by_level[2]:
+                self._node_round(by_level[0], k, (src, rnd), max_passes)
+                self._landed(pending, rnd, k)
+                pending = [i for i in pending if rnd[i] < 0]
+                k += 1
+                continue
             busy_src: set[int] = set()
             busy_dst: set[int] = set()
             entries: tuple[set[int], set[int], set[int]] = (set(), set(), set())  # node, DC, pair
@@ -135,15 +141,69 @@ class _Rounds:
                 progress = True
             if not progress:  # cannot happen: a round's first proposal always fits
                 raise RuntimeError("migration scheduler made no progress")
-            for i in pending:
-                if rnd[i] == k:
-                    x, d = e[i], dst[i]
-                    bisect.insort(self.holders[x], d)
-                    nodes[x].add(self.node[d])
-                    dcs[x].add(self.dc[d])
+            self._landed(pending, rnd, k)
             pending = [i for i in pending if rnd[i] < 0]
             k += 1
         return src, rnd
+
+    def _landed(self, pending: list[int], rnd: list[int], k: int) -> None:
+        """The copies round ``k`` brought are holders from now on."""
+        e, dst, node, dc = self.e, self.dst, self.node, self.dc
+        for i in pending:
+            if rnd[i] == k:
+                x, d = e[i], dst[i]
+                bisect.insort(self.holders[x], d)
+                self.nodes[x].add(node[d])
+                self.dcs[x].add(dc[d])
+
+    def _node_round(
+        self, jobs: list[int], k: int, out: tuple[list[int], list[int]], max_passes: int
+    ) -> None:
+        """Round ``k`` when every open job copies inside its node (level 0, no master move):
+        :meth:`run`'s passes with what they reduce to, the same sources. Every proposal is
+        from the job's node, so no node or DC entry and no DC pair is used, and acceptance
+        goes by priority alone (one level); ``jobs`` sorted by (node entry, priority)."""
+        e, dst, prio, nkey, dnode = self.e, self.dst, self.prio, self.nkey, self.dnode
+        node, holders = self.node, self.holders
+        src, rnd = out
+        busy_src: set[int] = set()
+        busy_dst: set[int] = set()
+        progress = False
+        for _ in range(max_passes):
+            # the q-th job of a node entry takes its q-th free holder in that node
+            props = []
+            last, q = -1, 0
+            free: list[int] = []
+            for i in jobs:
+                if dst[i] in busy_dst:
+                    continue
+                c = nkey[i]
+                if c != last:
+                    last, q, d = c, 0, dnode[i]
+                    free = [r for r in holders[e[i]] if r not in busy_src and node[r] == d]
+                else:
+                    q += 1
+                if q < len(free):
+                    props.append((prio[i], i, free[q]))
+            if not props:
+                break
+            props.sort()
+            s_src: set[int] = set()
+            s_dst: set[int] = set()
+            acc = []
+            for _, i, r in props:
+                d = dst[i]
+                if r not in s_src and d not in s_dst:
+                    acc.append((i, r, d))
+                s_src.add(r)
+                s_dst.add(d)
+            for i, r, d in acc:
+                busy_src.add(r)
+                busy_dst.add(d)
+                src[i], rnd[i] = r, k
+            progress = True
+        if not progress:  # cannot happen: a round's first proposal always fits
+            raise RuntimeError("migration scheduler made no progress")
 
     def _best(
         self, jobs: list[int], key: list[int], taken: set[int], busy_dst: set[int]
