@@ -563,8 +563,9 @@ def balance_demand(
     if not (masters.phy2log.ravel()[master] == lay.experts).all():
         raise ValueError("a master slot does not hold its expert")
     dom, num_domains = lay.dom, len(lay.sizes)
+    slot = None  # the flat slot of each replica, when solve_domains gave them
     if max_replicas_per_expert is None and tolerance == 0:
-        quota, lower, (rep_expert, rep_rank, rep_tokens) = solve_domains(
+        quota, lower, (rep_expert, rep_rank, rep_tokens), slot = solve_domains(
             demand.astype(np.int64, copy=False), lay
         )
     else:
@@ -579,7 +580,13 @@ def balance_demand(
         least = np.ceil(min_replica_share * (total / lay.size_arr))
         keep = rep_tokens >= least[dom[rep_rank]]
         rep_expert, rep_rank, rep_tokens = rep_expert[keep], rep_rank[keep], rep_tokens[keep]
-    phy2log = place_replicas(lay, rep_expert, rep_rank).reshape(num_ranks, num_slots)
+        slot = None  # the k-th replica kept on a rank takes its k-th free slot
+    if slot is None:
+        flat = place_replicas(lay, rep_expert, rep_rank)
+    else:
+        flat = lay.masters_only.copy()
+        flat[slot] = rep_expert
+    phy2log = flat.reshape(num_ranks, num_slots)
     return QuotaSolution(
         placement=Placement(phy2log, master),
         route=np.zeros((0, 4), np.int64),

@@ -15,7 +15,6 @@ replicas (in the same order) and slots as ``quota``'s vector rule
 
 from __future__ import annotations
 
-import itertools
 import math
 from typing import NamedTuple
 
@@ -53,8 +52,10 @@ def try_quota(items: Items, recv: Receivers, quota: int) -> tuple[int, Pieces, W
     """The rule for one domain at ``quota`` (``quota._fit`` and ``quota._walk`` for one
     domain): ``(shortfall, pieces, receivers that take some)``; 0 shortfall: feasible."""
     pieces = sorted([(quota - a if a - quota < m else -m, e) for a, m, e in items if a > quota])
-    ends = list(itertools.accumulate([-neg for neg, _ in pieces]))
-    total = ends[-1] if ends else 0
+    ends, total = [], 0
+    for neg, _ in pieces:
+        total -= neg
+        ends.append(total)
     num = len(ends)
     walked: Walked = []
     u = k = 0
@@ -67,7 +68,7 @@ def try_quota(items: Items, recv: Receivers, quota: int) -> tuple[int, Pieces, W
         kf = k + f - 1  # the f-th piece end after u closes it: out of slots
         if kf < num and ends[kf] < close:
             close = ends[kf]
-        close = min(close, total)
+        close = total if close > total else close  # min(): a builtin call, dearer
         walked.append((r, u, close))
         u = close
     return total - u, pieces, walked
@@ -91,12 +92,14 @@ def next_failure_end(items: Items, recv: Receivers, quota: int) -> int:
     raw = []  # (-amount, expert, slope of the amount)
     for a, m, e in items:
         if a > quota:
-            ahead = min(ahead, a - quota)  # the rank stops shedding the expert at T = a
+            t = a - quota  # the rank stops shedding the expert at T = a
+            ahead = t if t < ahead else ahead  # (min(): a builtin call, dearer)
             if a - quota < m:
                 raw.append((quota - a, e, -1))
             else:  # whole until T passes a - m
                 raw.append((-m, e, 0))
-                ahead = min(ahead, a - m - quota + 1)
+                t = a - m - quota + 1
+                ahead = t if t < ahead else ahead
     raw.sort()
     ends: list[int] = []
     slopes: list[int] = []
@@ -105,7 +108,7 @@ def next_failure_end(items: Items, recv: Receivers, quota: int) -> int:
     for neg, e, s in raw:
         if prev_s < s:  # a shrinking piece before a whole one: they swap
             t = neg - prev_neg + 1 if prev_e < e else max(neg - prev_neg, 1)
-            ahead = min(ahead, t)
+            ahead = t if t < ahead else ahead
         prev_neg, prev_e, prev_s = neg, e, s
         total -= neg
         slope += s
@@ -291,10 +294,12 @@ def layout(master: np.ndarray, num_ranks: int, num_slots: int, dom: np.ndarray) 
 
 def solve_domains(
     demand: np.ndarray, lay: Layout
-) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
     """The uncapped rule's smallest ``T`` [D] for ``demand`` [E] (int64, 2**53 tokens at
-    most in all), the lower bound [D] it searched from, and the replicas ``(expert, rank,
-    tokens)`` each [N] in line order: ``quota._search_domains`` of ``quota._problem``."""
+    most in all), the lower bound [D] it searched from, the replicas ``(expert, rank,
+    tokens)`` each [N] in line order: ``quota._search_domains`` of ``quota._problem``; and
+    the flat slot of each replica [N], :func:`place_replicas`' (the k-th replica of a rank
+    in its k-th free slot)."""
     num_ranks, num_domains = lay.dom.size, len(lay.sizes)
     base = np.bincount(lay.mrank, weights=demand, minlength=num_ranks).astype(np.int64)  # M
     work = np.bincount(lay.dom, weights=base, minlength=num_domains).astype(np.int64)
@@ -330,13 +335,25 @@ def solve_domains(
         quota[d], pieces, walked = search_one(items, recv, low, quota[d])
         _cut(pieces, walked, rep)
     cols = tuple(np.array(x, dtype=np.int64) for x in rep)
-    return np.array(quota, dtype=np.int64), lower, (cols[0], cols[1], cols[2])
+    slot = np.array(_slots(lay.free_slots, rep[1]), dtype=np.int64)
+    return np.array(quota, dtype=np.int64), lower, (cols[0], cols[1], cols[2]), slot
+
+
+def _slots(free_slots: list[list[int]], ranks: list[int]) -> list[int]:
+    """The flat slot of replicas on ``ranks`` in order: the k-th on a rank in its k-th
+    free slot (``free_slots``: per rank, ascending)."""
+    taken = [0] * len(free_slots)
+    out = []
+    for r in ranks:
+        k = taken[r]
+        taken[r] = k + 1
+        out.append(free_slots[r][k])
+    return out
 
 
 def place_replicas(lay: Layout, rep_expert: np.ndarray, rep_rank: np.ndarray) -> np.ndarray:
     """[R * S] int32 phy2log: the masters, plus each replica (expert, rank) [N] in the next
     free slot of its rank, in their order (the k-th replica of a rank in its k-th free slot)."""
     flat = lay.masters_only.copy()
-    slots = [iter(x) for x in lay.free_slots]  # each rank's free slots, the next one first
-    flat[[next(slots[r]) for r in rep_rank.tolist()]] = rep_expert
+    flat[_slots(lay.free_slots, rep_rank.tolist())] = rep_expert
     return flat
