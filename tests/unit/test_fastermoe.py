@@ -179,3 +179,16 @@ def _slot_of(moved: Placement, plan: Placement) -> np.ndarray:
     num_slots = plan.slots_per_rank
     rank, slot = plan.master // num_slots, plan.master % num_slots
     return rank * num_slots + (num_slots - 1 - slot)
+
+
+def test_master_traffic_counts_a_dc_without_ranks():
+    """A DC with no nodes (the constructor takes one) still has its entry: ``dc_tokens``
+    and the DC pairs indexed by DC, not by run of ranks, as the even split gives them."""
+    from expertmesh.planner.topology import DC
+
+    topo = Topology((DC("a", 1, 2), DC("z", 0, 2), DC("c", 1, 2)), 2, 1)
+    masters = static_placement(topo.num_ranks, topo.slots_per_rank, 4, 1)
+    load = np.random.default_rng(3).integers(0, 20, size=(topo.num_ranks, 4))
+    got = master_traffic(load, masters, topo, 2)
+    assert got.dc_tokens.shape == (3,) and got.dc_tokens[1] == 0
+    _assert_same_traffic(got, even_traffic(load, masters, topo, 2, domain="rank"))

@@ -170,21 +170,23 @@ _GROUPS: weakref.WeakKeyDictionary[
 
 
 def _groups(topology: Topology) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]:
-    """``(run of each rank, one-hot, its transpose)`` of ``topology.rank_node`` and
-    ``rank_dc``, made once per topology (the DC's arrays twice, the same objects, when
-    each DC is one node); read-only."""
+    """``(group of each rank, one-hot [R, groups], its transpose)`` of ``topology.rank_node``
+    (over every node) and ``rank_dc`` (over every DC, a DC without ranks a zero column),
+    made once per topology (the DC's arrays twice, the same objects, when each DC is one
+    node); read-only."""
     got = _GROUPS.get(topology)
     if got is None:
         groups = []
-        for index in (topology.rank_node, topology.rank_dc):
-            run = np.cumsum(np.r_[True, index[1:] != index[:-1]]) - 1
-            hot = np.zeros((index.size, int(run[-1]) + 1 if index.size else 0))
+        for index, size in ((topology.rank_node, topology.num_nodes),
+                            (topology.rank_dc, topology.num_dcs)):  # fmt: skip
+            run = np.array(index, dtype=np.int64)
+            hot = np.zeros((index.size, size))
             hot[np.arange(index.size), run] = 1.0
             arrays = (run, hot, np.ascontiguousarray(hot.T))
             for a in arrays:
                 a.flags.writeable = False
             groups.append(arrays)
-        if np.array_equal(groups[0][0], groups[1][0]):
+        if groups[0][1].shape == groups[1][1].shape and np.array_equal(groups[0][0], groups[1][0]):
             groups[0] = groups[1]
         got = _GROUPS[topology] = tuple(groups)
     return got
