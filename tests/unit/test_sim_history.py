@@ -16,6 +16,7 @@ def _windows(w: int, loads: list[np.ndarray]) -> list[np.ndarray]:
         out.append(h.view((3, 4)).copy())
         v = h.view((3, 4))
         assert v.flags.c_contiguous and v.shape[1:] == (3, 4)
+        assert v.shape[0] == 0 or not v.flags.writeable  # policies only read their history
         h.push(x)
     out.append(h.view((3, 4)))
     return out

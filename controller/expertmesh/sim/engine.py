@@ -117,7 +117,11 @@ COLUMNS = (
 
 class LoadSource(Protocol):
     """Per-step loads: ``num_steps``, ``num_layers``, ``num_ranks``, ``num_experts`` and
-    ``step(t)`` -> [L, R, E] int64 (deterministic: the same ``t`` gives the same array)."""
+    ``step(t)`` -> [L, R, E] int64 (deterministic: the same ``t`` gives the same array).
+    The simulator keeps the arrays ``step`` returns for the rest of the run (a group's
+    steps are costed together after planning; history windows may be views of them): a
+    source returns a new array, or a view of data it never changes, not one buffer it
+    refills from step to step."""
 
     @property
     def num_steps(self) -> int: ...

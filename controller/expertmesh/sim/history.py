@@ -5,7 +5,9 @@ A dense source's steps of a one-layer trace lie back to back in one array: then 
 is a read-only view of those loads themselves and a step costs no copy. Otherwise (loads
 from anywhere else, or the steps of a many-layer trace, which are not contiguous) the loads
 are copied into a double buffer, each written twice so the last ``w`` are always one
-contiguous slice. Either way the window has the same values, shape, dtype and strides.
+contiguous slice. Either way the window is read-only, with the same values, shape, dtype
+and strides, as long as the source keeps its loads as the simulator's ``LoadSource``
+contract asks (the simulator keeps them for its deferred costing too).
 """
 
 from __future__ import annotations
@@ -61,7 +63,9 @@ class _History:
         if self.buf is None or self.n == 0:
             return np.zeros((0, *shape), dtype=np.int64)
         end = self.pos + self.w
-        return self.buf[end - self.n : end]
+        window = self.buf[end - self.n : end]
+        window.flags.writeable = False  # as the view's: policies read their history only
+        return window
 
 
 def _follows(last: np.ndarray | None, load: np.ndarray) -> bool:
