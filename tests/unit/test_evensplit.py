@@ -41,7 +41,9 @@ def test_whole_path_equals_float_path(seed, nodes, domain):
     topo = Topology.generate(3, 4, nodes_per_dc=nodes, masters=2, spare=2)
     rng = np.random.default_rng(seed)
     placement = _placement(rng, 12, 24)
-    loads = rng.integers(0, 60, size=(11, 12, 24)) * (rng.random((11, 1, 24)) < 0.8)  # 2 chunks
+    # 37 steps: three chunks of _WHOLE_STEPS (16), the last one short
+    loads = rng.integers(0, 60, size=(37, 12, 24)) * (rng.random((37, 1, 24)) < 0.8)
+    assert loads.shape[0] > 2 * es._WHOLE_STEPS
     fast = even_traffic_steps(loads, placement, topo, 2, domain=domain)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(es, "_whole_runs", lambda topology: None)
@@ -49,6 +51,30 @@ def test_whole_path_equals_float_path(seed, nodes, domain):
     assert [_bits(t) for t in fast] == [_bits(t) for t in slow]
     one = [even_traffic(x, placement, topo, 2, domain=domain) for x in loads]
     assert [_bits(t) for t in fast] == [_bits(t) for t in one]
+
+
+def test_a_later_chunk_reaching_2_53_takes_the_float_path(monkeypatch):
+    """The first chunk is whole tokens below 2**53, the second reaches it: the whole
+    path gives up (``break``) and every step goes the float path, the same floats."""
+    topo = Topology.generate(3, 4, nodes_per_dc=2, masters=2, spare=2)
+    rng = np.random.default_rng(7)
+    placement = _placement(rng, 12, 24)
+    loads = rng.integers(0, 60, size=(37, 12, 24))
+    loads[es._WHOLE_STEPS + 3, 5, 7] = 2**53  # in the second chunk
+    seen: list[bool] = []
+    whole_loads = es._whole_loads
+
+    def spy(*args):
+        got = whole_loads(*args)
+        seen.append(got is None)
+        return got
+
+    monkeypatch.setattr(es, "_whole_loads", spy)
+    fast = even_traffic_steps(loads, placement, topo, 2, domain="dc")
+    assert seen == [False, True]  # the first chunk whole, the second gave up
+    monkeypatch.setattr(es, "_whole_runs", lambda topology: None)
+    slow = even_traffic_steps(loads, placement, topo, 2, domain="dc")
+    assert [_bits(t) for t in fast] == [_bits(t) for t in slow]
 
 
 def test_an_expert_without_a_copy_must_have_no_load():
