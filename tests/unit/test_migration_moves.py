@@ -99,9 +99,28 @@ def test_the_replica_path_runs_on_a_replica_replan():
     local = Placement(phy2log=p2l, master=new.master)
     assert mig_mod._replica_moves(old, local, topo) is None
     _check(old, local, topo, model)
-    _, _, old_m, moved = _scale_replan(3, masters=True)
-    if (old_m.master // 6 != moved.master // 6).any():
-        assert mig_mod._replica_moves(old_m, moved, topo) is None
+
+
+def test_a_master_that_changes_rank_leaves_the_replica_path():
+    # built directly (align_placement may keep a master where it was): expert 5's master
+    # moves from rank 1 to a spare slot of rank 40, its old slot emptied, next to a
+    # replica added elsewhere; the move is a master transfer, on the general path
+    topo, model, old, _ = _scale_replan(0, False)
+    p2l = old.phy2log.copy()
+    master = old.master.copy()
+    assert master[5] // 6 == 1
+    s = int(np.flatnonzero(p2l[40] < 0)[0])
+    p2l[40, s], p2l[1, 1] = 5, -1
+    master[5] = 40 * 6 + s
+    r = int(np.flatnonzero((p2l < 0).any(axis=1) & ~(p2l == 9).any(axis=1))[-1])
+    p2l[r, int(np.flatnonzero(p2l[r] < 0)[0])] = 9  # and a replica of expert 9
+    new = Placement(phy2log=p2l, master=master)
+    assert (old.master // 6 != new.master // 6).sum() == 1
+    assert mig_mod._replica_moves(old, new, topo) is None
+    _check(old, new, topo, model)
+    _src, dst, expert, is_master = migration_moves(old, new, topo, model)
+    assert (expert[is_master] == 5).all() and (dst[is_master] == 40).all() and is_master.any()
+    assert ((expert == 9) & ~is_master).any()
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
