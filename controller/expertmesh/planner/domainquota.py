@@ -489,7 +489,10 @@ def domain_route(load: np.ndarray, sol: DomainSolution, topology: Topology) -> n
     ``sol`` (step 4 of the module doc): every virtual expert without replicas whole to its
     home, the others by :func:`~expertmesh.planner.routing.route_locality`, over blocks of
     DCs and only the sources that send to them (no ``[R, V]`` array: at most
-    ``_ROUTE_CELLS`` cells at a time). At most one row per nonzero ``load[r, e]`` and copy."""
+    ``_ROUTE_CELLS`` cells at a time). At most one row per nonzero ``load[r, e]`` and copy.
+    ``load`` holds whole tokens (an integer array; a float one is refused, not truncated)."""
+    if not np.issubdtype(load.dtype, np.integer):
+        raise ValueError(f"domain_route needs integer token counts, got {load.dtype}")
     src, v, tok = _virtual_load(load, sol)
     rep_v = sol.replicas[0]
     is_hot = np.zeros(sol.v_dc.size, bool)
