@@ -208,7 +208,9 @@ def plan_hybrid(
 
     ``masters``: the placement whose masters to start from (slots other than masters are
     ignored); ``previous``: the placement running now (its copies stay where they are
-    when chosen again, and it is a candidate of the guard).
+    when chosen again, and it is a candidate of the guard). The result may be read-only
+    and shared (a masters-only plan kept between calls is one frozen object): copy it
+    before changing it in place.
     """
     return _plan_hybrid(estimate, masters, topology, model, cfg, previous=previous)[0]
 

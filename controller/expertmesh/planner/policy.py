@@ -103,7 +103,9 @@ class Policy(ABC):
 
     @abstractmethod
     def place(self, ctx: PolicyContext) -> Placement:
-        """The placement this layer runs at ``ctx.step``."""
+        """The placement this layer runs at ``ctx.step``. Callers (the simulator, the
+        controller) may memoize what they derive from a returned placement by its identity:
+        never change its arrays in place afterwards, return a new one."""
 
     @abstractmethod
     def route(self, ctx: PolicyContext, placement: Placement) -> np.ndarray:
