@@ -35,7 +35,7 @@ from expertmesh.planner.model import ModelSpec
 from expertmesh.planner.plan import Placement
 from expertmesh.planner.topology import Topology
 from expertmesh.planner.traffic import Domain, TokenTraffic, _sorted_unique, even_traffic
-from expertmesh.planner.traffic import _rank_shell as _shell
+from expertmesh.planner.trafficbase import _rank_shell as _shell
 
 __all__ = [
     "PHASES",

@@ -25,6 +25,7 @@ import numpy as np
 from expertmesh.planner.plan import Placement
 from expertmesh.planner.topology import Topology
 from expertmesh.planner.trafficbase import (
+    _EXACT,
     _LEVEL,
     _SHORT_RUN,
     Domain,
@@ -36,6 +37,7 @@ from expertmesh.planner.trafficbase import (
     _LoadStats,
     _node_is_dc,
     _pairs_steps,
+    _rank_shell,
     _shell_key,
     _shell_sums,
     _whole_runs,
@@ -240,9 +242,6 @@ def even_traffic_steps(
     return _even_split(many, placement, topology, level, remote)
 
 
-#: whole-token totals below this are exact in float64 whatever the order of summation
-_EXACT = 2**53
-
 #: steps split together on the whole-token path (:func:`even_traffic_steps`): its [T, R, E]
 #: shares (2 MB) stay in cache between the division and the einsums that read them
 _WHOLE_STEPS = 16
@@ -444,7 +443,7 @@ def _even_split(
             rank_out[:, :, j - 1] += reach[j] - reach[j - 1]
     else:
         assert nonlocal_load is not None  # whole loads: spreads only
-        shell = _shell(topology, np.arange(num_ranks)[:, None], mrank[None, :])  # [R, E]
+        shell = _rank_shell(topology, np.arange(num_ranks)[:, None], mrank[None, :])  # [R, E]
         for j in (1, 2, 3):
             rank_out[:, :, j - 1] += np.where(shell == j, nonlocal_load, 0.0).sum(axis=2)
 
@@ -570,12 +569,3 @@ def _level_sums_of(
                 a.flags.writeable = False
             stats.memo[key] = got
     return got  # type: ignore[return-value]
-
-
-def _shell(topology: Topology, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Shell between broadcastable rank arrays: 0 same rank, 1 node, 2 DC, 3 other DC."""
-    out = np.full(np.broadcast(a, b).shape, 3, dtype=np.int8)
-    out[topology.rank_dc[a] == topology.rank_dc[b]] = 2
-    out[topology.rank_node[a] == topology.rank_node[b]] = 1
-    out[np.broadcast_to(a == b, out.shape)] = 0
-    return out

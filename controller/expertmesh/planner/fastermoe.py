@@ -38,12 +38,9 @@ from expertmesh.planner.routing import route_even
 from expertmesh.planner.static import static_placement
 from expertmesh.planner.topology import Topology
 from expertmesh.planner.traffic import TokenTraffic, even_traffic
+from expertmesh.planner.trafficbase import _EXACT
 
 __all__ = ["FasterMoEPolicy", "master_traffic", "shadow", "shadow_floor", "shadow_traffic"]
-
-# Token counts summed in float64 stay exact integers below this: the traffic of whole
-# tokens is then the same floats in any order of summation.
-_EXACT = 2**53
 
 
 def shadow(masters: Placement, experts: np.ndarray) -> Placement:

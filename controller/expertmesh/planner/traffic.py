@@ -16,7 +16,6 @@ they are: 0 same rank, 1 same node, 2 same DC (other node), 3 other DC.
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -24,6 +23,7 @@ import numpy as np
 from expertmesh.planner.evensplit import even_traffic, even_traffic_steps
 from expertmesh.planner.topology import Topology
 from expertmesh.planner.trafficbase import (
+    _EXACT,
     Domain,
     TokenTraffic,
     _dc_tokens,
@@ -78,33 +78,6 @@ def traffic_from_route(
     return TokenTraffic(
         rank_tokens, rank_out, rank_in, ps, pd, pt, _dc_tokens(load, topology, top_k)
     )
-
-
-def _rank_shell(topology: Topology, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """[N] int64 0 same rank, 1 same node, 2 same DC, 3 other DC between rank arrays ``a``
-    and ``b`` (the cost model's): read from a per-topology [R, R] table when there are at
-    most 1,024 ranks, else the count of differences (a node lies in one DC)."""
-    table = _SHELLS.get(topology)
-    if table is None and topology.num_ranks <= 1024:
-        r = np.arange(topology.num_ranks)
-        table = _SHELLS[topology] = _shell_of(topology, r[:, None], r[None, :])
-        table.flags.writeable = False
-    if table is not None:
-        out: np.ndarray = table[a, b]
-        return out
-    return _shell_of(topology, a, b)
-
-
-def _shell_of(topology: Topology, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    dc, node = topology.rank_dc, topology.rank_node
-    out = (dc[a] != dc[b]).astype(np.int64)
-    out += node[a] != node[b]
-    out += a != b
-    return out
-
-
-#: per topology: :func:`_rank_shell` of every pair of ranks
-_SHELLS: weakref.WeakKeyDictionary[Topology, np.ndarray] = weakref.WeakKeyDictionary()
 
 
 def _sorted_unique(values: np.ndarray, space: int) -> np.ndarray:
@@ -204,9 +177,6 @@ def quota_traffic(
     weight = (need - own) / np.where(rest > 0, rest, 1.0)[c_exp]
     return weighted_traffic(load, left, (c_rank, c_exp, weight, own), topology, top_k)
 
-
-#: whole-token totals below this are exact in float64 whatever the order of summation
-_EXACT = 2**53
 
 #: [3, 1] the shells 1, 2, 3 as offsets of (rank, shell) bins
 _SHELL_COL = np.arange(3).reshape(3, 1)

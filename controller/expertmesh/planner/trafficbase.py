@@ -295,3 +295,34 @@ def _whole_runs(topology: Topology) -> tuple[int, int] | None:
 
 #: per topology: :func:`_whole_runs`
 _RUNS: weakref.WeakKeyDictionary[Topology, tuple[int, int] | None] = weakref.WeakKeyDictionary()
+
+
+#: whole-token totals below this are exact in float64 whatever the order of summation
+_EXACT = 2**53
+
+
+def _rank_shell(topology: Topology, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """[N] int64 0 same rank, 1 same node, 2 same DC, 3 other DC between rank arrays ``a``
+    and ``b`` (the cost model's): read from a per-topology [R, R] table when there are at
+    most 1,024 ranks, else the count of differences (a node lies in one DC)."""
+    table = _SHELLS.get(topology)
+    if table is None and topology.num_ranks <= 1024:
+        r = np.arange(topology.num_ranks)
+        table = _SHELLS[topology] = _shell_of(topology, r[:, None], r[None, :])
+        table.flags.writeable = False
+    if table is not None:
+        out: np.ndarray = table[a, b]
+        return out
+    return _shell_of(topology, a, b)
+
+
+def _shell_of(topology: Topology, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    dc, node = topology.rank_dc, topology.rank_node
+    out = (dc[a] != dc[b]).astype(np.int64)
+    out += node[a] != node[b]
+    out += a != b
+    return out
+
+
+#: per topology: :func:`_rank_shell` of every pair of ranks
+_SHELLS: weakref.WeakKeyDictionary[Topology, np.ndarray] = weakref.WeakKeyDictionary()
