@@ -100,15 +100,15 @@ class DcPairs:
         per = float(cfg.cost.microbatches_per_update)
         self.w = cfg.encoding.refresh_bytes(model) / per if model.training else 0.0
         self.g = cfg.encoding.gradient_bytes(model) / per if model.training else 0.0
-        # what every scoring shares: crossing bytes with no copy ([G]) and after each
-        # prefix ([n]), and the option rows' order, by (pair, j)
-        self.x0 = self._bytes(self.total, self.g_dc)
-        self.xj = self._bytes(self.remaining, self.dc)
+        # what every scoring shares: the option rows' order, by (pair, j)
         o_group = np.concatenate([np.arange(self.num_groups), self.group])
         o_j = np.concatenate([np.zeros(self.num_groups, np.int64), self.j])
         self.order = np.lexsort((o_j, o_group))
-        # every option row's inputs, j = 0 rows first (as ``o_group``), scored in one pass
-        self.o_x = np.concatenate([self.x0, self.xj])
+        # every option row's inputs, j = 0 rows first (as ``o_group``), scored in one pass:
+        # crossing bytes with no copy ([G]) and after each prefix ([n])
+        self.o_x = np.concatenate(
+            [self._bytes(self.total, self.g_dc), self._bytes(self.remaining, self.dc)]
+        )
         self.o_copy = np.concatenate([np.zeros(self.num_groups), self.copy])
         self.o_j, self.o_group = o_j, o_group
         o_exp = np.concatenate([np.full(self.num_groups, -1), self.expert])
@@ -165,8 +165,8 @@ class DcPairs:
     def _score(
         self,
         x: np.ndarray,
-        j: np.ndarray | int,
-        copy: np.ndarray | float,
+        j: np.ndarray,
+        copy: np.ndarray,
         gi: np.ndarray,
         rev: tuple[np.ndarray, np.ndarray, np.ndarray],
     ) -> np.ndarray:
