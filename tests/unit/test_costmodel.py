@@ -517,17 +517,24 @@ def test_step_costs_refuses_mismatched_inputs():
     assert step_costs(TOPO, FWD, [], [], CS) == []
 
 
+def _sync_case(seed, per_update):
+    """A random placement's case for replica_streams: topology, placement, a training
+    model, its cost settings and the (weight, gradient) bytes of one sync per step."""
+    topo, pl, _ = _random_case(seed)
+    model = ModelSpec(num_experts=6, top_k=2, hidden=1000, ffn_hidden=10, training=True)
+    cs = CostSettings(microbatches_per_update=per_update)
+    enc = TransferEncoding()
+    sizes = (enc.refresh_bytes(model) / per_update, enc.gradient_bytes(model) / per_update)
+    return topo, pl, model, cs, sizes
+
+
 @pytest.mark.parametrize("per_update", [1, 4])
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_replica_streams_ports_copy_by_copy(seed, per_update):
     # every replica off its master's rank takes the weights in and sends its gradient out on
     # its node fabric or NIC; each master sends once and takes once per expert and fabric
-    topo, pl, _ = _random_case(seed)
-    model = ModelSpec(num_experts=6, top_k=2, hidden=1000, ffn_hidden=10, training=True)
-    cs = CostSettings(microbatches_per_update=per_update)
+    topo, pl, model, cs, (w, g) = _sync_case(seed, per_update)
     got = replica_streams(pl, topo, model, cs)
-    enc = TransferEncoding()
-    w, g = enc.refresh_bytes(model) / per_update, enc.gradient_bytes(model) / per_update
     back, grads = np.zeros((topo.num_ranks, 4)), np.zeros((topo.num_ranks, 4))
     grad = grads if per_update == 1 else back
     mrank = pl.master_rank()
@@ -571,11 +578,7 @@ def test_replica_streams_memo_is_by_value(seed, per_update):
     # each, to the bit, and the shared arrays are read-only; other master ranks: a miss
     from expertmesh.planner import costmodel
 
-    topo, pl, _ = _random_case(seed)
-    model = ModelSpec(num_experts=6, top_k=2, hidden=1000, ffn_hidden=10, training=True)
-    cs = CostSettings(microbatches_per_update=per_update)
-    enc = TransferEncoding()
-    sizes = (enc.refresh_bytes(model) / per_update, enc.gradient_bytes(model) / per_update)
+    topo, pl, model, cs, sizes = _sync_case(seed, per_update)
     rng = np.random.default_rng(seed)
     slots = pl.slots_per_rank
     perm = np.stack([rng.permutation(slots) for _ in range(pl.num_ranks)])  # new slot -> old
