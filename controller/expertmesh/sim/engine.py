@@ -292,8 +292,6 @@ class _PolicyState:
         self.changed_at = [0] * num_layers
         self.last_held: list[np.ndarray | None] = [None] * num_layers
         self.streams: list[tuple[Placement, ExpertStreams] | None] = [None] * num_layers
-        #: each layer's last placement and its replica count
-        self.replicas: list[tuple[Placement, int] | None] = [None] * num_layers
         #: the policy's history window (read once: the engine's windows are made for it)
         self.window = policy.history_window()
         split = getattr(policy, "even_split", None) or EVEN_SPLITS.get(name)
@@ -609,12 +607,7 @@ def _plan(st: _PolicyState, world: _World, t: int, layer: int, load: np.ndarray)
             fanout = _fanout_seconds(world, st.microbatch, st.policy, moves, nbytes)
     _lap(parts, "migration", clock)
     st.prev[layer] = LayerPlan(placement=placement, route=route, migration=Migration())
-    counted = st.replicas[layer]
-    if counted is not None and counted[0] is placement:
-        replicas = counted[1]
-    else:
-        replicas = int((placement.phy2log >= 0).sum()) - model.num_experts
-        st.replicas[layer] = (placement, replicas)
+    replicas = int(np.count_nonzero(placement.phy2log >= 0)) - model.num_experts
     return _Planned(traffic, streams, place_seconds, fanout, solve, mig_bytes, replicas)
 
 
