@@ -3,6 +3,7 @@ reports and the `expertmesh sim` CLI (including bad input: one line, exit 2)."""
 
 import csv
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -119,6 +120,47 @@ def test_an_even_split_that_fails_stops_its_policy_at_that_step(monkeypatch):
     assert static.skipped == "failed at step 2: no copy"
     assert [r.step for r in static.rows] == [0, 1]
     assert [r.step for r in res.runs[1].rows] == [0, 1, 2, 3] and res.runs[1].skipped is None
+
+
+def test_a_step_that_cannot_be_costed_stops_only_its_policy(monkeypatch):
+    # steps are costed in batches over policies; a batch that fails is costed entry by
+    # entry, so only the policy whose step fails stops (at that step) and the others keep
+    # every row, the same rows as a run without the failure
+    from expertmesh.planner.quota import QuotaPolicy
+    from expertmesh.sim import engine
+
+    clean = simulate(_source(), TOPO, MODEL, ["static", "quota", "eplb"])
+    bad = []  # quota's traffic objects of step 2 (kept alive: compared by identity)
+    route_traffic = QuotaPolicy.route_traffic
+
+    def marked(self, ctx, placement):
+        traffic = route_traffic(self, ctx, placement)
+        if ctx.step == 2 and traffic is not None:
+            bad.append(traffic)
+        return traffic
+
+    real = engine.step_costs
+
+    def costs(topology, model, traffics, *args, **kwargs):
+        if any(t is b for t in traffics for b in bad):
+            raise ValueError("cannot cost")
+        return real(topology, model, traffics, *args, **kwargs)
+
+    monkeypatch.setattr(QuotaPolicy, "route_traffic", marked)
+    monkeypatch.setattr(engine, "step_costs", costs)
+    res = simulate(_source(), TOPO, MODEL, ["static", "quota", "eplb"])
+    assert bad, "the planted failure never ran"
+    quota = res.runs[1]
+    assert quota.skipped == "failed at step 2: cannot cost"
+    assert [r.step for r in quota.rows] == [0, 1]
+
+    def modeled(rows):  # solve_seconds is measured CPU: it differs from run to run
+        return [replace(r, solve_seconds=0.0) for r in rows]
+
+    assert modeled(quota.rows) == modeled(clean.runs[1].rows[:2])
+    for i in (0, 2):
+        assert res.runs[i].skipped is None
+        assert modeled(res.runs[i].rows) == modeled(clean.runs[i].rows)
 
 
 @pytest.mark.parametrize("name", ["static", "eplb", "fastermoe", "hybrid"])

@@ -446,22 +446,34 @@ def _cost_pending(pending: list[tuple[_PolicyState, int, list[_Planned]]], world
     """Cost every planned ``(policy, step, layers)`` of ``pending`` with one ``step_costs``
     call and append each row (in ``pending``'s order: step by step); each policy's cost
     parts and CPU seconds get the call's CPU time in proportion to its layers. Deferred even
-    splits (:class:`_EvenSplit`) are computed first (:func:`_even_splits`)."""
-    pending = _even_splits(pending, world)
-    items = [p for _, _, layers in pending for p in layers]
-    if not items:
+    splits (:class:`_EvenSplit`) are computed first (:func:`_even_splits`). When the call
+    fails (``ValueError``), each entry is costed alone: one that fails stops its policy at
+    its step (its later entries are dropped) and the other policies keep their rows."""
+    pending = [entry for entry in _even_splits(pending, world) if entry[2]]
+    if not pending:
         return
-    t0 = time.process_time()
     try:
-        costs = step_costs(
-            world.topology, world.model, [cast(TokenTraffic, p.traffic) for p in items],
-            [p.streams for p in items], world.cost,
-        )  # fmt: skip
-    except ValueError as err:
-        for st, t, _ in pending:
-            if st.run.skipped is None:
+        _cost_rows(pending, world)
+    except ValueError:
+        for entry in pending:
+            st, t, _ = entry
+            if st.run.skipped is not None:
+                continue
+            try:
+                _cost_rows([entry], world)
+            except ValueError as err:
                 _stop(st, t, err)
-        return
+
+
+def _cost_rows(pending: list[tuple[_PolicyState, int, list[_Planned]]], world: _World) -> None:
+    """The rows of ``pending`` (each with layers) from one ``step_costs`` call; appends
+    nothing when it raises."""
+    items = [p for _, _, layers in pending for p in layers]
+    t0 = time.process_time()
+    costs = step_costs(
+        world.topology, world.model, [cast(TokenTraffic, p.traffic) for p in items],
+        [p.streams for p in items], world.cost,
+    )  # fmt: skip
     per_item = (time.process_time() - t0) / len(items)
     at = 0
     for st, t, layers in pending:
