@@ -15,8 +15,16 @@ Run it with two interpreters (two checkouts) back to back for an A/B.
 of the same multinomial, independent Poisson counts completed to ``n`` (below); median
 milliseconds per step over 5 repeats.
 
+``--batching``: instead, what batching a cost model over items saves on these shapes:
+the step cost (``costmodel.step_cost``) of ``--steps`` steps of one group's static
+placement with its even split, item by item against one ``step_costs`` call over all of
+them (the simulator's batched path; the same floats, checked here); median CPU per item
+over 7 repeats and their ratio. The solves and the other cost models run item by item
+(one group-step at a time); this is the gain their batching over the 125 groups could
+aim at, per-call overhead being most of their CPU on [64, 256] arrays.
+
 ``.venv/bin/python bench/bench_scale_parts.py [--groups 5] [--steps 100]
-[--policies fastermoe,quota,eplb] [--draws]``
+[--policies fastermoe,quota,eplb] [--draws] [--batching]``
 """
 
 from __future__ import annotations
@@ -28,6 +36,9 @@ import time
 import numpy as np
 
 from expertmesh.planner import ModelSpec, Topology
+from expertmesh.planner.costmodel import _empty_streams, step_cost, step_costs
+from expertmesh.planner.evensplit import even_traffic
+from expertmesh.planner.static import static_placement
 from expertmesh.planner.trace import _calibrate, _drift, _expert_rank, generate_trace
 from expertmesh.sim.engine import COLUMNS, dense_source, simulate
 from expertmesh.sim.sweep import TraceSpec
@@ -39,9 +50,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--policies", default="fastermoe,quota,eplb")
     ap.add_argument("--draws", action="store_true", help="time the trace's draws alone")
+    ap.add_argument(
+        "--batching", action="store_true", help="time the step cost item by item and batched"
+    )
     args = ap.parse_args()
     if args.draws:
         _draws(args.steps)
+        return
+    if args.batching:
+        _batching(args.steps)
         return
     policies = [p for p in args.policies.split(",") if p]
     group = Topology.generate(8, 8, masters=4, spare=2)
@@ -128,6 +145,33 @@ def _draws(steps: int, n: int = 8192) -> None:
             times.append((time.process_time() - t0) / len(segs))
             assert (counts.sum(axis=1) == n).all()
         print(f"{name:30s} {np.median(times) * 1e3:.3f} ms per step ({steps} steps, 64 x 256)")
+
+
+def _batching(steps: int, repeats: int = 7) -> None:
+    group = Topology.generate(8, 8, masters=4, spare=2)
+    model = ModelSpec(num_experts=256)
+    load = generate_trace(TraceSpec(steps=steps).settings(group.num_ranks, model)).load
+    placement = static_placement(
+        group.num_ranks, group.slots_per_rank, model.num_experts, group.masters_per_rank
+    )
+    traffics = [
+        even_traffic(load[t, 0], placement, group, model.top_k, domain="dc", remote="spread")
+        for t in range(steps)
+    ]
+    none = [_empty_streams(group.num_ranks)] * steps
+    one, many = [], []
+    for _ in range(repeats):
+        t0 = time.process_time()
+        apart = [step_cost(group, model, x) for x in traffics]
+        one.append((time.process_time() - t0) / steps)
+        t0 = time.process_time()
+        together = step_costs(group, model, traffics, none)
+        many.append((time.process_time() - t0) / steps)
+        assert [c.seconds for c in apart] == [c.seconds for c in together]
+    a, b = float(np.median(one)), float(np.median(many))
+    print(f"step cost, {steps} steps of 64 x 256 (medians of {repeats}; same seconds)")
+    print(f"item by item  {a * 1e3:.3f} ms per item")
+    print(f"one batch     {b * 1e3:.3f} ms per item  ({a / b:.2f}x)")
 
 
 if __name__ == "__main__":
