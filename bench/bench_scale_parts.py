@@ -147,7 +147,10 @@ def _draws(steps: int, n: int = 8192) -> None:
         print(f"{name:30s} {np.median(times) * 1e3:.3f} ms per step ({steps} steps, 64 x 256)")
 
 
-def _batching(steps: int, repeats: int = 7) -> None:
+def batching_ms(steps: int = 100, repeats: int = 7) -> tuple[float, float]:
+    """Median CPU ms per item of the step cost of ``steps`` steps of one scale-run group
+    (static placement, its even split): item by item (``step_cost``) and in one
+    ``step_costs`` call; the two give the same seconds (checked)."""
     group = Topology.generate(8, 8, masters=4, spare=2)
     model = ModelSpec(num_experts=256)
     load = generate_trace(TraceSpec(steps=steps).settings(group.num_ranks, model)).load
@@ -163,15 +166,19 @@ def _batching(steps: int, repeats: int = 7) -> None:
     for _ in range(repeats):
         t0 = time.process_time()
         apart = [step_cost(group, model, x) for x in traffics]
-        one.append((time.process_time() - t0) / steps)
+        one.append((time.process_time() - t0) / steps * 1e3)
         t0 = time.process_time()
         together = step_costs(group, model, traffics, none)
-        many.append((time.process_time() - t0) / steps)
+        many.append((time.process_time() - t0) / steps * 1e3)
         assert [c.seconds for c in apart] == [c.seconds for c in together]
-    a, b = float(np.median(one)), float(np.median(many))
+    return float(np.median(one)), float(np.median(many))
+
+
+def _batching(steps: int, repeats: int = 7) -> None:
+    a, b = batching_ms(steps, repeats)
     print(f"step cost, {steps} steps of 64 x 256 (medians of {repeats}; same seconds)")
-    print(f"item by item  {a * 1e3:.3f} ms per item")
-    print(f"one batch     {b * 1e3:.3f} ms per item  ({a / b:.2f}x)")
+    print(f"item by item  {a:.3f} ms per item")
+    print(f"one batch     {b:.3f} ms per item  ({a / b:.2f}x)")
 
 
 if __name__ == "__main__":
