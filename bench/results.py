@@ -569,7 +569,7 @@ def _left(run: dict[str, Any]) -> list[str]:
         "**What would reach the target.** What is left in the solves and cost models is",
         "mostly the fixed cost of each numpy call on [64, 256] arrays, one group-step at a",
         "time. Where the tree has both paths, batching pays: the step cost of 100 steps of",
-        f"one group takes {apart:.3f} ms per item item by item and {together:.3f} ms in one",
+        f"one group takes {apart:.3f} ms per item costed one by one and {together:.3f} ms in one",
         f"batch ({apart / together:.1f}x, measured here: `bench/bench_scale_parts.py",
         "--batching`). Reaching 100 s needs the solves (quota's line, hybrid's compose and",
         "its slow loop, fastermoe, eplb) and the traffic, replica-stream and migration",
