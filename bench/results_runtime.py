@@ -148,6 +148,11 @@ def _provenance(run: dict) -> list[str]:
         )
         if part.get("stopped"):
             out.append(f"**Partial run**: {part['stopped']}.")
+        if run.get("parts") and part.get("repredicted") and not run.get("repredicted"):
+            out.append(
+                "Its rows predicted again from its traces at commit "
+                f"{part['repredicted']['commit'][:7]}."
+            )
     if run.get("repredicted"):
         out.append(
             "Predicted again from the recorded traces (`bench_runtime.py --repredict`) at "

@@ -34,3 +34,20 @@ def test_groups_of_different_runs_make_one_table() -> None:
 def test_a_group_in_two_records_is_refused() -> None:
     with pytest.raises(ValueError, match="2 DCs 1 Gbit/s is in two records"):
         bench_runtime.merge([_record("old", (2, 1.0)), _record("new", (2, 0.02), (2, 1.0))])
+
+
+def test_a_reprediction_names_every_record_it_read() -> None:
+    a, b = _record("a", (3, 0.02)), _record("b", (2, 0.1))
+    a["repredicted"] = {"commit": "c1", "root": "runs/a"}
+    b["repredicted"] = {"commit": "c1", "root": "runs/b"}
+    out = bench_runtime.merge([a, b])
+    assert out["repredicted"] == {"commit": "c1", "roots": ["runs/a", "runs/b"]}
+    assert [p["repredicted"]["root"] for p in out["parts"]] == ["runs/a", "runs/b"]
+    # predicted again at different commits (or only some): no one commit for the table;
+    # each part keeps its own
+    b["repredicted"] = {"commit": "c2", "root": "runs/b"}
+    out = bench_runtime.merge([a, b])
+    assert "repredicted" not in out
+    assert [p["repredicted"]["commit"] for p in out["parts"]] == ["c1", "c2"]
+    del a["repredicted"]
+    assert "repredicted" not in bench_runtime.merge([a, b])

@@ -89,3 +89,11 @@ def test_rows_of_several_runs_name_each_run_and_the_reprediction(tmp_path: Path)
         "**Not in this record** (not measured by its runs): 2 DCs 100 Mbit/s, "
         "2 DCs 20 Mbit/s, 3 DCs 1 Gbit/s, 3 DCs 100 Mbit/s (20 of 30 rows" in text
     )
+    # parts predicted again at different commits (no one commit for the table): each says its own
+    del run["repredicted"]
+    run["parts"][0]["repredicted"] = {"commit": "ddddddd4", "root": "a"}
+    run["parts"][1]["repredicted"] = {"commit": "eeeeeee5", "root": "b"}
+    text = _section_of(run, tmp_path / "again")
+    assert "Its rows predicted again from its traces at commit ddddddd." in text
+    assert "Its rows predicted again from its traces at commit eeeeeee." in text
+    assert "the measurements are the runs'" not in text
