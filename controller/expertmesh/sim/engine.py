@@ -449,7 +449,7 @@ def _cost_pending(pending: list[tuple[_PolicyState, int, list[_Planned]]], world
     splits (:class:`_EvenSplit`) are computed first (:func:`_even_splits`). When the call
     fails (``ValueError``), each entry is costed alone: one that fails stops its policy at
     its step (its later entries are dropped) and the other policies keep their rows."""
-    pending = [entry for entry in _even_splits(pending, world) if entry[2]]
+    pending = _even_splits(pending, world)
     if not pending:
         return
     try:
@@ -466,8 +466,7 @@ def _cost_pending(pending: list[tuple[_PolicyState, int, list[_Planned]]], world
 
 
 def _cost_rows(pending: list[tuple[_PolicyState, int, list[_Planned]]], world: _World) -> None:
-    """The rows of ``pending`` (each with layers) from one ``step_costs`` call; appends
-    nothing when it raises."""
+    """The rows of ``pending`` from one ``step_costs`` call; appends nothing when it raises."""
     items = [p for _, _, layers in pending for p in layers]
     t0 = time.process_time()
     costs = step_costs(
