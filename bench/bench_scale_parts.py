@@ -36,7 +36,7 @@ import time
 import numpy as np
 
 from expertmesh.planner import ModelSpec, Topology
-from expertmesh.planner.costmodel import _empty_streams, step_cost, step_costs
+from expertmesh.planner.costmodel import ExpertStreams, step_cost, step_costs
 from expertmesh.planner.evensplit import even_traffic
 from expertmesh.planner.static import static_placement
 from expertmesh.planner.trace import _calibrate, _drift, _expert_rank, generate_trace
@@ -61,8 +61,7 @@ def main() -> None:
         _batching(args.steps)
         return
     policies = [p for p in args.policies.split(",") if p]
-    group = Topology.generate(8, 8, masters=4, spare=2)
-    model = ModelSpec(num_experts=256)
+    group, model = _scale_group()
     spec = TraceSpec(steps=args.steps)
     trace_cpu = 0.0
     solve = dict.fromkeys(policies, 0.0)
@@ -147,12 +146,16 @@ def _draws(steps: int, n: int = 8192) -> None:
         print(f"{name:30s} {np.median(times) * 1e3:.3f} ms per step ({steps} steps, 64 x 256)")
 
 
+def _scale_group() -> tuple[Topology, ModelSpec]:
+    """One EP group of the scale run (8 DCs x 8 ranks, 4 + 2 slots) and its model."""
+    return Topology.generate(8, 8, masters=4, spare=2), ModelSpec(num_experts=256)
+
+
 def batching_ms(steps: int = 100, repeats: int = 7) -> tuple[float, float]:
     """Median CPU ms per item of the step cost of ``steps`` steps of one scale-run group
-    (static placement, its even split): item by item (``step_cost``) and in one
-    ``step_costs`` call; the two give the same seconds (checked)."""
-    group = Topology.generate(8, 8, masters=4, spare=2)
-    model = ModelSpec(num_experts=256)
+    (static placement, its even split, no expert streams): item by item (``step_cost``)
+    and in one ``step_costs`` call; the two give the same seconds (checked)."""
+    group, model = _scale_group()
     load = generate_trace(TraceSpec(steps=steps).settings(group.num_ranks, model)).load
     placement = static_placement(
         group.num_ranks, group.slots_per_rank, model.num_experts, group.masters_per_rank
@@ -161,14 +164,14 @@ def batching_ms(steps: int = 100, repeats: int = 7) -> tuple[float, float]:
         even_traffic(load[t, 0], placement, group, model.top_k, domain="dc", remote="spread")
         for t in range(steps)
     ]
-    none = [_empty_streams(group.num_ranks)] * steps
+    none = ExpertStreams.empty(group.num_ranks)
     one, many = [], []
     for _ in range(repeats):
         t0 = time.process_time()
-        apart = [step_cost(group, model, x) for x in traffics]
+        apart = [step_cost(group, model, x, none) for x in traffics]
         one.append((time.process_time() - t0) / steps * 1e3)
         t0 = time.process_time()
-        together = step_costs(group, model, traffics, none)
+        together = step_costs(group, model, traffics, [none] * steps)
         many.append((time.process_time() - t0) / steps * 1e3)
         assert [c.seconds for c in apart] == [c.seconds for c in together]
     return float(np.median(one)), float(np.median(many))

@@ -528,7 +528,8 @@ def _left(run: dict[str, Any]) -> list[str]:
     b = run["breakdown"]
     per = cpu / (groups * steps) * 1e3
     draws = _draws_ms() * groups * steps / 1e3
-    apart, together = batching_ms()
+    batch_steps = 100
+    apart, together = batching_ms(batch_steps)
     solves = sorted(((n, v["solve"]) for n, v in b["policies"].items()), key=lambda x: -x[1])
     cost = _cost_parts(run)
     head = (
@@ -566,10 +567,11 @@ def _left(run: dict[str, Any]) -> list[str]:
         "over every group) made the planner's caches of recent placements miss and cost",
         "more than it saved (measured in commit d19f813).",
         "",
-        "**What would reach the target.** What is left in the solves and cost models is",
-        "mostly the fixed cost of each numpy call on [64, 256] arrays, one group-step at a",
-        "time. Where the tree has both paths, batching pays: the step cost of 100 steps of",
-        f"one group takes {apart:.3f} ms per item costed one by one and {together:.3f} ms in one",
+        "**What would reach the target.** The solves and cost models run one group-step at",
+        f"a time on [64, 256] arrays: each numpy call's fixed cost is paid {groups * steps:,}",
+        "times per policy. Where the tree has both paths, batching pays: the step cost of",
+        f"{batch_steps} steps of one group takes {apart:.3f} ms per item costed one by one and",
+        f"{together:.3f} ms in one",
         f"batch ({apart / together:.1f}x, measured here: `bench/bench_scale_parts.py",
         "--batching`). Reaching 100 s needs the solves (quota's line, hybrid's compose and",
         "its slow loop, fastermoe, eplb) and the traffic, replica-stream and migration",
