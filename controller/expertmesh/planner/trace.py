@@ -29,9 +29,10 @@ does the same, per layer and per step:
   Every source rank shares the layer's popularity (no per-rank preference).
   The multinomial's binomial draws (``E - 1`` per rank and step) are most of the
   generator's time (2.2 of 3.2 ms per step at 64 ranks x 256 experts x 8192 tokens). Exact
-  samplers from independent Poisson counts completed to ``n`` measure 8-24% faster on
-  these draws, but give another random stream, so every trace would change
-  (``bench/bench_scale_parts.py --draws``; docs/benchmarks.md).
+  samplers from independent Poisson counts completed to ``n`` are faster on these draws
+  (8% for ``bench/bench_scale_parts.py --draws``'s; 24% for a prototype kept out of the
+  repository, docs/benchmarks.md) but give another random stream, so every trace would
+  change.
 - **drift** ``F``: each step about ``F * E / 2`` swaps (Poisson) of two experts
   whose popularity positions are at most ``max(1, E // 16)`` apart: the hot set
   moves slowly. **regime switches**: every ``regime_every`` steps the order is
