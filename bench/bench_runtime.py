@@ -493,9 +493,9 @@ def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
     ]
     drop = ("stopped", "partial", "record", "repredicted")
     first = {k: v for k, v in results[0].items() if k not in drop}
-    reps = [r["repredicted"] for r in results if r.get("repredicted")]
-    if len(reps) == len(results) and len({x["commit"] for x in reps}) == 1:  # all, one commit
-        first["repredicted"] = {"commit": reps[0]["commit"], "roots": [x["root"] for x in reps]}
+    commits = {r["repredicted"]["commit"] if r.get("repredicted") else None for r in results}
+    if len(commits) == 1 and None not in commits:  # every record, at one commit (roots: parts)
+        first["repredicted"] = {"commit": commits.pop()}
 
     def order(g: dict[str, Any]) -> tuple[int, float]:  # DC count, then fastest link first
         return g["dcs"], -g["gbps"]

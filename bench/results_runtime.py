@@ -148,7 +148,7 @@ def _provenance(run: dict) -> list[str]:
         )
         if part.get("stopped"):
             out.append(f"**Partial run**: {part['stopped']}.")
-        if run.get("parts") and part.get("repredicted") and not run.get("repredicted"):
+        if part.get("repredicted") and not run.get("repredicted"):  # (a part, not the run)
             out.append(
                 "Its rows predicted again from its traces at commit "
                 f"{part['repredicted']['commit'][:7]}."

@@ -41,7 +41,7 @@ def test_a_reprediction_names_every_record_it_read() -> None:
     a["repredicted"] = {"commit": "c1", "root": "runs/a"}
     b["repredicted"] = {"commit": "c1", "root": "runs/b"}
     out = bench_runtime.merge([a, b])
-    assert out["repredicted"] == {"commit": "c1", "roots": ["runs/a", "runs/b"]}
+    assert out["repredicted"] == {"commit": "c1"}
     assert [p["repredicted"]["root"] for p in out["parts"]] == ["runs/a", "runs/b"]
     # predicted again at different commits (or only some): no one commit for the table;
     # each part keeps its own
