@@ -36,6 +36,7 @@ from expertmesh.planner.plan import Placement
 from expertmesh.planner.topology import Topology
 from expertmesh.planner.traffic import Domain, TokenTraffic, _sorted_unique, even_traffic
 from expertmesh.planner.trafficbase import _rank_shell as _shell
+from expertmesh.planner.trafficbase import _remember
 
 __all__ = [
     "PHASES",
@@ -235,9 +236,7 @@ def replica_streams(
         for a in (got.pair_src, got.pair_dst, got.pair_tail, got.pair_background,
                   got.port_tail, got.port_background):  # fmt: skip
             a.flags.writeable = False  # shared by every caller with these copies
-        for old in list(memo)[: max(0, len(memo) - _SYNCS_KEPT + 1)]:
-            memo.pop(old, None)
-        memo[key] = got
+        _remember(memo, key, got, _SYNCS_KEPT)
     return got
 
 

@@ -35,20 +35,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from expertmesh.planner.domaintopo import (
-    _frozen,
-    _in_order,
-    _level_sums,
-    _node_is_dc,
-    _remember,
-    domain_sizes,
-    merge_dcs,
-)
+from expertmesh.planner.domaintopo import _frozen, _in_order, _level_sums, domain_sizes, merge_dcs
 from expertmesh.planner.plan import Placement, check_load
 from expertmesh.planner.quota import balance_demand
 from expertmesh.planner.routing import route_locality
 from expertmesh.planner.topology import Topology
 from expertmesh.planner.traffic import TokenTraffic
+from expertmesh.planner.trafficbase import _node_is_dc, _remember
 
 __all__ = [
     "DomainSolution",

@@ -1,17 +1,18 @@
 """What :mod:`expertmesh.planner.domainquota` derives once per topology or keeps between
-calls: the domains of consecutive DCs (:func:`merge_dcs`, :func:`domain_sizes`), whether a
-topology's nodes are its DCs, the sums of a load by node and DC, and the small memo helpers
-(moved out of ``domainquota``, which re-exports the public names)."""
+calls: the domains of consecutive DCs (:func:`merge_dcs`, :func:`domain_sizes`), the sums
+of a load by node and DC, and whether an array can still change (moved out of
+``domainquota``, which re-exports the public names; whether a topology's nodes are its DCs
+and the memo eviction are ``trafficbase``'s, shared with the traffic views)."""
 
 from __future__ import annotations
 
 import weakref
-from typing import Any
 
 import numpy as np
 
 from expertmesh.planner.topology import DC, Topology
 from expertmesh.planner.traffic import level_sums
+from expertmesh.planner.trafficbase import _remember
 
 __all__ = ["domain_sizes", "merge_dcs"]
 
@@ -31,18 +32,6 @@ def _in_order(group: np.ndarray, num_groups: int) -> bool:
 
 
 _IN_ORDER: dict[tuple[object, ...], bool] = {}
-
-
-def _remember(memo: dict[Any, Any], key: Any, value: Any, kept: int) -> None:
-    """Keep ``value`` under ``key`` in ``memo``, at most ``kept`` entries, the oldest
-    dropped first (none kept when ``kept`` is 0). ``list()`` copies the keys in one step
-    and ``pop`` tolerates a key another thread dropped first: the controller plans
-    what-ifs in threads of their own."""
-    if kept <= 0:
-        return
-    for old in list(memo)[: max(0, len(memo) - kept + 1)]:
-        memo.pop(old, None)
-    memo[key] = value
 
 
 def _frozen(a: np.ndarray) -> bool:
@@ -77,16 +66,6 @@ def _runs(topology: Topology) -> tuple[int, int] | None:
     return _RUNS[topology]
 
 
-def _node_is_dc(topology: Topology) -> bool:
-    """Whether every rank's node is its DC's index (one node per DC), once per topology."""
-    got = _NODE_IS_DC.get(topology)
-    if got is None:
-        got = _NODE_IS_DC[topology] = bool(np.array_equal(topology.rank_node, topology.rank_dc))
-    return got
-
-
-#: :func:`_node_is_dc` of every topology alive
-_NODE_IS_DC: weakref.WeakKeyDictionary[Topology, bool] = weakref.WeakKeyDictionary()
 #: :func:`_runs` of every topology alive
 _RUNS: weakref.WeakKeyDictionary[Topology, tuple[int, int] | None] = weakref.WeakKeyDictionary()
 

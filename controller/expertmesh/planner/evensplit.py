@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import Literal
 
 import numpy as np
 
@@ -38,6 +38,7 @@ from expertmesh.planner.trafficbase import (
     _node_is_dc,
     _pairs_steps,
     _rank_shell,
+    _remember,
     _shell_key,
     _shell_sums,
     _whole_runs,
@@ -45,9 +46,6 @@ from expertmesh.planner.trafficbase import (
 )
 
 __all__ = ["even_traffic", "even_traffic_steps"]
-
-_K = TypeVar("_K")
-_V = TypeVar("_V")
 
 
 def _float_load(load: np.ndarray, stats: _LoadStats | None) -> tuple[np.ndarray, np.ndarray]:
@@ -92,7 +90,7 @@ class _Copies:
             got = (step_rank, _shell_key(step_rank))
             for a in got:
                 a.flags.writeable = False
-            _keep(self.steps, num_steps, got, 4)
+            _remember(self.steps, num_steps, got, 4)
         return got
 
     def k(self, j: int) -> np.ndarray:
@@ -123,16 +121,6 @@ class _Copies:
         return (int(self.group[0].size), int(self.total.size))
 
 
-def _keep(memo: dict[_K, _V], key: _K, value: _V, kept: int) -> None:
-    """Keep ``value`` under ``key`` in ``memo``, at most ``kept`` entries, the oldest
-    dropped first. ``list()`` copies the keys in one step and ``pop`` tolerates a key
-    another thread dropped first: the controller's Solve runs planners in threads
-    (``asyncio.to_thread``), so a bare ``pop(next(iter(memo)))`` could raise there."""
-    for old in list(memo)[: max(0, len(memo) - kept + 1)]:
-        memo.pop(old, None)
-    memo[key] = value
-
-
 #: per topology: the last few placements' :class:`_Copies`, keyed by their arrays' bytes
 #: (the simulator asks for the same placement step after step)
 _COPIES: weakref.WeakKeyDictionary[Topology, dict[bytes, _Copies]] = weakref.WeakKeyDictionary()
@@ -161,7 +149,7 @@ def _copies(placement: Placement, topology: Topology, num_experts: int) -> _Copi
     got = _Copies(cr, cs, ce, group, count, total, np.where(total > 0, total, 1.0), {})
     for a in (cr, cs, ce, total, got.safe_total, *count):
         a.flags.writeable = False
-    _keep(per, key, got, _COPIES_KEPT)
+    _remember(per, key, got, _COPIES_KEPT)
     return got
 
 

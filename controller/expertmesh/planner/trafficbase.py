@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import Literal, TypeVar, cast
 
 import numpy as np
 
@@ -230,6 +230,23 @@ def _node_is_dc(topology: Topology) -> bool:
 
 #: per topology: :func:`_node_is_dc`
 _NODE_IS_DC: weakref.WeakKeyDictionary[Topology, bool] = weakref.WeakKeyDictionary()
+
+
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
+def _remember(memo: dict[_K, _V], key: _K, value: _V, kept: int) -> None:
+    """Keep ``value`` under ``key`` in ``memo``, at most ``kept`` entries, the oldest
+    dropped first (none kept when ``kept`` is 0). ``list()`` copies the keys in one step
+    and ``pop`` tolerates a key another thread dropped first: the controller's Solve runs
+    planners in threads (``asyncio.to_thread``), so a bare ``pop(next(iter(memo)))``
+    could raise there."""
+    if kept <= 0:
+        return
+    for old in list(memo)[: max(0, len(memo) - kept + 1)]:
+        memo.pop(old, None)
+    memo[key] = value
 
 
 def _node_dc(topology: Topology) -> np.ndarray:
