@@ -277,8 +277,7 @@ def _plan_hybrid(
     bar = (1.0 - cfg.min_gain) * keep_cost
     fill_sets = [list(_fills(inp, mdc, reps, cfg.fill)) for reps in pair_sets]
     every_fill = [h for fills in fill_sets for h in fills]
-    guard.bounds_of([*pair_holds, plain, *every_fill])
-    if guard.above([*pair_holds, plain], bar) and guard.above(every_fill, bar):
+    if guard.above([*pair_holds, plain, *every_fill], bar):
         return _kept(
             _evened(inp, keep, keep_cost, guard) if cfg.even_dcs else keep, keep, keep_cost
         )
