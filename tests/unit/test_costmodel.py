@@ -594,17 +594,22 @@ def test_replica_streams_memo_is_by_value(seed, per_update):
         for f in fields:
             np.testing.assert_array_equal(getattr(again, f), getattr(fresh, f))
             assert not getattr(again, f).flags.writeable
+    # move one expert's master onto a rank already holding a replica of it: the same copies
+    # on every rank (phy2log unchanged), only that master's rank differs
+    mrank = pl.master_rank()
+    held = [(int(r2), int(s2)) for r2, s2 in zip(*np.nonzero(pl.phy2log >= 0), strict=True)
+            if r2 != mrank[pl.phy2log[r2, s2]]]  # fmt: skip
+    assert held  # every seed here has a replica off its master's rank
+    r2, s2 = held[0]
+    e = int(pl.phy2log[r2, s2])
     moved = pl.master.copy()
-    e = int(np.flatnonzero(pl.phy2log.ravel()[pl.master] >= 0)[0])
-    other = (int(pl.master_rank()[e]) + 1) % pl.num_ranks
-    free = np.flatnonzero(pl.phy2log[other] < 0)
-    if free.size:
-        p2l = pl.phy2log.copy()
-        p2l[other, free[0]] = e
-        moved[e] = other * slots + free[0]
-        elsewhere = Placement(p2l, moved)
-        fresh = costmodel._replica_streams(elsewhere, elsewhere.master_rank(), topo, cs, sizes)
-        mine = replica_streams(elsewhere, topo, model, cs)
-        assert mine is not got
-        for f in fields:
-            np.testing.assert_array_equal(getattr(mine, f), getattr(fresh, f))
+    moved[e] = r2 * slots + s2
+    elsewhere = Placement(pl.phy2log, moved)
+    assert elsewhere.master_rank()[e] != mrank[e]
+    assert (elsewhere.master_rank() != mrank).sum() == 1
+    fresh = costmodel._replica_streams(elsewhere, elsewhere.master_rank(), topo, cs, sizes)
+    assert any(not np.array_equal(getattr(fresh, f), getattr(got, f)) for f in fields)
+    mine = replica_streams(elsewhere, topo, model, cs)
+    assert mine is not got  # recomputed, not the first placement's entry
+    for f in fields:
+        np.testing.assert_array_equal(getattr(mine, f), getattr(fresh, f))
