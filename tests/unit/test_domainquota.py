@@ -276,10 +276,11 @@ def test_row_sums_by_dc_take_the_integer_path_and_give_the_same_floats(seed, dcs
             assert got.dtype == np.float64 and np.array_equal(got, want)
 
 
-def test_memos_by_identity_serve_only_what_cannot_change():
+def test_memos_by_identity_serve_only_what_cannot_change(monkeypatch):
     # rehome of a plan of masters only (each DC's copies its masters') is one read-only
     # base per masters, whatever the replicas: the same object, whose parts domain_quota
     # finds by identity; holder sets that can still change are never served by identity
+    from expertmesh.planner import domainquota
     from expertmesh.planner.domainquota import holder_routing
 
     topo = Topology.generate(2, 4, masters=2, spare=2)
@@ -295,11 +296,23 @@ def test_memos_by_identity_serve_only_what_cannot_change():
     want = np.full_like(masters.phy2log, -1)
     want.reshape(-1)[masters.master] = np.arange(num_experts)
     assert np.array_equal(a.phy2log, want) and np.array_equal(a.master, masters.master)
-    # served by identity (the read-only base of the last call) vs looked up by value (a
-    # writable copy): the same solution, field by field
+    # served by identity (the read-only base of the last call) vs built afresh (a writable
+    # copy, no by-value memo to hit): the same solution, field by field
     domain_quota(load, a, topo)
-    sol = domain_quota(load, b, topo)
-    by_value = domain_quota(load, Placement(a.phy2log.copy(), a.master.copy()), topo)
+    last = domainquota._LAST_BASE[0]
+    assert last is not None and last[0] is a  # a frozen base: kept by identity
+    with monkeypatch.context() as m:
+        # no by-value entries: b's parts can come only from the identity slot, and the
+        # reference's base parts and holder routing are computed from scratch
+        m.setattr(domainquota, "_BASES", {})
+        m.setattr(domainquota, "_BASES_KEPT", 0)
+        m.setattr(domainquota, "_ROUTINGS", {})
+        m.setattr(domainquota, "_ROUTINGS_KEPT", 0)
+        sol = domain_quota(load, b, topo)
+        assert domainquota._LAST_BASE[0] is last and sol.holds is last[2][0]  # by identity
+        by_value = domain_quota(load, Placement(a.phy2log.copy(), a.master.copy()), topo)
+        assert domainquota._LAST_BASE[0] is last  # a writable base is never kept
+        assert by_value.holds is not sol.holds and not domainquota._BASES
     for f in dataclasses.fields(sol):
         x, y = getattr(sol, f.name), getattr(by_value, f.name)
         if isinstance(x, Placement):
