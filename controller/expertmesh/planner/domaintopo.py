@@ -12,7 +12,7 @@ import numpy as np
 
 from expertmesh.planner.topology import DC, Topology
 from expertmesh.planner.traffic import level_sums
-from expertmesh.planner.trafficbase import _remember
+from expertmesh.planner.trafficbase import _remember, _whole_runs
 
 __all__ = ["domain_sizes", "merge_dcs"]
 
@@ -43,31 +43,15 @@ def _level_sums(left: np.ndarray, topology: Topology, *, exact: bool) -> list[np
     """:func:`~expertmesh.planner.traffic.level_sums` of ``left`` [R, E] (its [R, E], node
     and DC entries). ``exact``: ``left`` holds integers, so its sums are exact in any order
     (the same floats): with every node of the same ranks and every DC of the same nodes,
-    consecutive (:func:`_runs`), one reshaped sum per level."""
-    runs = _runs(topology) if exact else None
+    consecutive (:func:`~expertmesh.planner.trafficbase._whole_runs`), one reshaped sum per
+    level."""
+    runs = _whole_runs(topology) if exact else None
     if runs is None:
         return level_sums(left, topology)[:3]
-    per_node, per_dc = runs
+    per_node, per_dc = runs  # per_dc 0: each node a DC
     node = left.reshape(-1, per_node, left.shape[1]).sum(axis=1)
-    dc = node if per_dc == 1 else node.reshape(-1, per_dc, node.shape[1]).sum(axis=1)
+    dc = node if per_dc <= 1 else node.reshape(-1, per_dc, node.shape[1]).sum(axis=1)
     return [left, node, dc]
-
-
-def _runs(topology: Topology) -> tuple[int, int] | None:
-    """``(ranks per node, nodes per DC)`` when every node has as many ranks and every DC as
-    many nodes, numbered DC by DC and node by node; else ``None`` (once per topology)."""
-    if topology not in _RUNS:
-        nodes = {d.nodes for d in topology.dcs}
-        per_node = {d.ranks_per_node for d in topology.dcs}
-        rank_node, rank_dc = topology.rank_node, topology.rank_dc
-        ordered = bool(np.all(np.diff(rank_node) >= 0) and np.all(np.diff(rank_dc) >= 0))
-        same = len(nodes) == 1 and len(per_node) == 1 and rank_node.size > 0
-        _RUNS[topology] = (per_node.pop(), nodes.pop()) if same and ordered else None
-    return _RUNS[topology]
-
-
-#: :func:`_runs` of every topology alive
-_RUNS: weakref.WeakKeyDictionary[Topology, tuple[int, int] | None] = weakref.WeakKeyDictionary()
 
 
 def merge_dcs(topology: Topology, size: int) -> Topology | None:
