@@ -124,10 +124,10 @@ def sum_rows(x: np.ndarray, group: np.ndarray, num_groups: int) -> np.ndarray:
     """[num_groups, E] float64: rows of ``x`` [R, E] summed by ``group`` [R]. Integer and
     bool rows of groups in order, each of the same size (a topology's DCs), are summed as
     integers (exact, so the same floats in any order) over a [G, size, E] view."""
-    num_rows, num_cols = x.shape
-    if x.dtype.kind in "biu" and group.size == num_rows and _in_order(group, num_groups):
-        size = num_rows // num_groups
-        return x.reshape(num_groups, size, num_cols).sum(axis=1, dtype=np.int64).astype(np.float64)
+    got = _ordered_int_sums(x, group, num_groups)
+    if got is not None:
+        return got.astype(np.float64)
+    num_cols = x.shape[1]
     keys = (group[:, None] * num_cols + np.arange(num_cols)[None, :]).ravel()
     flat = np.bincount(keys, weights=x.ravel().astype(np.float64), minlength=num_groups * num_cols)
     return flat.reshape(num_groups, num_cols)
@@ -136,10 +136,17 @@ def sum_rows(x: np.ndarray, group: np.ndarray, num_groups: int) -> np.ndarray:
 def _int_rows(x: np.ndarray, group: np.ndarray, num_groups: int) -> np.ndarray:
     """:func:`sum_rows` of integer ``x`` as int64 (the same integers, without the round
     trip through floats where the groups are in order)."""
+    got = _ordered_int_sums(x, group, num_groups)
+    return got if got is not None else sum_rows(x, group, num_groups).astype(np.int64)
+
+
+def _ordered_int_sums(x: np.ndarray, group: np.ndarray, num_groups: int) -> np.ndarray | None:
+    """[num_groups, E] int64 sums of integer or bool rows ``x`` [R, E] whose ``group`` [R]
+    is in order, groups of one size (a [G, size, E] view); else ``None``."""
     num_rows, num_cols = x.shape
     if x.dtype.kind in "biu" and group.size == num_rows and _in_order(group, num_groups):
         return x.reshape(num_groups, num_rows // num_groups, num_cols).sum(axis=1, dtype=np.int64)
-    return sum_rows(x, group, num_groups).astype(np.int64)
+    return None
 
 
 def remote_holder(holds: np.ndarray, rank_dc: np.ndarray) -> np.ndarray:
