@@ -49,6 +49,7 @@ __all__ = [
     "expected_crossings",
     "migration_streams",
     "modeled_step",
+    "pair_links",
     "placement_cost",
     "replica_streams",
     "step_cost",
@@ -447,6 +448,15 @@ def _dense_links(topology: Topology) -> tuple[np.ndarray, np.ndarray, np.ndarray
             a.flags.writeable = False
         _LINKS[topology] = got
     return got
+
+
+def pair_links(topology: Topology) -> tuple[np.ndarray, np.ndarray]:
+    """[D, D] bytes per second and latency in seconds of every ordered DC pair (read-only
+    views of :func:`_dense_links`' arrays, once per topology: the floats of
+    ``dc_gbps * 1e9 / 8.0`` and ``dc_latency_ms / 1e3``)."""
+    d = topology.num_dcs
+    _, _, bw, lat = _dense_links(topology)
+    return bw.reshape(d, d), lat.reshape(d, d)
 
 
 #: per topology: :func:`_dense_links`

@@ -29,6 +29,7 @@ from expertmesh.planner.costmodel import (
     TransferEncoding,
     crossings,
     modeled_step,
+    pair_links,
     step_cost,
 )
 from expertmesh.planner.model import ModelSpec
@@ -293,9 +294,11 @@ _LINKS: weakref.WeakKeyDictionary[Topology, tuple[np.ndarray, np.ndarray, bool]]
 
 
 def _dc_links(topology: Topology) -> tuple[np.ndarray, np.ndarray, bool]:
+    """[D, D] latency and bytes per second of every DC pair (:func:`pair_links`) and
+    whether the links are alike both ways (once per topology)."""
     got = _LINKS.get(topology)
     if got is None:
-        lat, bw = topology.dc_latency_ms / 1e3, topology.dc_gbps * 1e9 / 8.0
+        bw, lat = pair_links(topology)
         got = _LINKS[topology] = (lat, bw, bool((lat == lat.T).all() and (bw == bw.T).all()))
     return got
 

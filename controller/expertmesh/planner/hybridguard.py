@@ -15,6 +15,7 @@ from expertmesh.planner.costmodel import (
     CostSettings,
     crossings,
     expected_crossings,
+    pair_links,
 )
 from expertmesh.planner.domainquota import DomainSolution, dc_holds, holder_routing, sum_rows
 from expertmesh.planner.hybridpairs import HybridInputs
@@ -174,7 +175,7 @@ def _bounds(
             d == master_dc[ex], enc.copy_bytes(model, True), enc.copy_bytes(model, False)
         )
         np.add.at(link, (cc, src[ex], d), nbytes * share)
-    bw = _links(topology)[0]
+    bw = pair_links(topology)[0]
     resource = np.max(np.where(link > 0, link / bw, 0.0), axis=(1, 2), initial=0.0)
     out = np.maximum(chain, resource) * (1.0 - 1e-9)
     return np.where(valid, out, -np.inf)  # an expert with load and no copy: compose says why
@@ -192,7 +193,7 @@ def _chain_floors(
     """:func:`chain_floor` of every candidate: ``crossing`` [C, D, D] token bytes of each
     ordered DC pair in one phase (0: none), ``tail`` [C, D, D] or ``None``; [C]. The same
     floats: each pair's time as there, the maxima over each candidate's pairs."""
-    bw, lat = _links(topology)
+    bw, lat = pair_links(topology)
     chunks = cost.pipeline_chunks
     msg = cost.message_seconds * chunks
     has = crossing > 0
@@ -339,7 +340,7 @@ def chain_floor(
     a, b, nbytes = pairs
     keep = nbytes > 0
     a, b, nbytes = a[keep], b[keep], nbytes[keep]
-    bw, lat = _links(topology)
+    bw, lat = pair_links(topology)
     chunks = cost.pipeline_chunks
     msg = cost.message_seconds * chunks
     disp = float(np.max(lat[a, b] + nbytes / bw[a, b], initial=0.0)) + msg
@@ -385,24 +386,6 @@ def plain_floor(
         model,
         cost,
     )
-
-
-def _links(topology: Topology) -> tuple[np.ndarray, np.ndarray]:
-    """[D, D] bytes per second and latency in seconds of every ordered DC pair, read-only,
-    once per topology (the floats of ``dc_gbps * 1e9 / 8.0`` and ``dc_latency_ms / 1e3``)."""
-    got = _LINKS.get(topology)
-    if got is None:
-        got = (topology.dc_gbps * 1e9 / 8.0, topology.dc_latency_ms / 1e3)
-        for a in got:
-            a.flags.writeable = False
-        _LINKS[topology] = got
-    return got
-
-
-#: :func:`_links` of every topology alive
-_LINKS: weakref.WeakKeyDictionary[Topology, tuple[np.ndarray, np.ndarray]] = (
-    weakref.WeakKeyDictionary()
-)
 
 
 def _pipe_floor(parts: tuple[float, float, float], chunks: int) -> float:

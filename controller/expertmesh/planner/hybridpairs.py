@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from expertmesh.planner.costmodel import expected_crossings
+from expertmesh.planner.costmodel import expected_crossings, pair_links
 from expertmesh.planner.model import ModelSpec
 from expertmesh.planner.plan import Placement
 from expertmesh.planner.topology import Topology
@@ -95,8 +95,8 @@ class DcPairs:
         at = np.minimum(np.searchsorted(g_key, rev_key), max(self.num_groups - 1, 0))
         self.rev = np.where(g_key[at] == rev_key, at, -1) if self.num_groups else at
         topo = inp.topology
-        self.bw = topo.dc_gbps[self.g_dc, self.g_x] * 1e9 / 8.0  # [G]
-        self.lat = topo.dc_latency_ms[self.g_dc, self.g_x] / 1e3
+        bw, lat = pair_links(topo)
+        self.bw, self.lat = bw[self.g_dc, self.g_x], lat[self.g_dc, self.g_x]  # [G]
         per = float(cfg.cost.microbatches_per_update)
         self.w = cfg.encoding.refresh_bytes(model) / per if model.training else 0.0
         self.g = cfg.encoding.gradient_bytes(model) / per if model.training else 0.0
