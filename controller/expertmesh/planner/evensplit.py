@@ -32,6 +32,7 @@ from expertmesh.planner.trafficbase import (
     TokenTraffic,
     _dc_sums,
     _dc_tokens,
+    _groups,
     _level_index,
     _load_stats,
     _LoadStats,
@@ -279,10 +280,7 @@ def _one_copy_split(
     if not float(out_of.sum()) < _EXACT:  # (counts: a float sum reaching it is no less)
         return None
     # one-hot [R, groups] of each rank's node and DC: sums by group are exact products
-    node = np.zeros((num_ranks, topology.num_nodes))
-    node[np.arange(num_ranks), topology.rank_node] = 1.0
-    dc = np.zeros((num_ranks, topology.num_dcs))
-    dc[np.arange(num_ranks), topology.rank_dc] = 1.0
+    (_, node, _), (_, dc, _) = _groups(topology)
     everyone = np.arange(num_ranks)
     own = m[:, everyone, everyone]  # [T, R] to the own rank
     mt = m.transpose(0, 2, 1)

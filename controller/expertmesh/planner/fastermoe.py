@@ -39,7 +39,7 @@ from expertmesh.planner.routing import route_even
 from expertmesh.planner.static import static_placement
 from expertmesh.planner.topology import Topology
 from expertmesh.planner.traffic import TokenTraffic, even_traffic
-from expertmesh.planner.trafficbase import _EXACT
+from expertmesh.planner.trafficbase import _EXACT, _groups
 
 __all__ = ["FasterMoEPolicy", "master_traffic", "shadow", "shadow_floor", "shadow_traffic"]
 
@@ -161,35 +161,6 @@ def _blocks(num_experts: int, per: int) -> np.ndarray:
 
 
 #: per topology: for its ranks' nodes and DCs (sorted, contiguous), the run of each rank
-#: [R] and the one-hot [R, runs] float64 matrix of those runs and its transpose
-_GROUPS: weakref.WeakKeyDictionary[
-    Topology, tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]
-] = weakref.WeakKeyDictionary()
-
-
-def _groups(topology: Topology) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]:
-    """``(group of each rank, one-hot [R, groups], its transpose)`` of ``topology.rank_node``
-    (over every node) and ``rank_dc`` (over every DC, a DC without ranks a zero column),
-    made once per topology (the DC's arrays twice, the same objects, when each DC is one
-    node); read-only."""
-    got = _GROUPS.get(topology)
-    if got is None:
-        groups = []
-        for index, size in ((topology.rank_node, topology.num_nodes),
-                            (topology.rank_dc, topology.num_dcs)):  # fmt: skip
-            run = np.array(index, dtype=np.int64)
-            hot = np.zeros((index.size, size))
-            hot[np.arange(index.size), run] = 1.0
-            arrays = (run, hot, np.ascontiguousarray(hot.T))
-            for a in arrays:
-                a.flags.writeable = False
-            groups.append(arrays)
-        if groups[0][1].shape == groups[1][1].shape and np.array_equal(groups[0][0], groups[1][0]):
-            groups[0] = groups[1]
-        got = _GROUPS[topology] = tuple(groups)
-    return got
-
-
 def shadow_traffic(
     traffic: TokenTraffic, load: np.ndarray, masters: Placement, topology: Topology, expert: int
 ) -> TokenTraffic:

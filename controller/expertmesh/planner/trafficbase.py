@@ -249,6 +249,35 @@ def _remember(memo: dict[_K, _V], key: _K, value: _V, kept: int) -> None:
     memo[key] = value
 
 
+#: [R] and the one-hot [R, runs] float64 matrix of those runs and its transpose
+_GROUPS: weakref.WeakKeyDictionary[
+    Topology, tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]
+] = weakref.WeakKeyDictionary()
+
+
+def _groups(topology: Topology) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]:
+    """``(group of each rank, one-hot [R, groups], its transpose)`` of ``topology.rank_node``
+    (over every node) and ``rank_dc`` (over every DC, a DC without ranks a zero column),
+    made once per topology (the DC's arrays twice, the same objects, when each DC is one
+    node); read-only."""
+    got = _GROUPS.get(topology)
+    if got is None:
+        groups = []
+        for index, size in ((topology.rank_node, topology.num_nodes),
+                            (topology.rank_dc, topology.num_dcs)):  # fmt: skip
+            run = np.array(index, dtype=np.int64)
+            hot = np.zeros((index.size, size))
+            hot[np.arange(index.size), run] = 1.0
+            arrays = (run, hot, np.ascontiguousarray(hot.T))
+            for a in arrays:
+                a.flags.writeable = False
+            groups.append(arrays)
+        if groups[0][1].shape == groups[1][1].shape and np.array_equal(groups[0][0], groups[1][0]):
+            groups[0] = groups[1]
+        got = _GROUPS[topology] = tuple(groups)
+    return got
+
+
 def _node_dc(topology: Topology) -> np.ndarray:
     """[Nn] DC of each node."""
     return np.repeat(np.arange(topology.num_dcs), [d.nodes for d in topology.dcs])
