@@ -44,10 +44,21 @@ def test_whole_path_equals_float_path(seed, nodes, domain):
     # 37 steps: three chunks of _WHOLE_STEPS (16), the last one short
     loads = rng.integers(0, 60, size=(37, 12, 24)) * (rng.random((37, 1, 24)) < 0.8)
     assert loads.shape[0] > 2 * es._WHOLE_STEPS
-    fast = even_traffic_steps(loads, placement, topo, 2, domain=domain)
+    seen: list[bool] = []  # a call of _whole_loads a chunk: whether it gave whole loads
+    whole_loads = es._whole_loads
+
+    def spy(*args):
+        got = whole_loads(*args)
+        seen.append(got is not None)
+        return got
+
     with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(es, "_whole_loads", spy)
+        fast = even_traffic_steps(loads, placement, topo, 2, domain=domain)
+        assert seen == [True] * 3  # the whole path ran, on each of the three chunks
         mp.setattr(es, "_whole_runs", lambda topology: None)
         slow = even_traffic_steps(loads, placement, topo, 2, domain=domain)
+        assert seen == [True] * 3  # and the float path did not take it
     assert [_bits(t) for t in fast] == [_bits(t) for t in slow]
     one = [even_traffic(x, placement, topo, 2, domain=domain) for x in loads]
     assert [_bits(t) for t in fast] == [_bits(t) for t in one]
@@ -74,6 +85,7 @@ def test_a_later_chunk_reaching_2_53_takes_the_float_path(monkeypatch):
     assert seen == [False, True]  # the first chunk whole, the second gave up
     monkeypatch.setattr(es, "_whole_runs", lambda topology: None)
     slow = even_traffic_steps(loads, placement, topo, 2, domain="dc")
+    assert seen == [False, True]  # the float path did not take the whole path
     assert [_bits(t) for t in fast] == [_bits(t) for t in slow]
 
 
@@ -120,7 +132,23 @@ def test_one_copy_split_equals_the_float_path(order):
         at += n
     placement = Placement(phy2log=p2l, master=master)
     loads = rng.integers(0, 40, size=(13, 8, 32))
-    fast = even_traffic_steps(loads, placement, topo, 2)
+    seen: list[str] = []  # the calls of _one_copy_split (whether it gave the split) and _even_split
+    one_copy_split, even_split = es._one_copy_split, es._even_split
+
+    def spy(*args):
+        got = one_copy_split(*args)
+        seen.append("one copy" if got is not None else "None")
+        return got
+
+    def float_spy(*args):
+        seen.append("float")
+        return even_split(*args)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(es, "_one_copy_split", spy)
+        mp.setattr(es, "_even_split", float_spy)
+        fast = even_traffic_steps(loads, placement, topo, 2)
+    assert seen == ["one copy"]  # the one-copy path ran, and its split is what came back
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(es, "_one_copy_split", lambda *a: None)
         slow = even_traffic_steps(loads, placement, topo, 2)
