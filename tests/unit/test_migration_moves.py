@@ -41,7 +41,9 @@ def test_moves_are_plan_migrations_transfers(case, relabel):
 
 def _scale_replan(seed: int, masters: bool) -> tuple[Topology, ModelSpec, Placement, Placement]:
     """The scale run's EP group (8 DCs x 8 ranks, 256 experts, 4 + 2 slots) and a re-plan
-    that adds and drops replicas of hot experts (and with ``masters`` moves two masters)."""
+    that adds and drops replicas of hot experts (and with ``masters`` moves two masters to
+    other ranks: one of an expert with replicas, one of an expert without, every copy on
+    their old master ranks emptied, so that align_placement cannot keep them there)."""
     topo = Topology.generate(8, 8)
     model = ModelSpec(num_experts=256)
     rng = np.random.default_rng(seed)
@@ -59,13 +61,25 @@ def _scale_replan(seed: int, masters: bool) -> tuple[Topology, ModelSpec, Placem
     add = rng.choice(len(spare), size=int(rng.integers(1, 30)), replace=False)
     p2l[spare[add, 0], spare[add, 1]] = rng.integers(0, 256, size=4)[rng.integers(0, 4, add.size)]
     master = old.master.copy()
+    moved: list[int] = []
     if masters:
-        for e in rng.integers(0, 256, size=2):
-            r, s = spare[int(rng.integers(len(spare)))]
-            if p2l[r, s] < 0:
-                p2l[r, s] = e
-                master[e] = r * 6 + s
-    return topo, model, old, align_placement(old, Placement(phy2log=p2l, master=master), topo)
+        hot = np.unique(p2l[:, 4:][p2l[:, 4:] >= 0])  # experts with a replica
+        for e in (int(rng.choice(hot)), int(rng.choice(np.setdiff1d(np.arange(256), hot)))):
+            home = e // 4
+            p2l[home][p2l[home] == e] = -1  # no copy left on the old master rank
+            at = np.argwhere(p2l == e)  # a replica elsewhere becomes the master
+            if not len(at):  # else a copy in a free slot of another rank
+                free = np.argwhere(p2l < 0)
+                free = free[free[:, 0] != home]
+                at = free[[int(rng.integers(len(free)))]]
+            r, s = at[0]
+            p2l[r, s] = e
+            master[e] = r * 6 + s
+            moved.append(e)
+    new = align_placement(old, Placement(phy2log=p2l, master=master), topo)
+    # exactly the moved masters change rank once aligned (a master on its old rank moves nothing)
+    assert np.flatnonzero(old.master // 6 != new.master // 6).tolist() == sorted(moved)
+    return topo, model, old, new
 
 
 @pytest.mark.parametrize("seed", range(16))
@@ -74,10 +88,14 @@ def test_moves_on_the_scale_group_every_path(seed, masters):
     topo, model, old, new = _scale_replan(seed, masters)
     _check(old, new, topo, model)
     want = [a.tolist() for a in migration_moves(old, new, topo, model)]
+    assert sum(want[3]) == (2 if masters else 0)  # the two masters' moves, if any
+    if masters:  # which leave the plain-Python replica path
+        assert mig_mod._replica_moves(old, new, topo) is None
     saved = mig_mod.SMALL_JOBS
     try:
-        mig_mod.SMALL_JOBS = -1  # no plain-Python path: the numpy scheduler
-        assert mig_mod._replica_moves(old, new, topo) is None
+        # no plain-Python path (_replica_moves then always gives None: no count of changed
+        # slots is below 0) and no small scheduler: the numpy scheduler
+        mig_mod.SMALL_JOBS = -1
         assert [a.tolist() for a in migration_moves(old, new, topo, model)] == want
     finally:
         mig_mod.SMALL_JOBS = saved
